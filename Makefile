@@ -1,0 +1,31 @@
+# The two set-up commands of the README work on a fresh machine: `make demo` and `make test`.
+# Both create .venv if missing and install the pinned dependencies (torch first, CPU wheel).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CONSTRAINTS := requirements/constraints.txt
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast bench clean
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -c $(CONSTRAINTS) torch==2.13.0
+	DS_BUILD_OPS=0 $(PIP) install --quiet -c $(CONSTRAINTS) -e ".[dev,rm,sweep]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) train.py
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
+clean:
+	rm -rf $(VENV) logs outputs multirun .pytest_cache

@@ -1,0 +1,42 @@
+"""Log-probabilities of chosen tokens, and teacher-forced NLL (ALGORITHMS §2 notation)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_size: int = 8) -> Tensor:
+    """log softmax(logits)[labels] without materialising the full (B, T, V) log-softmax.
+
+    Naive equivalent: ``logits.log_softmax(-1).gather(-1, labels[..., None])[..., 0]``.
+    Here: ``logit[label] - logsumexp(logits)``, computed ``chunk_size`` rows at a time in fp32,
+    so the only vocabulary-sized temporary is one chunk's (the log-softmax copy of a 32k-vocab
+    batch is what blows memory up first).
+
+    Args:
+        logits: (B, T, V) any float dtype.
+        labels: (B, T) long token ids.
+    Returns:
+        (B, T) float32 log-probabilities.
+    """
+    out = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
+    for start in range(0, logits.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        chunk = logits[rows].float()
+        picked = chunk.gather(-1, labels[rows].unsqueeze(-1)).squeeze(-1)
+        out[rows] = picked - torch.logsumexp(chunk, dim=-1)
+    return out
+
+
+def shifted_token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
+    """Teacher-forced log p(token_t | tokens_<t): logits at t-1 score the token at t.
+
+    Args:
+        logits: (B, T, V) from a causal LM over ``input_ids``.
+        input_ids: (B, T).
+    Returns:
+        (B, T) with column 0 set to 0 (the first token has no prediction).
+    """
+    lp = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:])
+    return torch.cat([lp.new_zeros(lp.shape[0], 1), lp], dim=1)

@@ -1,0 +1,98 @@
+"""Tokenize prompt/response pairs and pad batches: the ONE place that knows pad sides.
+
+Masks follow one convention everywhere: 1 = real token, 0 = padding (``attention_mask``),
+1 = response token the loss sees (``response_mask``). Masks come from lengths, never from
+comparing ids with ``pad_token_id`` (the pad id may equal EOS or UNK, see models/builders).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+import torch
+
+from lit_rlhf.data.templates import ChatTemplate
+
+
+@dataclass(frozen=True)
+class EncodedPair:
+    """Token ids of one prompt and its response (response ends with EOS unless cut)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    prompt_cut: int = 0
+    """Prompt tokens removed from the left to fit ``max_length``."""
+    response_cut: int = 0
+    """Response tokens removed from the right (only when the response alone does not fit)."""
+
+
+def encode_pair(
+    tokenizer: Any,
+    prompt: str,
+    response: str,
+    template: ChatTemplate,
+    max_length: int,
+    min_prompt_tokens: int = 1,
+) -> EncodedPair:
+    """Tokenize ``template(prompt)`` (with special tokens) + ``response`` + EOS, fit to max_length.
+
+    Over-long pairs keep the response and cut the prompt from the left (a leading BOS is
+    kept); only if the response alone exceeds ``max_length - min_prompt_tokens`` is the
+    response cut from the right (then it loses its EOS).
+    """
+    prompt_ids = tokenizer(template.format_prompt(prompt), add_special_tokens=True)["input_ids"]
+    response_ids = tokenizer(template.format_response(response), add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    if not response_ids or response_ids[-1] != eos:
+        response_ids = response_ids + [eos]
+    prompt_cut = response_cut = 0
+    budget = max_length - min_prompt_tokens
+    if len(response_ids) > budget:
+        response_cut = len(response_ids) - budget
+        response_ids = response_ids[:budget]
+    excess = len(prompt_ids) + len(response_ids) - max_length
+    if excess > 0:
+        bos = tokenizer.bos_token_id
+        keep_bos = bool(prompt_ids) and prompt_ids[0] == bos and len(prompt_ids) - excess > 1
+        head = prompt_ids[:1] if keep_bos else []
+        body = prompt_ids[1:] if keep_bos else prompt_ids
+        prompt_ids = head + body[excess:]
+        prompt_cut = excess
+    return EncodedPair(prompt_ids, response_ids, prompt_cut, response_cut)
+
+
+def pad(
+    seqs: Sequence[Sequence[int]], pad_id: int, side: Literal["left", "right"]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad id lists to the longest one.
+
+    Returns:
+        ids (B, T) long, attention_mask (B, T) long with 1 = real token.
+    """
+    width = max((len(s) for s in seqs), default=0)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if not s:
+            continue
+        sl = slice(width - len(s), width) if side == "left" else slice(0, len(s))
+        ids[i, sl] = torch.as_tensor(s, dtype=torch.long)
+        mask[i, sl] = 1
+    return ids, mask
+
+
+def collate_sft(pairs: Sequence[EncodedPair], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+response batch for teacher forcing.
+
+    Returns:
+        input_ids (B, T); attention_mask (B, T) 1 = real token;
+        response_mask (B, T) 1 = response token (EOS included), the tokens the loss scores.
+    """
+    seqs = [p.prompt_ids + p.response_ids for p in pairs]
+    input_ids, attention_mask = pad(seqs, pad_id, "right")
+    response_mask = torch.zeros_like(attention_mask)
+    for i, p in enumerate(pairs):
+        start = len(p.prompt_ids)
+        response_mask[i, start : start + len(p.response_ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}

@@ -1,0 +1,203 @@
+"""SFT data: prompt/response pairs from the embedded task, files or HF datasets (loss on responses)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+
+from lit_rlhf.data.collate import EncodedPair, collate_sft, encode_pair
+from lit_rlhf.data.io import DataError, Row, iter_rows, require_str
+from lit_rlhf.data.synthetic import SyntheticTask, TaskConfig
+from lit_rlhf.data.templates import TEMPLATES, get_template
+from lit_rlhf.utils.config import check, resolve_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SFTDataConfig:
+    """Where SFT pairs come from and how they are batched (``data.sft.*``)."""
+
+    source: str = "synthetic"
+    """"synthetic" (the embedded task), a .jsonl/.jsonl.gz/.json/.parquet file, a
+    ``save_to_disk`` folder, or a hub dataset name."""
+    val_source: str | None = None
+    """Validation file/dataset; None = ``val_split`` of ``source`` or a ``val_fraction`` split."""
+    train_split: str = "train"
+    """Split name for folder/hub sources."""
+    val_split: str | None = None
+    """Split name of ``source`` used for validation (folder/hub sources)."""
+    val_fraction: float = field(default=0.05, metadata={"ge": 0.0, "lt": 1.0})
+    """Fraction of the training rows held out for validation when no validation source is set."""
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    template: str = "plain"
+    """Chat template name (data/templates.py), the same for SFT, RM and PPO."""
+    max_length: int = field(default=128, metadata={"ge": 2})
+    """Prompt + response tokens; longer pairs lose prompt tokens from the left first."""
+    on_empty: Literal["skip", "error"] = "skip"
+    """Rows with an empty (whitespace-only) response: skip them (counted) or fail."""
+    batch_size: int = field(default=32, metadata={"ge": 1})
+    eval_batch_size: int | None = field(default=None, metadata={"ge": 1})
+    """None = batch_size."""
+    num_workers: int = field(default=0, metadata={"ge": 0})
+    seed: int = 0
+    """Shuffling and validation-split seed."""
+    max_samples: int | None = field(default=None, metadata={"ge": 1})
+    """Use at most this many training rows (quick runs)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Embedded task settings (source=synthetic only)."""
+    n_train: int = field(default=20000, metadata={"ge": 1})
+    """Embedded task: training pairs to generate."""
+    n_val: int = field(default=1000, metadata={"ge": 1})
+    """Embedded task: held-out pairs to generate (a separate random stream)."""
+
+    def validate(self) -> None:
+        check(self.template in TEMPLATES, "template", f"must be one of {list(TEMPLATES)}, got {self.template!r}")
+
+
+class SFTDataModule(pl.LightningDataModule):
+    """Tokenized prompt/response pairs, right-padded, with a response-only loss mask.
+
+    Call :meth:`connect` with the model's tokenizer before ``setup`` (train.py does it):
+    the tokenizer belongs to the model spec, the data only uses it.
+
+    After ``setup`` the counters of what was read, skipped and truncated are in ``stats``, and
+    for the embedded task ``reference_perplexity`` is the true language's perplexity on exactly
+    the validation tokens the model is scored on (its floor).
+    """
+
+    config_class = SFTDataConfig
+
+    def __init__(self, config: SFTDataConfig | None = None, **kwargs: Any) -> None:
+        super().__init__()
+        self.config = resolve_config(SFTDataConfig, config, kwargs, "data")
+        self.tokenizer: Any = None
+        self.train_set: list[EncodedPair] | None = None
+        self.val_set: list[EncodedPair] = []
+        self.stats: dict[str, int] = {}
+        self.reference_perplexity: float | None = None
+
+    def connect(self, tokenizer: Any) -> "SFTDataModule":
+        self.tokenizer = tokenizer
+        return self
+
+    # ----------------------------------------------------------------- loading
+    def _pairs_from_rows(self, rows: list[Row], split: str) -> list[tuple[str, str, str]]:
+        c = self.config
+        out, empty = [], 0
+        for row in rows:
+            prompt = require_str(row, c.prompt_field, ["data.sft.prompt_field"])
+            response = require_str(row, c.response_field, ["data.sft.response_field"])
+            if not response.strip():
+                if c.on_empty == "error":
+                    raise DataError(f"{row.where}: empty response (set data.sft.on_empty=skip to skip such rows)")
+                empty += 1
+                continue
+            out.append((prompt, response, row.where))
+        self.stats[f"{split}_rows_read"] = len(rows)
+        self.stats[f"{split}_skipped_empty"] = empty
+        return out
+
+    def _load_rows(self) -> tuple[list[Row], list[Row]]:
+        c = self.config
+        if c.source == "synthetic":
+            task = SyntheticTask(c.task)
+            train = [Row(r, f"synthetic[train] #{i}") for i, r in enumerate(task.sft_records(c.n_train, "train"))]
+            val = [Row(r, f"synthetic[val] #{i}") for i, r in enumerate(task.sft_records(c.n_val, "val"))]
+            self._task = task
+            return train, val
+        train = list(iter_rows(c.source, c.train_split))
+        if c.val_source is not None:
+            val = list(iter_rows(c.val_source, c.val_split or c.train_split))
+        elif c.val_split is not None:
+            val = list(iter_rows(c.source, c.val_split))
+        else:
+            order = list(range(len(train)))
+            random.Random(c.seed).shuffle(order)
+            n_val = int(round(len(train) * c.val_fraction))
+            val_idx = set(order[:n_val])
+            val = [r for i, r in enumerate(train) if i in val_idx]
+            train = [r for i, r in enumerate(train) if i not in val_idx]
+        return train, val
+
+    def _encode(self, pairs: list[tuple[str, str, str]], split: str) -> list[EncodedPair]:
+        c = self.config
+        template = get_template(c.template)
+        encoded = [encode_pair(self.tokenizer, p, r, template, c.max_length) for p, r, _ in pairs]
+        self.stats[f"{split}_pairs"] = len(encoded)
+        self.stats[f"{split}_prompts_cut"] = sum(e.prompt_cut > 0 for e in encoded)
+        self.stats[f"{split}_responses_cut"] = sum(e.response_cut > 0 for e in encoded)
+        return encoded
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        if self.tokenizer is None:
+            raise RuntimeError("SFTDataModule.connect(tokenizer) must be called before setup()")
+        c = self.config
+        train_rows, val_rows = self._load_rows()
+        if c.max_samples is not None:
+            train_rows = train_rows[: c.max_samples]
+        train = self._pairs_from_rows(train_rows, "train")
+        val = self._pairs_from_rows(val_rows, "val")
+        if not train:
+            raise DataError(
+                f"{c.source}: no usable SFT rows ({self.stats['train_rows_read']} read, "
+                f"{self.stats['train_skipped_empty']} skipped for an empty response)"
+            )
+        self.train_set = self._encode(train, "train")
+        self.val_set = self._encode(val, "val")
+        if c.source == "synthetic":
+            self.reference_perplexity = self._true_perplexity(val)
+        for split in ("train", "val"):
+            s = self.stats
+            log.info(
+                "SFT %s: %d pairs from %s (%d rows read, %d skipped for an empty response, "
+                "%d prompts cut from the left, %d responses truncated at max_length=%d)",
+                split, s[f"{split}_pairs"], c.val_source if split == "val" and c.val_source else c.source,
+                s[f"{split}_rows_read"], s[f"{split}_skipped_empty"], s[f"{split}_prompts_cut"],
+                s[f"{split}_responses_cut"], c.max_length,
+            )  # fmt: skip
+
+    def _true_perplexity(self, val: list[tuple[str, str, str]]) -> float | None:
+        """exp(mean NLL) of the val response tokens (words + EOS) under the true language."""
+        if not val or self.stats["val_responses_cut"] or self.stats["val_prompts_cut"]:
+            return None  # the model would be scored on other tokens than these
+        lang = self._task.language
+        nll, count = 0.0, 0
+        for prompt, response, _ in val:
+            lp = lang.transition_logprobs(prompt, response, ended=True)
+            nll -= float(lp.sum())
+            count += len(lp)
+        return math.exp(nll / count)
+
+    # ------------------------------------------------------------- dataloaders
+    def _loader(self, data: list[EncodedPair], shuffle: bool, batch_size: int) -> DataLoader:
+        import torch
+
+        gen = torch.Generator().manual_seed(self.config.seed) if shuffle else None
+        return DataLoader(
+            data,  # a list is a map-style dataset
+            batch_size=batch_size,
+            shuffle=shuffle,
+            generator=gen,
+            num_workers=self.config.num_workers,
+            collate_fn=functools.partial(collate_sft, pad_id=self.tokenizer.pad_token_id),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None, "setup() first"
+        return self._loader(self.train_set, True, self.config.batch_size)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.val_set:
+            return []
+        return self._loader(self.val_set, False, self.config.eval_batch_size or self.config.batch_size)

@@ -1,0 +1,146 @@
+"""Build tokenizers and causal LMs from a :class:`ModelSpec`; freeze helpers.
+
+Loading goes through one function (:func:`_from_pretrained`) so that a name that is neither a
+local directory nor reachable on the hub fails with a message that says how to point the
+config at local weights, instead of a bare connection error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+import torch
+
+from lit_rlhf.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+class ModelLoadError(OSError):
+    """A model or tokenizer could not be loaded; the message says what to set instead."""
+
+
+def _from_pretrained(loader: Callable[..., Any], name: str, what: str, key: str, **kwargs: Any) -> Any:
+    """``loader(name, **kwargs)`` with an actionable error for missing/offline weights."""
+    try:
+        return loader(name, **kwargs)
+    except OSError as err:
+        if os.path.isdir(name):
+            raise ModelLoadError(f"Could not load the {what} from local directory '{name}': {err}") from err
+        raise ModelLoadError(
+            f"Could not load the {what} '{name}': it is not a local directory and the Hugging Face "
+            f"hub could not provide it (offline, gated or misspelled?). Download it where you have "
+            f"network, e.g. `huggingface-cli download {name} --local-dir /path/to/{name.split('/')[-1]}`, "
+            f"then set {key}=/path/to/{name.split('/')[-1]} (a folder with config.json and the "
+            f"weights). Original error: {err}"
+        ) from err
+
+
+def prepare_tokenizer(tokenizer: Any) -> Any:
+    """Give a tokenizer a pad token and left padding (for generation).
+
+    Without a pad token we reuse ``unk`` (or ``eos``): lit_rlhf builds every mask from sequence
+    lengths in ``data/collate.py``, never from ``ids != pad_token_id``, so sharing an id with
+    EOS cannot hide real EOS tokens from the loss. Adding a new token would need a resized
+    embedding matrix and diverge from the saved model.
+    """
+    if tokenizer.pad_token is None:
+        fallback = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
+        if fallback is None:
+            raise ValueError("the tokenizer has no pad, unk or eos token; set one before training")
+        tokenizer.pad_token = fallback
+    if tokenizer.eos_token is None:
+        raise ValueError("the tokenizer has no eos_token: every stage needs one to end responses")
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def build_tokenizer(spec: ModelSpec) -> Any:
+    """The spec's tokenizer, prepared (pad token, left padding)."""
+    source = spec.tokenizer_source
+    if source == "synthetic":
+        from lit_rlhf.data.synthetic import build_tokenizer as synthetic_tokenizer
+
+        return prepare_tokenizer(synthetic_tokenizer())
+    from transformers import AutoTokenizer
+
+    key = "model.tokenizer" if spec.tokenizer else "model.name_or_path"
+    tok = _from_pretrained(
+        AutoTokenizer.from_pretrained,
+        source,
+        "tokenizer",
+        key,
+        trust_remote_code=spec.trust_remote_code,
+        revision=spec.revision,
+    )
+    return prepare_tokenizer(tok)
+
+
+def build_causal_lm(spec: ModelSpec, tokenizer: Any | None = None) -> torch.nn.Module:
+    """A ``*ForCausalLM`` from the spec: a tiny Llama from config, or weights by name/path.
+
+    Args:
+        spec: what to build.
+        tokenizer: required for a tiny model (vocabulary size and special-token ids).
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    dtype = _DTYPES[spec.dtype]
+    if spec.tiny is not None:
+        if tokenizer is None:
+            raise ValueError("a tiny model needs the tokenizer for its vocabulary size")
+        t = spec.tiny
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=t.hidden_size,
+            num_hidden_layers=t.num_hidden_layers,
+            num_attention_heads=t.num_attention_heads,
+            num_key_value_heads=t.num_key_value_heads or t.num_attention_heads,
+            intermediate_size=t.intermediate_size,
+            max_position_embeddings=t.max_position_embeddings,
+            tie_word_embeddings=t.tie_word_embeddings,
+            rope_theta=t.rope_theta,
+            initializer_range=t.initializer_range,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        kwargs = {"attn_implementation": spec.attn_implementation} if spec.attn_implementation else {}
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if dtype == "auto" else dtype, **kwargs)
+    else:
+        kwargs = {"attn_implementation": spec.attn_implementation} if spec.attn_implementation else {}
+        model = _from_pretrained(
+            AutoModelForCausalLM.from_pretrained,
+            spec.name_or_path,
+            "model",
+            "model.name_or_path",
+            dtype=dtype,
+            trust_remote_code=spec.trust_remote_code,
+            revision=spec.revision,
+            **kwargs,
+        )
+    if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        raise ValueError(
+            f"tokenizer has {len(tokenizer)} tokens but the model's embedding has "
+            f"{model.get_input_embeddings().num_embeddings}: they do not belong together "
+            f"(model.name_or_path={spec.name_or_path!r}, model.tokenizer={spec.tokenizer!r})"
+        )
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False  # the cache is useless (and warned about) when checkpointing
+    return model
+
+
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    """Eval mode and ``requires_grad=False`` on every parameter (reference/reward models)."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

@@ -1,0 +1,90 @@
+"""``ModelSpec``: what model to build and how, as a small picklable dataclass (no weights).
+
+A spec names either a Hugging Face model (hub id or local directory, ``name_or_path``) or a
+tiny Llama built from a config (``tiny``), plus its tokenizer, dtype and memory switches.
+Modules receive specs and build weights late, in ``configure_model()`` (DESIGN §2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lit_rlhf.utils.config import check
+
+
+@dataclass
+class TinyLlamaConfig:
+    """A small ``LlamaConfig`` for tests and the CPU demo (vocabulary from the tokenizer)."""
+
+    hidden_size: int = field(default=128, metadata={"ge": 8})
+    num_hidden_layers: int = field(default=2, metadata={"ge": 1})
+    num_attention_heads: int = field(default=4, metadata={"ge": 1})
+    num_key_value_heads: int | None = None
+    """None = num_attention_heads (no grouped-query attention)."""
+    intermediate_size: int = field(default=256, metadata={"ge": 1})
+    max_position_embeddings: int = field(default=256, metadata={"ge": 8})
+    tie_word_embeddings: bool = True
+    rope_theta: float = field(default=10000.0, metadata={"gt": 0})
+    initializer_range: float = field(default=0.02, metadata={"gt": 0})
+
+    def validate(self) -> None:
+        check(
+            self.hidden_size % self.num_attention_heads == 0,
+            "hidden_size",
+            f"must be divisible by num_attention_heads={self.num_attention_heads}, got {self.hidden_size}",
+        )
+        kv = self.num_key_value_heads
+        check(
+            kv is None or (kv >= 1 and self.num_attention_heads % kv == 0),
+            "num_key_value_heads",
+            f"must divide num_attention_heads={self.num_attention_heads}, got {kv}",
+        )
+
+
+@dataclass
+class ModelSpec:
+    """Which causal LM to build. Exactly one of ``name_or_path`` and ``tiny`` is set."""
+
+    name_or_path: str | None = None
+    """Hugging Face hub id or local directory (a ``save_pretrained`` folder)."""
+    tiny: TinyLlamaConfig | None = None
+    """Build a randomly initialised Llama from this config instead of loading weights."""
+    tokenizer: str | None = None
+    """Tokenizer hub id or directory; None = ``name_or_path``; "synthetic" = the embedded task's."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """Weights dtype at load time (training precision is the trainer's ``precision``)."""
+    trust_remote_code: bool = False
+    """Run model code shipped with a hub repository; off unless you opt in."""
+    gradient_checkpointing: bool = False
+    attn_implementation: str | None = None
+    """"sdpa", "eager", "flash_attention_2", …; None = the transformers default."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of ``name_or_path``."""
+
+    def validate(self) -> None:
+        check(
+            (self.name_or_path is None) != (self.tiny is None),
+            "name_or_path",
+            "set exactly one of model.name_or_path (hub id or local path) and model.tiny (a tiny config)",
+        )
+        check(
+            self.tiny is None or self.tokenizer is not None,
+            "tokenizer",
+            "a tiny model has no tokenizer of its own: set model.tokenizer (e.g. 'synthetic' or a path)",
+        )
+
+    @property
+    def tokenizer_source(self) -> str:
+        return self.tokenizer or self.name_or_path  # validate() guarantees one is set
+
+    def at_path(self, path: str) -> "ModelSpec":
+        """The same spec pointed at saved weights (``save_pretrained`` folder with its tokenizer)."""
+        return ModelSpec(
+            name_or_path=str(path),
+            tokenizer=None,
+            dtype=self.dtype,
+            trust_remote_code=self.trust_remote_code,
+            gradient_checkpointing=self.gradient_checkpointing,
+            attn_implementation=self.attn_implementation,
+        )

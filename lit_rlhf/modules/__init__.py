@@ -1,0 +1,1 @@
+"""LightningModules, one per RLHF stage (SFT, reward model, PPO, DPO, GRPO)."""

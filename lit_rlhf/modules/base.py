@@ -1,0 +1,145 @@
+"""``RLHFModule``: what every stage shares: late model building, optimizer/schedule, logging, export."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import tempfile
+from typing import Any, Iterable, Mapping
+
+import lightning.pytorch as pl
+import torch
+
+from lit_rlhf.models.spec import ModelSpec
+from lit_rlhf.modules.configs import OptimConfig
+from lit_rlhf.utils.config import resolve_config, to_dict
+
+log = logging.getLogger(__name__)
+
+
+class RLHFModule(pl.LightningModule):
+    """Base LightningModule: receives a validated config and ``ModelSpec``s, never weights.
+
+    Subclasses set ``config_class`` and build their networks in ``configure_model()``, which
+    Lightning calls under the strategy's init context (sharded init for DeepSpeed/FSDP) and
+    which must stay idempotent. Hyper-parameters saved in checkpoints are the two small dicts
+    (config, model spec), so ``load_from_checkpoint`` rebuilds the module from them.
+    """
+
+    config_class: type = OptimConfig
+
+    def __init__(
+        self,
+        config: Any = None,
+        model: ModelSpec | Mapping[str, Any] | None = None,
+        tokenizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        self.config = resolve_config(self.config_class, config, kwargs, "algo")
+        self.model_spec = resolve_config(ModelSpec, model, {}, "model") if model is not None else None
+        self.tokenizer = tokenizer
+        self.save_hyperparameters(
+            {"config": to_dict(self.config), "model": to_dict(self.model_spec) if self.model_spec else None}
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def ensure_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            from lit_rlhf.models.builders import build_tokenizer
+
+            if self.model_spec is None:
+                raise ValueError("the module has neither a tokenizer nor a model spec to build one")
+            self.tokenizer = build_tokenizer(self.model_spec)
+        return self.tokenizer
+
+    def log_stats(self, prefix: str, stats: Mapping[str, Any], **kwargs: Any) -> None:
+        """Log ``{prefix}/{name}`` for every stat (DESIGN §5 namespaced names)."""
+        self.log_dict({f"{prefix}/{k}": v for k, v in stats.items()}, **kwargs)
+
+    # ------------------------------------------------------- optimizer/schedule
+    def build_optimizer(self, params: Iterable[Any]) -> torch.optim.Optimizer:
+        c: OptimConfig = self.config
+        if c.optimizer == "cpu_adam":
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+        return torch.optim.AdamW(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+
+    def lr_factor(self, step: int, total_steps: int) -> float:
+        """Multiplier of the base lr at optimizer step ``step`` of ``total_steps``."""
+        c: OptimConfig = self.config
+        warmup = c.warmup_steps or int(round(c.warmup_ratio * total_steps))
+        if step < warmup:
+            return (step + 1) / warmup
+        if c.scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        shape = 1.0 - progress if c.scheduler == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return c.min_lr_ratio + (1.0 - c.min_lr_ratio) * shape
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int) -> dict[str, Any]:
+        sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: self.lr_factor(s, total_steps))
+        return {"scheduler": sched, "interval": "step", "frequency": 1}
+
+    def total_optimizer_steps(self) -> int:
+        steps = self.trainer.estimated_stepping_batches
+        if not math.isfinite(steps):
+            raise ValueError("set trainer.max_steps or trainer.max_epochs: the lr schedule needs a length")
+        return max(1, int(steps))
+
+    # ------------------------------------------------------------------ export
+    def exportable_model(self) -> torch.nn.Module:
+        """The Hugging Face model that :meth:`export` saves."""
+        raise NotImplementedError
+
+    def export(self, directory: str) -> None:
+        """``save_pretrained`` the model and tokenizer into ``directory``, atomically.
+
+        Every rank must call it (sharded strategies gather the state collectively); rank zero
+        writes into a temporary sibling folder and renames it into place, so a crash never
+        leaves a half-written model where a later stage would load it.
+        """
+        model = self.exportable_model()
+        trainer = self._trainer
+        state = trainer.strategy.lightning_module_state_dict() if trainer is not None else None
+        if trainer is None or trainer.is_global_zero:
+            prefix = self._state_prefix(model)
+            sd = None
+            if state is not None:
+                sd = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            save_pretrained_atomic(model, self.ensure_tokenizer(), directory, state_dict=sd)
+            log.info("exported %s to %s", type(model).__name__, directory)
+        if trainer is not None:
+            trainer.strategy.barrier("export")
+
+    def _state_prefix(self, model: torch.nn.Module) -> str:
+        for name, module in self.named_modules():
+            if module is model:
+                return f"{name}." if name else ""
+        raise ValueError("the exported model is not a submodule of this LightningModule")
+
+
+def save_pretrained_atomic(model: Any, tokenizer: Any, directory: str, state_dict: dict | None = None) -> None:
+    """Write ``model`` (+ tokenizer) to a temp folder next to ``directory``, then swap it in."""
+    directory = os.path.abspath(directory)
+    parent = os.path.dirname(directory)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=parent)
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        old = None
+        if os.path.exists(directory):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.old-", dir=parent)
+            os.rmdir(old)
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

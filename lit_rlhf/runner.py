@@ -1,0 +1,111 @@
+"""One training job from a composed Hydra config: validate → build → fit (→ test) → metrics.
+
+``train.py`` is only the Hydra entry point around :func:`run`; tests call :func:`run` with a
+config composed from ``conf/`` (tests/conftest.py).
+
+Order matters: every user-facing config (model, algo, data) is validated into its dataclass
+first, so a typo or an out-of-range value fails in milliseconds, before a tokenizer, a dataset
+or a model is built.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from lit_rlhf.models.spec import ModelSpec
+from lit_rlhf.utils.config import ConfigError, build_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Plan:
+    """The validated pieces of a job (cheap: no weights, no data yet)."""
+
+    model: ModelSpec
+    algo_cls: type
+    algo: Any
+    data_cls: type
+    data: Any
+
+
+def _get_class(node: Any, key: str) -> type:
+    from hydra.utils import get_class
+
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        raise ConfigError(key, "must be a mapping with a _target_ class")
+    try:
+        return get_class(node._target_)
+    except Exception as err:
+        raise ConfigError(f"{key}._target_", f"cannot import '{node._target_}': {err}") from None
+
+
+def plan(cfg: DictConfig) -> Plan:
+    """Validate the model, algo and data configs into dataclasses; raise ConfigError on any problem."""
+    model = build_config(ModelSpec, cfg.model, "model")
+    algo_cls = _get_class(cfg.algo, "algo")
+    algo = build_config(algo_cls.config_class, cfg.algo, "algo")
+    kind = algo_cls.data_kind
+    if cfg.get("data") is None or kind not in cfg.data:
+        have = [k for k in (cfg.get("data") or {}) if isinstance(cfg.data[k], DictConfig) and "_target_" in cfg.data[k]]
+        raise ConfigError(
+            f"data.{kind}",
+            f"the selected data config has no '{kind}' section, which {algo_cls.__name__} needs "
+            f"(it has: {', '.join(have) or 'none'}); choose another data=… or add data.{kind}",
+        )
+    data_cls = _get_class(cfg.data[kind], f"data.{kind}")
+    data = build_config(data_cls.config_class, cfg.data[kind], f"data.{kind}")
+    return Plan(model, algo_cls, algo, data_cls, data)
+
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    """Run one job; returns the final ``trainer.callback_metrics`` as floats."""
+    import lightning.pytorch as pl
+    from hydra.utils import instantiate
+
+    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.utils.instantiate import (
+        finish_loggers,
+        instantiate_callbacks,
+        instantiate_loggers,
+        instantiate_strategy,
+        loggable_config,
+    )
+
+    p = plan(cfg)
+    if cfg.get("seed") is not None:
+        pl.seed_everything(cfg.seed, workers=True)
+    tokenizer = build_tokenizer(p.model)
+    datamodule = p.data_cls(p.data).connect(tokenizer)
+    module = p.algo_cls(p.algo, model=p.model, tokenizer=tokenizer)
+    callbacks = instantiate_callbacks(cfg.get("callbacks"))
+    loggers = instantiate_loggers(cfg.get("logger"))
+    strategy = instantiate_strategy(cfg.get("strategy"))
+    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy)
+    try:
+        for lg in loggers:
+            lg.log_hyperparams(loggable_config(cfg))
+        if cfg.get("train", True):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        if cfg.get("test", False):
+            trainer.test(module, datamodule=datamodule, ckpt_path="best" if cfg.get("train", True) else cfg.get("ckpt_path"))
+            metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
+    finally:
+        finish_loggers(loggers)
+    return metrics
+
+
+def metric_value(metrics: dict[str, float], name: str | None) -> float | None:
+    """The value a sweeper optimizes; a clear error if the named metric was never logged."""
+    if name is None:
+        return None
+    if name not in metrics:
+        raise ConfigError(
+            "optimized_metric", f"'{name}' was not logged by this run; logged: {', '.join(sorted(metrics)) or 'none'}"
+        )
+    return metrics[name]

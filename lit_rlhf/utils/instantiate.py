@@ -1,0 +1,81 @@
+"""Build the third-party pieces of a run (callbacks, loggers, strategy) from Hydra nodes."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+_SECRET = re.compile(r"(api[_-]?key|token|secret|password)", re.IGNORECASE)
+
+
+def _named_nodes(node: Any, group: str) -> list[tuple[str, Any]]:
+    """``{name: {_target_: …}}`` entries of a group, skipping disabled (null) ones."""
+    if node is None:
+        return []
+    if not isinstance(node, DictConfig):
+        raise TypeError(f"{group} config must be a mapping of name -> {{_target_: ...}}, got {type(node).__name__}")
+    out = []
+    for name, sub in node.items():
+        if sub is None:
+            continue
+        if not isinstance(sub, DictConfig) or "_target_" not in sub:
+            raise TypeError(f"{group}.{name} must have a _target_")
+        out.append((str(name), sub))
+    return out
+
+
+def instantiate_callbacks(node: Any) -> list[Any]:
+    from hydra.utils import instantiate
+
+    return [instantiate(sub) for _, sub in _named_nodes(node, "callbacks")]
+
+
+def instantiate_loggers(node: Any) -> list[Any]:
+    from hydra.utils import instantiate
+
+    return [instantiate(sub) for _, sub in _named_nodes(node, "logger")]
+
+
+def instantiate_strategy(node: Any) -> Any:
+    """A strategy object from a ``_target_`` node, or a Lightning strategy name ("auto")."""
+    from hydra.utils import instantiate
+
+    if node is None:
+        return "auto"
+    if isinstance(node, str):
+        return node
+    return instantiate(node, _convert_="all")
+
+
+def loggable_config(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved run config as a plain dict with secret-looking values masked."""
+
+    def scrub(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return {k: ("***" if _SECRET.search(str(k)) and v else scrub(v)) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [scrub(v) for v in obj]
+        return obj
+
+    plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    plain.pop("hydra", None)
+    return scrub(plain)
+
+
+def finish_loggers(loggers: list[Any]) -> None:
+    """Close logger runs so that the next job of a multirun starts its own (W&B reuses one otherwise)."""
+    for lg in loggers:
+        try:
+            lg.finalize("success")
+        except Exception as err:  # a failing logger must not hide the run's result
+            log.warning("could not finalize logger %s: %s", type(lg).__name__, err)
+    if any(type(lg).__name__ == "WandbLogger" for lg in loggers):
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()

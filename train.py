@@ -1,0 +1,36 @@
+"""lit_rlhf's one entry point: ``python train.py algo=… model=… data=… strategy=…``.
+
+Composes ``conf/train.yaml`` with Hydra, runs the job (lit_rlhf/runner.py) and returns the
+metric named by ``optimized_metric`` so that sweepers (``-m``, Optuna) can optimize it.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+# conf/paths/default.yaml resolves every path from the repository root
+os.environ.setdefault("LIT_RLHF_ROOT", str(Path(__file__).resolve().parent))
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    from lit_rlhf.data.io import DataError
+    from lit_rlhf.models.builders import ModelLoadError
+    from lit_rlhf.runner import metric_value, run
+    from lit_rlhf.utils.config import ConfigError
+
+    try:
+        metrics = run(cfg)
+        return metric_value(metrics, cfg.get("optimized_metric"))
+    except ConfigError as err:
+        # a user mistake: say which key and what is allowed, without a traceback
+        sys.exit(f"Configuration error: {err}")
+    except (DataError, ModelLoadError) as err:
+        sys.exit(f"Error: {err}")
+
+
+if __name__ == "__main__":
+    main()
