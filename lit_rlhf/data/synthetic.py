@@ -205,34 +205,20 @@ class TrueLanguage:
         return np.asarray(out, dtype=np.float64)
 
     @cached_property
-    def expected_visits(self) -> np.ndarray:
-        """Expected number of visits to each state in one sentence from <bos> (absorbing chain)."""
-        q = self.transitions[:, : self.n_words]  # state -> word (non-absorbing) part
-        # next state of word j is j + 1, so Q[s, j + 1] = trans[s, j]
-        big_q = np.zeros((self.n_words + 1, self.n_words + 1))
-        big_q[:, 1:] = q
-        fundamental = np.linalg.inv(np.eye(self.n_words + 1) - big_q)
-        return fundamental[0]
+    def _rate_and_length(self) -> tuple[float, float]:
+        return chain_entropy_rate(self.transitions)
 
     def entropy_rate(self) -> float:
-        """Per-token entropy (nats) of the language's text, EOS included as a token.
+        """Per-token entropy (nats) of the language's text, EOS included as a token."""
+        return self._rate_and_length[0]
 
-        = E[Σ_t H(next | state_t)] / E[#tokens] over sentences, both from the visit counts of
-        the absorbing chain (each visit emits exactly one token: a word or EOS).
-        """
-        p = self.transitions
-        with np.errstate(divide="ignore", invalid="ignore"):
-            row_entropy = -np.where(p > 0, p * np.log(p), 0.0).sum(axis=1)
-        visits = self.expected_visits
-        return float((visits * row_entropy).sum() / visits.sum())
+    def expected_tokens(self) -> float:
+        """Expected tokens per sentence (words + EOS)."""
+        return self._rate_and_length[1]
 
     def perplexity_floor(self) -> float:
         """exp(entropy_rate): the perplexity of the true language itself, per token."""
         return math.exp(self.entropy_rate())
-
-    def expected_tokens(self) -> float:
-        """Expected tokens per sentence (words + EOS)."""
-        return float(self.expected_visits.sum())
 
     # ---------------------------------------------------------------- gold reward
     def gold_reward(
@@ -263,6 +249,27 @@ class TrueLanguage:
             "sentiment": sentiment,
             "disfluency": disfluency,
         }
+
+
+def chain_entropy_rate(transitions: np.ndarray) -> tuple[float, float]:
+    """Entropy rate and expected length of sentences of a word chain with an absorbing EOS.
+
+    ``transitions`` is (n+1, n+1): row 0 = sentence start, row 1+i = after word i; column i =
+    next word i, column n = EOS. Every visit to a state emits one token (a word or EOS), so with
+    N = (I − Q)⁻¹ the fundamental matrix of the transient part (Q[s, 1+j] = transitions[s, j]):
+
+        E[#tokens] = Σ_s N[0, s],   entropy rate = Σ_s N[0, s] · H(transitions[s]) / E[#tokens].
+
+    Returns:
+        (nats per token, expected tokens per sentence).
+    """
+    n = transitions.shape[0] - 1
+    q = np.zeros((n + 1, n + 1))
+    q[:, 1:] = transitions[:, :n]
+    visits = np.linalg.solve((np.eye(n + 1) - q).T, np.eye(n + 1)[0])  # row 0 of (I − Q)⁻¹
+    with np.errstate(divide="ignore", invalid="ignore"):
+        row_entropy = -np.where(transitions > 0, transitions * np.log(transitions), 0.0).sum(axis=1)
+    return float((visits * row_entropy).sum() / visits.sum()), float(visits.sum())
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,14 @@ def _from_pretrained(loader: Callable[..., Any], name: str, what: str, key: str,
     """``loader(name, **kwargs)`` with an actionable error for missing/offline weights."""
     try:
         return loader(name, **kwargs)
-    except OSError as err:
+    except (OSError, ValueError) as err:
         if os.path.isdir(name):
-            raise ModelLoadError(f"Could not load the {what} from local directory '{name}': {err}") from err
+            raise ModelLoadError(
+                f"Could not load the {what} from local directory '{name}' ({key}): {err}. "
+                f"Expected a `save_pretrained` folder (config.json, weights, tokenizer files)."
+            ) from err
+        if isinstance(err, ValueError):
+            raise
         raise ModelLoadError(
             f"Could not load the {what} '{name}': it is not a local directory and the Hugging Face "
             f"hub could not provide it (offline, gated or misspelled?). Download it where you have "

@@ -59,14 +59,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
+        concrete = [a for a in args if a is not type(None)]
+        if len(concrete) == 1:  # Optional[X]: X's own error is the precise one (nested key, range)
+            return _coerce(value, concrete[0], key)
+        for arg in concrete:
             try:
                 return _coerce(value, arg, key)
-            except ConfigError as err:
-                errors.append(err.message)
+            except ConfigError:
+                continue
         allowed = " or ".join(_type_name(a) for a in args)
         raise ConfigError(key, f"expected {allowed}, got {value!r}")
     if origin is Literal:

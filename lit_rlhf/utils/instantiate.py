@@ -6,7 +6,7 @@ import logging
 import re
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +62,10 @@ def loggable_config(cfg: DictConfig) -> dict[str, Any]:
             return [scrub(v) for v in obj]
         return obj
 
-    plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    plain.pop("hydra", None)
-    return scrub(plain)
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.pop("hydra", None)  # present only when composed in tests; Hydra's own settings
+    return scrub(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
 
 
 def finish_loggers(loggers: list[Any]) -> None:

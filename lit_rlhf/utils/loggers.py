@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import netrc
 import os
 from typing import Any
+from urllib.parse import urlparse
 
 
 def wandb_api_key_available() -> bool:
-    """True when W&B can authenticate: WANDB_API_KEY or a stored login (~/.netrc)."""
+    """True when W&B can authenticate: WANDB_API_KEY, or a `wandb login` entry in ~/.netrc."""
     if os.environ.get("WANDB_API_KEY"):
         return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = os.environ.get("NETRC", os.path.expanduser("~/.netrc"))
     try:
-        import wandb
-
-        return bool(wandb.api.api_key)
-    except Exception:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
         return False
 
 
@@ -22,11 +24,12 @@ def wandb_logger(save_dir: str, offline: bool | None = None, **kwargs: Any) -> A
     """A ``WandbLogger``; ``offline=None`` means online when an API key is set, else offline.
 
     Offline runs are written under ``save_dir/wandb`` (the Hydra run directory) and can be
-    uploaded later with ``wandb sync``.
+    uploaded later with ``wandb sync``. The mode is passed to ``wandb.init`` explicitly: Lightning
+    only sets ``WANDB_MODE`` in the environment, which then leaks into the next multirun job.
     """
     from lightning.pytorch.loggers import WandbLogger
 
     if offline is None:
-        offline = os.environ.get("WANDB_MODE") == "offline" or not wandb_api_key_available()
+        offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not wandb_api_key_available()
     os.makedirs(save_dir, exist_ok=True)
-    return WandbLogger(save_dir=save_dir, offline=offline, **kwargs)
+    return WandbLogger(save_dir=save_dir, offline=offline, mode="offline" if offline else "online", **kwargs)

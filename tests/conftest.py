@@ -1,0 +1,79 @@
+"""Shared fixtures: the embedded tokenizer, a tiny model spec, and the real Hydra config composed for CPU."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("LIT_RLHF_ROOT", str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download; fail fast instead of retrying
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
+
+    return build_tokenizer(ModelSpec(tiny=TinyLlamaConfig(), tokenizer="synthetic"))
+
+
+@pytest.fixture
+def tiny_spec():
+    from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
+
+    return ModelSpec(
+        tiny=TinyLlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
+        tokenizer="synthetic",
+    )
+
+
+def compose(overrides: list[str], output_dir: Path | None = None):
+    """conf/train.yaml composed like train.py would, with the Hydra runtime set for ${hydra:…}."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = hydra_compose("train", overrides=overrides, return_hydra_config=True)
+    if output_dir is not None:
+        with open_dict(cfg):
+            cfg.paths.output_dir = str(output_dir)
+            cfg.paths.log_dir = str(output_dir)
+            cfg.hydra.runtime.output_dir = str(output_dir)
+    HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
+CPU_FAST = [
+    "trainer.accelerator=cpu",
+    "trainer.devices=1",
+    "trainer.enable_progress_bar=false",
+    "logger=none",
+    "model.tiny.hidden_size=32",
+    "model.tiny.num_hidden_layers=1",
+    "model.tiny.num_attention_heads=2",
+    "model.tiny.intermediate_size=64",
+    "data.sft.n_train=256",
+    "data.sft.n_val=64",
+    "data.batch_size=32",
+]
+
+
+@pytest.fixture
+def cfg_factory(tmp_path):
+    """``cfg_factory(*overrides)``: the real config for a fast CPU run writing into tmp_path."""
+
+    def make(*overrides: str, fast: bool = True):
+        return compose((CPU_FAST if fast else []) + list(overrides), tmp_path)
+
+    return make

@@ -1,0 +1,68 @@
+import torch
+
+from lit_rlhf.data.collate import collate_sft, encode_pair, pad
+from lit_rlhf.data.templates import ChatTemplate, get_template
+
+PLAIN = get_template("plain")
+
+
+def ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_encode_pair_appends_eos_and_keeps_bos(tokenizer):
+    e = encode_pair(tokenizer, "the dog", "sees a cat", PLAIN, max_length=64)
+    assert e.prompt_ids == [tokenizer.bos_token_id] + ids(tokenizer, "the dog")
+    assert e.response_ids == ids(tokenizer, "sees a cat") + [tokenizer.eos_token_id]
+    assert (e.prompt_cut, e.response_cut) == (0, 0)
+
+
+def test_overlong_pair_cuts_prompt_from_left_keeping_bos(tokenizer):
+    # prompt = <bos> + 4 words (5 tokens), response = 3 words + eos (4 tokens), budget 7
+    e = encode_pair(tokenizer, "the happy old dog", "sees a cat", PLAIN, max_length=7)
+    assert e.prompt_ids == [tokenizer.bos_token_id] + ids(tokenizer, "old dog")
+    assert len(e.prompt_ids) + len(e.response_ids) == 7
+    assert e.prompt_cut == 2 and e.response_cut == 0
+
+
+def test_response_alone_too_long_is_cut_from_the_right(tokenizer):
+    e = encode_pair(tokenizer, "the", "dog sees a cat", PLAIN, max_length=3)
+    assert e.response_cut == 3  # 5 response tokens (4 words + eos) into a budget of 2
+    assert e.response_ids == ids(tokenizer, "dog sees")
+    assert len(e.prompt_ids) == 1  # min_prompt_tokens kept (the last prompt token)
+    assert e.prompt_ids == ids(tokenizer, "the")
+
+
+def test_template_is_applied(tokenizer):
+    t = ChatTemplate("{prompt} dog", "")
+    e = encode_pair(tokenizer, "the", "sees", t, max_length=16)
+    assert e.prompt_ids == [tokenizer.bos_token_id] + ids(tokenizer, "the dog")
+
+
+def test_pad_left_and_right_round_trip():
+    seqs = [[5, 6, 7], [8]]
+    right, rmask = pad(seqs, 0, "right")
+    left, lmask = pad(seqs, 0, "left")
+    assert right.tolist() == [[5, 6, 7], [8, 0, 0]] and rmask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert left.tolist() == [[5, 6, 7], [0, 0, 8]] and lmask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    for ids_, mask in ((right, rmask), (left, lmask)):  # the mask recovers each sequence exactly
+        assert [row[m.bool()].tolist() for row, m in zip(ids_, mask)] == seqs
+
+
+def test_pad_id_equal_to_eos_does_not_hide_eos(tokenizer):
+    """Masks come from lengths: an EOS inside a sequence stays a real token even if pad == eos."""
+    eos = tokenizer.eos_token_id
+    ids_, mask = pad([[4, eos], [4]], pad_id=eos, side="right")
+    assert mask.tolist() == [[1, 1], [1, 0]]
+
+
+def test_collate_sft_response_mask(tokenizer):
+    a = encode_pair(tokenizer, "the dog", "sees a cat", PLAIN, 64)
+    b = encode_pair(tokenizer, "a", "cat", PLAIN, 64)
+    batch = collate_sft([a, b], pad_id=tokenizer.pad_token_id)
+    assert batch["input_ids"].shape == (2, 3 + 4)
+    assert batch["response_mask"].tolist() == [[0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1] * 7, [1, 1, 1, 1, 0, 0, 0]]
+    resp = batch["input_ids"][batch["response_mask"].bool()].tolist()
+    assert resp == a.response_ids + b.response_ids
+    assert batch["input_ids"].dtype == torch.long
