@@ -77,6 +77,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     )
 
     p = plan(cfg)
+    if cfg.get("test", False) and "test_step" not in vars(p.algo_cls):
+        raise ConfigError("test", f"{p.algo_cls.__name__} has no test loop; run with test=false")
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
     tokenizer = build_tokenizer(p.model)
@@ -97,6 +99,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
             metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
     finally:
         finish_loggers(loggers)
+    if trainer.is_global_zero:
+        log.info("final metrics: %s", ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
+        export_dir = getattr(p.algo, "export_dir", None)
+        if export_dir and cfg.get("train", True):
+            log.info("model saved (save_pretrained) to %s", export_dir)
     return metrics
 
 
