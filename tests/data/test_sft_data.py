@@ -125,3 +125,21 @@ def test_synthetic_source_and_reference_perplexity(tokenizer):
 def test_connect_is_required(tokenizer):
     with pytest.raises(RuntimeError, match="connect"):
         SFTDataModule(n_train=10).setup("fit")
+
+
+def test_reads_a_datasets_folder_with_splits(tmp_path, tokenizer):
+    import datasets
+
+    dd = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS[:30]), "test": datasets.Dataset.from_list(ROWS[30:])}
+    )
+    dd.save_to_disk(str(tmp_path / "ds"))
+    dm = make(tokenizer, source=str(tmp_path / "ds"), val_split="test")
+    assert dm.stats["train_pairs"] == 30 and dm.stats["val_pairs"] == 10
+
+
+def test_unreachable_hub_dataset_says_what_to_do(tokenizer, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DataError, match=r"could not load dataset 'nobody/none'.*local \.jsonl"):
+        make(tokenizer, source="nobody/none")
