@@ -59,7 +59,26 @@ def plan(cfg: DictConfig) -> Plan:
         )
     data_cls = _get_class(cfg.data[kind], f"data.{kind}")
     data = build_config(data_cls.config_class, cfg.data[kind], f"data.{kind}")
+    check_compatible = getattr(algo_cls, "check_compatible", None)
+    if check_compatible is not None:
+        check_compatible(algo, model)
     return Plan(model, algo_cls, algo, data_cls, data)
+
+
+def _resolve_auto_monitor(callbacks_cfg: Any, algo_cls: type) -> Any:
+    """``monitor: auto`` in a checkpoint callback → the stage's own metric and mode
+    (``algo_cls.monitor``, e.g. ("val/accuracy", "max") for the reward model)."""
+    from omegaconf import open_dict
+
+    if not isinstance(callbacks_cfg, DictConfig):
+        return callbacks_cfg
+    callbacks_cfg = callbacks_cfg.copy()
+    with open_dict(callbacks_cfg):
+        for node in callbacks_cfg.values():
+            if isinstance(node, DictConfig) and node.get("monitor") == "auto":
+                metric, mode = getattr(algo_cls, "monitor", (None, "min"))
+                node.monitor, node.mode = metric, mode
+    return callbacks_cfg
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
@@ -82,9 +101,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
     tokenizer = build_tokenizer(p.model)
-    datamodule = p.data_cls(p.data).connect(tokenizer)
+    datamodule = p.data_cls(p.data).connect(tokenizer, kind=p.model.kind)
     module = p.algo_cls(p.algo, model=p.model, tokenizer=tokenizer)
-    callbacks = instantiate_callbacks(cfg.get("callbacks"))
+    callbacks = instantiate_callbacks(_resolve_auto_monitor(cfg.get("callbacks"), p.algo_cls))
     loggers = instantiate_loggers(cfg.get("logger"))
     strategy = instantiate_strategy(cfg.get("strategy"))
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy)
@@ -95,7 +114,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
             trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         if cfg.get("test", False):
-            trainer.test(module, datamodule=datamodule, ckpt_path="best" if cfg.get("train", True) else cfg.get("ckpt_path"))
+            # the best checkpoint of this fit when one was kept, else the weights as they are
+            ckpt = cfg.get("ckpt_path")
+            if cfg.get("train", True):
+                ckpt = "best" if trainer.checkpoint_callback and trainer.checkpoint_callback.best_model_path else None
+            trainer.test(module, datamodule=datamodule, ckpt_path=ckpt)
             metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
     finally:
         finish_loggers(loggers)

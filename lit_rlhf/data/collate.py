@@ -96,3 +96,42 @@ def collate_sft(pairs: Sequence[EncodedPair], pad_id: int) -> dict[str, torch.Te
         start = len(p.prompt_ids)
         response_mask[i, start : start + len(p.response_ids)] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
+
+
+def encode_encoder_pair(
+    tokenizer: Any, prompt: str, response: str, template: ChatTemplate, max_length: int
+) -> EncodedPair:
+    """``[CLS] prompt [SEP] response [SEP]`` for BERT-style encoders, fit to ``max_length``.
+
+    Same truncation rule as :func:`encode_pair`: the prompt loses tokens from the left first,
+    the response is cut from the right only if it cannot fit with one prompt token.
+    """
+    cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
+    if cls_id is None or sep_id is None:
+        raise ValueError("an encoder tokenizer needs cls and sep tokens")
+    p = tokenizer(template.format_prompt(prompt), add_special_tokens=False)["input_ids"]
+    r = tokenizer(template.format_response(response), add_special_tokens=False)["input_ids"]
+    response_cut = prompt_cut = 0
+    budget_r = max_length - 4  # CLS, SEP, SEP and at least one prompt token
+    if len(r) > budget_r:
+        response_cut, r = len(r) - budget_r, r[:budget_r]
+    excess = len(p) + len(r) + 3 - max_length
+    if excess > 0:
+        prompt_cut, p = excess, p[excess:]
+    return EncodedPair([cls_id] + p + [sep_id], r + [sep_id], prompt_cut, response_cut)
+
+
+def collate_preference(
+    pairs: Sequence[tuple[EncodedPair, EncodedPair, float | None]], pad_id: int
+) -> dict[str, torch.Tensor]:
+    """Chosen and rejected sequences stacked into one right-padded batch (one forward pass).
+
+    Returns:
+        input_ids, attention_mask, response_mask: (2B, T), rows [0, B) chosen, [B, 2B) rejected;
+        margin: (B,) float (0 where a pair has none).
+    """
+    chosen = [c for c, _, _ in pairs]
+    rejected = [r for _, r, _ in pairs]
+    batch = collate_sft(chosen + rejected, pad_id)
+    batch["margin"] = torch.tensor([m or 0.0 for _, _, m in pairs], dtype=torch.float32)
+    return batch

@@ -25,6 +25,8 @@ class Row:
     data: dict[str, Any]
     where: str
     """e.g. ``data/train.jsonl:17`` or ``Anthropic/hh-rlhf[train] row 17``."""
+    number: int = 0
+    """1-based line number (jsonl) or row number (other sources), for row-range selection."""
 
 
 _JSONL = (".jsonl", ".jsonl.gz", ".ndjson")
@@ -47,7 +49,7 @@ def _iter_jsonl(path: str) -> Iterator[Row]:
                 raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            yield Row(obj, f"{path}:{lineno}")
+            yield Row(obj, f"{path}:{lineno}", lineno)
 
 
 def _iter_json(path: str) -> Iterator[Row]:
@@ -61,7 +63,7 @@ def _iter_json(path: str) -> Iterator[Row]:
     for i, item in enumerate(obj, start=1):
         if not isinstance(item, dict):
             raise DataError(f"{path} item {i}: expected a JSON object, got {type(item).__name__}")
-        yield Row(item, f"{path} item {i}")
+        yield Row(item, f"{path} item {i}", i)
 
 
 def _iter_parquet(path: str) -> Iterator[Row]:
@@ -72,10 +74,10 @@ def _iter_parquet(path: str) -> Iterator[Row]:
     except Exception as err:  # pyarrow raises several types for corrupt files
         raise DataError(f"{path}: not a readable parquet file ({err})") from None
     for i, item in enumerate(table.to_pylist(), start=1):
-        yield Row(item, f"{path} row {i}")
+        yield Row(item, f"{path} row {i}", i)
 
 
-def _iter_hf(name: str, split: str) -> Iterator[Row]:
+def _iter_hf(name: str, split: str, data_dir: str | None = None) -> Iterator[Row]:
     import datasets
 
     try:
@@ -83,18 +85,19 @@ def _iter_hf(name: str, split: str) -> Iterator[Row]:
             ds = datasets.load_from_disk(name)
             ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
         else:
-            ds = datasets.load_dataset(name, split=split)
+            ds = datasets.load_dataset(name, split=split, data_dir=data_dir)
     except (FileNotFoundError, ConnectionError, OSError, ValueError) as err:
         raise DataError(
             f"could not load dataset '{name}' (split '{split}'): {err}. Offline? Point the data "
             f"config at a local .jsonl/.jsonl.gz/.parquet file or a `save_to_disk` folder."
         ) from err
     for i, item in enumerate(ds, start=1):
-        yield Row(dict(item), f"{name}[{split}] row {i}")
+        yield Row(dict(item), f"{name}[{split}] row {i}", i)
 
 
-def iter_rows(source: str, split: str = "train") -> Iterator[Row]:
-    """Records of a file (by extension) or a dataset (a ``save_to_disk`` folder or hub name)."""
+def iter_rows(source: str, split: str = "train", data_dir: str | None = None) -> Iterator[Row]:
+    """Records of a file (by extension) or a dataset (a ``save_to_disk`` folder or hub name;
+    ``data_dir`` selects a subset of a hub dataset, e.g. "harmless-base" of Anthropic/hh-rlhf)."""
     if is_file_source(source):
         if not os.path.isfile(source):
             raise DataError(f"{source}: no such file")
@@ -103,7 +106,7 @@ def iter_rows(source: str, split: str = "train") -> Iterator[Row]:
         if source.endswith(".json"):
             return _iter_json(source)
         return _iter_parquet(source)
-    return _iter_hf(source, split)
+    return _iter_hf(source, split, data_dir)
 
 
 def require_str(row: Row, field: str, fields_hint: Sequence[str] = ()) -> str:
@@ -116,3 +119,33 @@ def require_str(row: Row, field: str, fields_hint: Sequence[str] = ()) -> str:
     if not isinstance(value, str):
         raise DataError(f"{row.where}: field '{field}' must be a string, got {type(value).__name__}")
     return value
+
+
+def parse_rows(spec: str | None) -> tuple[int, int | None] | None:
+    """``"1-2000"`` → (1, 2000); ``"2001-"`` → (2001, None); None → None (all rows). 1-based, inclusive."""
+    if spec is None:
+        return None
+    head, sep, tail = str(spec).partition("-")
+    if not sep or not head.strip().isdigit() or (tail.strip() and not tail.strip().isdigit()):
+        raise ValueError(f"expected a row range like '1-2000' or '2001-', got {spec!r}")
+    lo, hi = int(head), int(tail) if tail.strip() else None
+    if lo < 1 or (hi is not None and hi < lo):
+        raise ValueError(f"empty or invalid row range {spec!r}")
+    return lo, hi
+
+
+def select_rows(rows: list[Row], spec: str | None) -> list[Row]:
+    """Rows whose 1-based line/row number lies in the range ``spec`` (see :func:`parse_rows`)."""
+    bounds = parse_rows(spec)
+    if bounds is None:
+        return rows
+    lo, hi = bounds
+    return [r for r in rows if r.number >= lo and (hi is None or r.number <= hi)]
+
+
+def ranges_overlap(a: str | None, b: str | None) -> bool:
+    """Whether two row ranges share a row (None = all rows)."""
+    ra, rb = parse_rows(a) or (1, None), parse_rows(b) or (1, None)
+    hi_a = ra[1] if ra[1] is not None else float("inf")
+    hi_b = rb[1] if rb[1] is not None else float("inf")
+    return ra[0] <= hi_b and rb[0] <= hi_a

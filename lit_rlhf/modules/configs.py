@@ -47,3 +47,22 @@ class SFTConfig(OptimConfig):
     export_dir: str | None = None
     """Where the trained model and tokenizer are saved with ``save_pretrained`` at the end of
     fit (later stages load it by path); None = no export."""
+
+
+@dataclass
+class RMConfig(OptimConfig):
+    """Pairwise reward model (ALGORITHMS §1): Bradley–Terry + optional LM and centering terms."""
+
+    lr: float = field(default=1e-3, metadata={"gt": 0.0})
+    beta_rm: float = field(default=0.0, metadata={"ge": 0.0})
+    """Weight of the LM loss on the chosen response (MOSS-RLHF uses 1; needs a causal LM backbone)."""
+    center_coef: float = field(default=0.0, metadata={"ge": 0.0})
+    """Weight of mean[(r_w + r_l)²] (reward centering, TRL); 0 = off."""
+    pooling: Literal["auto", "last", "cls", "mean"] = "auto"
+    """Hidden state the head reads: auto = last non-pad token (causal LM) or mean (encoder)."""
+    head_init_std: float | None = field(default=None, metadata={"gt": 0.0})
+    """Std of the head's initial weights; None = 1/sqrt(hidden + 1)."""
+    export_dir: str | None = None
+    """``save_pretrained`` folder of the trained reward model (backbone + head + reward_config.json)."""
+    export_best: bool = True
+    """Export the best checkpoint by validation accuracy (when checkpointing monitors it), not the last."""

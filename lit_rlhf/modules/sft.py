@@ -24,6 +24,7 @@ class SFTModule(RLHFModule):
 
     config_class = SFTConfig
     data_kind = "sft"
+    monitor = ("val/perplexity", "min")  # checkpoint selection (callbacks monitor: auto)
 
     def __init__(self, config: SFTConfig | None = None, model: Any = None, tokenizer: Any = None, **kwargs: Any):
         super().__init__(config, model, tokenizer, **kwargs)
@@ -37,6 +38,7 @@ class SFTModule(RLHFModule):
         from lit_rlhf.models.builders import build_causal_lm
 
         self.model = build_causal_lm(self.model_spec, self.ensure_tokenizer())
+        self.model.train()  # from_pretrained returns eval mode (dropout off); Lightning keeps module modes
 
     def exportable_model(self) -> torch.nn.Module:
         return self.model
@@ -73,18 +75,6 @@ class SFTModule(RLHFModule):
             self.log("val/perplexity_ratio", mean_nll.exp() / floor)
         self.val_nll.reset()
         self.val_tokens.reset()
-
-    def configure_optimizers(self) -> Any:
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            if p.requires_grad:
-                (no_decay if p.ndim < 2 else decay).append(p)  # no decay on norms and biases
-        groups = [
-            {"params": decay, "weight_decay": self.config.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        optimizer = self.build_optimizer(groups)
-        return {"optimizer": optimizer, "lr_scheduler": self.build_scheduler(optimizer, self.total_optimizer_steps())}
 
     def on_fit_end(self) -> None:
         if self.config.export_dir:

@@ -1,0 +1,344 @@
+"""Preference pairs for reward models (and DPO): HH-RLHF, question/response, generic, embedded.
+
+Formats (``format="auto"`` detects them from the first row's keys):
+
+* ``hh`` — ``chosen``/``rejected`` whole dialogues (Anthropic HH-RLHF). The prompt is their
+  common prefix up to its last ``"\\n\\nAssistant:"``; the responses are the two remainders.
+  (A handful of HH rows differ before the final turn; the common prefix handles them too.)
+* ``question`` — ``question``, ``response_chosen``, ``response_rejected``.
+* ``generic`` — ``prompt``, ``chosen``, ``rejected``.
+* ``source="synthetic"`` — the embedded task's gold-labeled pairs (they also carry the gold
+  rewards, so the noise ceiling — the gold reward's own accuracy — is known).
+
+Over-long pairs keep the response and lose prompt tokens from the left; identical or empty
+responses are skipped (counted, logged) or rejected, per config; a malformed row raises a
+:class:`DataError` naming file and line.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+
+from lit_rlhf.data.collate import EncodedPair, collate_preference, encode_encoder_pair, encode_pair
+from lit_rlhf.data.io import DataError, Row, is_file_source, iter_rows, parse_rows, ranges_overlap, require_str, select_rows
+from lit_rlhf.data.sampler import LengthGroupedSampler
+from lit_rlhf.data.synthetic import SyntheticTask, TaskConfig
+from lit_rlhf.data.templates import TEMPLATES, get_template
+from lit_rlhf.utils.config import ConfigError, check, resolve_config
+
+log = logging.getLogger(__name__)
+
+ASSISTANT = "\n\nAssistant:"
+FORMAT_FIELDS = {
+    "hh": ("chosen", "rejected"),
+    "question": ("question", "response_chosen", "response_rejected"),
+    "generic": ("prompt", "chosen", "rejected"),
+}
+# Llama-2 rating → margin (Touvron et al. 2023, Table 28). Ratings: 3 = significantly better,
+# 2 = better, 1 = slightly better, 0 = negligibly better / unsure (names accepted too).
+RATING_NAMES = {
+    "significantly better": 3, "better": 2, "slightly better": 1, "negligibly better": 0, "unsure": 0,
+}  # fmt: skip
+MARGIN_SCALES = {"llama2_small": (0.0, 1 / 3, 2 / 3, 1.0), "llama2_large": (0.0, 1.0, 2.0, 3.0)}
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    prompt: str
+    chosen: str
+    rejected: str
+    margin: float | None = None
+    where: str = ""
+    gold: tuple[float, float] | None = None
+    """(gold reward of chosen, of rejected), embedded task only."""
+
+
+def detect_format(row: Row) -> str:
+    keys = set(row.data)
+    for fmt in ("question", "generic", "hh"):  # generic has chosen/rejected too: test it before hh
+        if set(FORMAT_FIELDS[fmt]) <= keys:
+            return fmt
+    raise DataError(
+        f"{row.where}: cannot detect the preference format from keys {sorted(keys)}; expected "
+        + " or ".join("/".join(f) for f in FORMAT_FIELDS.values())
+    )
+
+
+def split_hh(chosen: str, rejected: str, where: str) -> tuple[str, str, str]:
+    """HH dialogues → (prompt up to and including the last shared "\\n\\nAssistant:", chosen, rejected)."""
+    n = 0
+    limit = min(len(chosen), len(rejected))
+    while n < limit and chosen[n] == rejected[n]:
+        n += 1
+    cut = chosen.rfind(ASSISTANT, 0, n)  # the last marker lying entirely inside the shared prefix
+    if cut < 0:
+        raise DataError(f"{where}: no shared '\\n\\nAssistant:' turn: not an HH-RLHF dialogue pair")
+    end = cut + len(ASSISTANT)
+    return chosen[:end], chosen[end:].strip(), rejected[end:].strip()
+
+
+def margin_of(row: Row, field_name: str, scale: str) -> float:
+    raw = row.data.get(field_name)
+    if raw is None:
+        raise DataError(f"{row.where}: missing margin field '{field_name}' (data.preference.margin_field)")
+    if scale == "raw":
+        if not isinstance(raw, (int, float)) or isinstance(raw, bool):
+            raise DataError(f"{row.where}: margin '{field_name}' must be a number, got {raw!r}")
+        return float(raw)
+    rating = RATING_NAMES.get(raw.strip().lower()) if isinstance(raw, str) else raw
+    if rating not in (0, 1, 2, 3) or isinstance(rating, bool):
+        raise DataError(
+            f"{row.where}: rating '{field_name}'={raw!r} is not 0-3 or one of {sorted(RATING_NAMES)}"
+        )
+    return MARGIN_SCALES[scale][int(rating)]
+
+
+def parse_pair(row: Row, fmt: str, margin_field: str | None, margin_scale: str) -> PreferencePair:
+    fields = FORMAT_FIELDS[fmt]
+    hint = ["data.preference.format"]
+    if fmt == "hh":
+        prompt, chosen, rejected = split_hh(require_str(row, "chosen", hint), require_str(row, "rejected", hint), row.where)
+    else:
+        prompt, chosen, rejected = (require_str(row, f, hint) for f in fields)
+    margin = margin_of(row, margin_field, margin_scale) if margin_field else None
+    return PreferencePair(prompt, chosen, rejected, margin, row.where)
+
+
+@dataclass
+class PreferenceDataConfig:
+    """Where preference pairs come from and how they are batched (``data.preference.*``)."""
+
+    source: str = "synthetic"
+    """"synthetic", a .jsonl/.jsonl.gz/.json/.parquet file, a ``save_to_disk`` folder or a hub name."""
+    fallback_source: str | None = None
+    """Used when ``source`` is a file that does not exist (e.g. the hub copy of a local file)."""
+    hub_data_dir: str | None = None
+    """Subset folder of a hub dataset (``harmless-base`` of ``Anthropic/hh-rlhf``)."""
+    format: Literal["auto", "hh", "question", "generic"] = "auto"
+    train_split: str = "train"
+    train_rows: str | None = None
+    """1-based inclusive line/row range of the training pairs, e.g. "1-2000"; None = all."""
+    val_source: str | None = None
+    val_split: str | None = None
+    val_rows: str | None = None
+    """Row range of ``source`` for validation (instead of a ``val_fraction`` carve-out)."""
+    val_fraction: float = field(default=0.05, metadata={"ge": 0.0, "lt": 1.0})
+    """Share of the training rows held out for validation when no val source/split/rows is set."""
+    test_source: str | None = None
+    """Held-out pairs for ``test=true``; None = ``source`` when test_split or test_rows is set."""
+    test_split: str | None = None
+    test_rows: str | None = None
+    margin_field: str | None = None
+    """Column with a per-pair rating (Llama-2 margin); None = margin 0."""
+    margin_scale: Literal["llama2_small", "llama2_large", "raw"] = "llama2_small"
+    """Rating 3/2/1/0 → margin 1, 2/3, 1/3, 0 (small) or 3, 2, 1, 0 (large); raw = the number itself."""
+    template: str = "plain"
+    """Chat template (data/templates.py); "dialogue" for HH-RLHF prompts that end in "Assistant:"."""
+    max_length: int = field(default=512, metadata={"ge": 8})
+    on_identical: Literal["skip", "error"] = "skip"
+    on_empty: Literal["skip", "error"] = "skip"
+    batch_size: int = field(default=16, metadata={"ge": 1})
+    """Pairs per batch (2 × sequences)."""
+    eval_batch_size: int | None = field(default=None, metadata={"ge": 1})
+    group_by_length: bool = True
+    """Batch pairs of similar length (much less padding); order stays random across batches."""
+    num_workers: int = field(default=0, metadata={"ge": 0})
+    seed: int = 0
+    max_samples: int | None = field(default=None, metadata={"ge": 1})
+    task: TaskConfig = field(default_factory=TaskConfig)
+    n_train: int = field(default=10000, metadata={"ge": 1})
+    n_val: int = field(default=500, metadata={"ge": 1})
+    n_test: int = field(default=1000, metadata={"ge": 1})
+
+    def validate(self) -> None:
+        check(self.template in TEMPLATES, "template", f"must be one of {list(TEMPLATES)}, got {self.template!r}")
+        for key in ("train_rows", "val_rows", "test_rows"):
+            try:
+                parse_rows(getattr(self, key))
+            except ValueError as err:
+                raise ConfigError(key, str(err)) from None
+        same_test = self.test_source in (None, self.source) and self.test_split in (None, self.train_split)
+        if self.test_rows is not None and same_test:
+            check(
+                not ranges_overlap(self.train_rows, self.test_rows),
+                "test_rows",
+                f"overlaps train_rows={self.train_rows!r}: held-out pairs must never be trained on",
+            )
+        if self.val_rows is not None and self.val_source is None and self.val_split is None:
+            check(
+                not ranges_overlap(self.train_rows, self.val_rows),
+                "val_rows",
+                f"overlaps train_rows={self.train_rows!r}",
+            )
+
+
+class PreferenceDataModule(pl.LightningDataModule):
+    """Tokenized (chosen, rejected) pairs; ``connect(tokenizer, kind)`` before ``setup``.
+
+    Batches stack chosen rows then rejected rows (see ``collate_preference``). After ``setup``:
+    ``stats`` counts rows read, skipped and truncated per split; for the embedded task
+    ``gold_accuracy[split]`` is the gold reward's own accuracy on those pairs (the ceiling).
+    """
+
+    config_class = PreferenceDataConfig
+
+    def __init__(self, config: PreferenceDataConfig | None = None, **kwargs: Any) -> None:
+        super().__init__()
+        self.config = resolve_config(PreferenceDataConfig, config, kwargs, "data")
+        self.tokenizer: Any = None
+        self.kind = "causal_lm"
+        self.splits: dict[str, list[tuple[EncodedPair, EncodedPair, float | None]]] | None = None
+        self.pairs: dict[str, list[PreferencePair]] = {}
+        self.stats: dict[str, int] = {}
+        self.gold_accuracy: dict[str, float] = {}
+
+    def connect(self, tokenizer: Any, kind: str = "causal_lm") -> "PreferenceDataModule":
+        self.tokenizer, self.kind = tokenizer, kind
+        return self
+
+    # ------------------------------------------------------------------ loading
+    def _source(self) -> str:
+        c = self.config
+        if is_file_source(c.source) and not os.path.exists(c.source) and c.fallback_source:
+            log.warning("%s not found; loading the preference pairs from %s instead", c.source, c.fallback_source)
+            return c.fallback_source
+        return c.source
+
+    def _rows(self, source: str, split: str | None, rows: str | None) -> list[Row]:
+        c = self.config
+        data_dir = c.hub_data_dir if not is_file_source(source) and not os.path.isdir(source) else None
+        return select_rows(list(iter_rows(source, split or c.train_split, data_dir)), rows)
+
+    def _load_file_splits(self) -> dict[str, list[Row]]:
+        c = self.config
+        source = self._source()
+        out = {"train": self._rows(source, c.train_split, c.train_rows)}
+        if c.val_source is not None:
+            out["val"] = self._rows(c.val_source, c.val_split, c.val_rows)
+        elif c.val_split is not None or c.val_rows is not None:
+            out["val"] = self._rows(source, c.val_split, c.val_rows)
+        else:
+            order = list(range(len(out["train"])))
+            random.Random(c.seed).shuffle(order)
+            held = set(order[: int(round(len(order) * c.val_fraction))])
+            out["val"] = [r for i, r in enumerate(out["train"]) if i in held]
+            out["train"] = [r for i, r in enumerate(out["train"]) if i not in held]
+        if c.test_source is not None or c.test_split is not None or c.test_rows is not None:
+            out["test"] = self._rows(c.test_source or source, c.test_split, c.test_rows)
+        return out
+
+    def _parse(self, rows: list[Row], split: str) -> list[PreferencePair]:
+        c = self.config
+        fmt = c.format if c.format != "auto" or not rows else detect_format(rows[0])
+        pairs, identical, empty = [], 0, 0
+        for row in rows:
+            pair = parse_pair(row, fmt, c.margin_field, c.margin_scale)
+            if not pair.chosen.strip() or not pair.rejected.strip():
+                if c.on_empty == "error":
+                    raise DataError(f"{row.where}: empty response (data.preference.on_empty=skip skips such pairs)")
+                empty += 1
+                continue
+            if pair.chosen.strip() == pair.rejected.strip():
+                if c.on_identical == "error":
+                    raise DataError(f"{row.where}: chosen and rejected are identical (data.preference.on_identical)")
+                identical += 1
+                continue
+            pairs.append(pair)
+        self.stats.update({f"{split}_rows_read": len(rows), f"{split}_skipped_empty": empty,
+                           f"{split}_skipped_identical": identical})  # fmt: skip
+        return pairs
+
+    def _synthetic_pairs(self) -> dict[str, list[PreferencePair]]:
+        c = self.config
+        task = SyntheticTask(c.task)
+        out = {}
+        for split, n in (("train", c.n_train), ("val", c.n_val), ("test", c.n_test)):
+            recs = task.preference_pairs(n, split)
+            out[split] = [
+                PreferencePair(r["prompt"], r["chosen"], r["rejected"], None, f"synthetic[{split}] #{i}",
+                               (r["gold_chosen"], r["gold_rejected"]))  # fmt: skip
+                for i, r in enumerate(recs)
+            ]
+            self.stats.update({f"{split}_rows_read": n, f"{split}_skipped_empty": 0, f"{split}_skipped_identical": 0})
+            self.gold_accuracy[split] = sum(p.gold[0] > p.gold[1] for p in out[split]) / max(1, n)
+        return out
+
+    def _encode(self, pairs: list[PreferencePair], split: str) -> list[tuple[EncodedPair, EncodedPair, float | None]]:
+        c = self.config
+        template = get_template(c.template)
+        if self.kind == "encoder":
+            enc = functools.partial(encode_encoder_pair, self.tokenizer, template=template, max_length=c.max_length)
+        else:
+            enc = functools.partial(encode_pair, self.tokenizer, template=template, max_length=c.max_length)
+        out = [(enc(p.prompt, p.chosen), enc(p.prompt, p.rejected), p.margin) for p in pairs]
+        self.stats[f"{split}_pairs"] = len(out)
+        self.stats[f"{split}_prompts_cut"] = sum(a.prompt_cut > 0 or b.prompt_cut > 0 for a, b, _ in out)
+        self.stats[f"{split}_responses_cut"] = sum(a.response_cut > 0 or b.response_cut > 0 for a, b, _ in out)
+        return out
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits is not None:
+            return
+        if self.tokenizer is None:
+            raise RuntimeError("PreferenceDataModule.connect(tokenizer) must be called before setup()")
+        c = self.config
+        if c.source == "synthetic":
+            self.pairs = self._synthetic_pairs()
+        else:
+            self.pairs = {split: self._parse(rows, split) for split, rows in self._load_file_splits().items()}
+        if c.max_samples is not None:
+            self.pairs["train"] = self.pairs["train"][: c.max_samples]
+        if not self.pairs["train"]:
+            raise DataError(
+                f"{c.source}: no usable preference pairs in the training rows "
+                f"({self.stats.get('train_rows_read', 0)} read, {self.stats.get('train_skipped_empty', 0)} "
+                f"skipped as empty, {self.stats.get('train_skipped_identical', 0)} as identical)"
+            )
+        self.splits = {split: self._encode(pairs, split) for split, pairs in self.pairs.items()}
+        s = self.stats
+        for split in self.splits:
+            log.info(
+                "preference %s: %d pairs (%d rows read; skipped %d empty, %d identical; %d pairs had prompt "
+                "tokens cut from the left, %d a response cut, at max_length=%d)",
+                split, s[f"{split}_pairs"], s[f"{split}_rows_read"], s[f"{split}_skipped_empty"],
+                s[f"{split}_skipped_identical"], s[f"{split}_prompts_cut"], s[f"{split}_responses_cut"], c.max_length,
+            )  # fmt: skip
+
+    # -------------------------------------------------------------- dataloaders
+    def _loader(self, split: str, train: bool) -> DataLoader | list:
+        assert self.splits is not None, "setup() first"
+        data = self.splits.get(split) or []
+        if not data:
+            return []
+        c = self.config
+        size = c.batch_size if train else (c.eval_batch_size or c.batch_size)
+        collate = functools.partial(collate_preference, pad_id=self.tokenizer.pad_token_id)
+        if train and c.group_by_length:
+            lengths = [max(len(a.prompt_ids) + len(a.response_ids), len(b.prompt_ids) + len(b.response_ids))
+                       for a, b, _ in data]  # fmt: skip
+            sampler = LengthGroupedSampler(lengths, size, seed=c.seed)
+            return DataLoader(data, batch_size=size, sampler=sampler, num_workers=c.num_workers, collate_fn=collate)
+        import torch
+
+        gen = torch.Generator().manual_seed(c.seed) if train else None
+        return DataLoader(data, batch_size=size, shuffle=train, generator=gen, num_workers=c.num_workers,
+                          collate_fn=collate)  # fmt: skip
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", True)
+
+    def val_dataloader(self) -> DataLoader | list:
+        return self._loader("val", False)
+
+    def test_dataloader(self) -> DataLoader | list:
+        if not (self.splits or {}).get("test"):
+            raise DataError("no test pairs configured: set data.preference.test_rows, test_split or test_source")
+        return self._loader("test", False)
