@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from lit_rlhf.runner import plan
+from lit_rlhf.runner import _resolve_auto_monitor, plan
 from lit_rlhf.utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_strategy
 from tests.conftest import ROOT, compose
 
@@ -39,7 +39,8 @@ def test_option_composes_and_validates(group, option, tmp_path):
         loggers = instantiate_loggers(cfg.logger)
         assert len(loggers) == (0 if option == "none" else 1)
     if group == "callbacks":
-        assert len(instantiate_callbacks(cfg.callbacks)) == (0 if option == "none" else 1)
+        callbacks = instantiate_callbacks(_resolve_auto_monitor(cfg.callbacks, p.algo_cls))
+        assert len(callbacks) == (0 if option == "none" else 1)
 
 
 def test_deepspeed_stage_2_settings(tmp_path):
@@ -94,3 +95,11 @@ def test_algo_without_matching_data_section(tmp_path):
         del cfg.data["sft"]
     with pytest.raises(ConfigError, match=r"data\.sft: the selected data config has no 'sft' section"):
         plan(cfg)
+
+
+@pytest.mark.parametrize("algo, metric, mode", [("sft", "val/perplexity", "min"), ("rm", "val/accuracy", "max")])
+def test_checkpoint_monitor_auto_follows_the_stage(algo, metric, mode, tmp_path):
+    cfg = compose([f"algo={algo}"], tmp_path)
+    (ckpt,) = instantiate_callbacks(_resolve_auto_monitor(cfg.callbacks, plan(cfg).algo_cls))
+    assert (ckpt.monitor, ckpt.mode) == (metric, mode)
+    assert cfg.callbacks.model_checkpoint.monitor == "auto"  # the composed config is left as written

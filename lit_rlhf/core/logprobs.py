@@ -40,3 +40,21 @@ def shifted_token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
     """
     lp = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:])
     return torch.cat([lp.new_zeros(lp.shape[0], 1), lp], dim=1)
+
+
+def entropy_from_logits(logits: Tensor, chunk_size: int = 8) -> Tensor:
+    """Entropy H(softmax(logits)) per position, in fp32, ``chunk_size`` rows at a time.
+
+    H = logsumexp(z) − Σ softmax(z)·z. Naive equivalent: ``-(p * p.log()).sum(-1)`` with
+    ``p = logits.softmax(-1)`` (which NaNs on p = 0).
+
+    Args:
+        logits: (B, T, V).
+    Returns:
+        (B, T) float32.
+    """
+    out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    for start in range(0, logits.shape[0], chunk_size):
+        z = logits[start : start + chunk_size].float()
+        out[start : start + chunk_size] = torch.logsumexp(z, -1) - (z.softmax(-1) * z).sum(-1)
+    return out

@@ -1,13 +1,116 @@
 """Losses; each returns ``(loss, stats)`` with stats detached (STYLE rule 9).
 
-Implemented so far: the pairwise reward-model loss (ALGORITHMS §1).
+Reward model (ALGORITHMS §1), PPO policy / value / entropy / ptx terms (§2), and the token
+aggregation shared with GRPO (§6).
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from lit_rlhf.core.masked import masked_mean, masked_sum
+
+Aggregation = Literal["token_mean", "seq_mean", "seq_sum_const"]
+
+
+def aggregate(per_token: Tensor, mask: Tensor, mode: Aggregation = "token_mean", constant: float | None = None) -> Tensor:
+    """Reduce a (B, T) per-token loss to a scalar.
+
+    token_mean: Σ m·l / Σ m (PPO, DAPO); seq_mean: mean over sequences of each one's token mean
+    (original GRPO); seq_sum_const: Σ m·l / (B · constant) (Dr. GRPO; constant = max length).
+    """
+    if mode == "token_mean":
+        return masked_mean(per_token, mask)
+    if mode == "seq_mean":
+        return masked_mean(per_token, mask, dim=1).mean()
+    if mode == "seq_sum_const":
+        if not constant:
+            raise ValueError("seq_sum_const needs a constant normaliser (e.g. max_new_tokens)")
+        return masked_sum(per_token, mask) / (per_token.shape[0] * constant)
+    raise ValueError(f"unknown aggregation {mode!r}")
+
+
+def ppo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    aggregation: Aggregation = "token_mean",
+    agg_constant: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped surrogate (Schulman et al. 2017, Eq. 7), per token, ρ_t = exp(logp − logp_old):
+
+    l_t = max(−A_t ρ_t, −A_t clip(ρ_t, 1 − ε_low, 1 + ε_high)); with dual clip c > 1 (Ye et al.
+    2020, Eq. 5) tokens with A_t < 0 are also capped at −c·A_t. ε_high > ε_low is DAPO's
+    clip-higher.
+
+    Args:
+        logprobs, old_logprobs, advantages, response_mask: (B, T).
+    Returns:
+        loss, stats {"loss", "clipfrac", "approx_kl", "ratio_mean", "ratio_max", "dual_clipfrac"}.
+    """
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(per_token, dtype=torch.bool)
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        dual = (advantages < 0) & (per_token > cap)
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, cap), per_token)
+    loss = aggregate(per_token, response_mask, aggregation, agg_constant)
+    with torch.no_grad():
+        m = response_mask.bool()
+        stats = {
+            "loss": loss.detach(),
+            "clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
+            # k3 of KL(old ‖ new) (http://joschu.net/blog/kl-approx.html)
+            "approx_kl": masked_mean((ratio - 1.0) - log_ratio, response_mask),
+            "ratio_mean": masked_mean(ratio, response_mask),
+            "ratio_max": ratio[m].max() if m.any() else ratio.new_tensor(1.0),
+            "dual_clipfrac": masked_mean(dual.float(), response_mask),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor, clip: float | None = 0.2
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss: ½ · token mean of max((V − G)², (clip(V, V_old ± ε_v) − G)²).
+
+    Args:
+        values: (B, T) current critic; old_values: (B, T) at rollout; returns: (B, T) GAE targets.
+    Returns:
+        loss, stats {"loss", "clipfrac", "value_mean", "explained_variance"}.
+    """
+    err = (values - returns) ** 2
+    if clip is not None:
+        clipped_v = old_values + (values - old_values).clamp(-clip, clip)
+        err_clipped = (clipped_v - returns) ** 2
+        per_token = torch.maximum(err, err_clipped)
+    else:
+        err_clipped = err
+        per_token = err
+    loss = 0.5 * masked_mean(per_token, response_mask)
+    with torch.no_grad():
+        resid_var = masked_mean((returns - old_values - masked_mean(returns - old_values, response_mask)) ** 2, response_mask)
+        ret_var = masked_mean((returns - masked_mean(returns, response_mask)) ** 2, response_mask)
+        stats = {
+            "loss": loss.detach(),
+            "clipfrac": masked_mean((err_clipped > err).float(), response_mask),
+            "value_mean": masked_mean(values, response_mask),
+            # 1 − Var[G − V_old] / Var[G]: how much of the return the rollout-time critic explained
+            "explained_variance": 1.0 - resid_var / ret_var.clamp(min=1e-8),
+        }
+    return loss, stats
 
 
 def pairwise_rm_loss(

@@ -1,9 +1,22 @@
-"""Masked reductions over (B, T) tensors; masks are 1 = keep (STYLE rule 3)."""
+"""Masked reductions over (B, T) tensors; masks are 1 = keep (STYLE rule 3).
+
+Cross-rank statistics take an ``all_reduce`` callable that sums a tensor over processes in
+place (``lit_rlhf.utils.distributed.all_reduce_sum``); the default is a no-op (one process), so
+this module stays free of torch.distributed and Lightning.
+"""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
+
+AllReduce = Callable[[Tensor], Tensor]
+
+
+def no_all_reduce(x: Tensor) -> Tensor:
+    return x
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -17,3 +30,56 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     total = masked_sum(x, mask, dim)
     count = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim)
     return total / count.clamp(min=1)
+
+
+def masked_moments(x: Tensor, mask: Tensor, all_reduce: AllReduce = no_all_reduce) -> tuple[Tensor, Tensor, Tensor]:
+    """Mean, Bessel-corrected variance and count of the masked elements, across ranks.
+
+    Two all-reduces (count+sum, then the centred sum of squares) instead of Σx² − n·μ², which
+    loses precision when the mean is large relative to the spread.
+    """
+    m = mask.to(torch.float32)
+    xf = x.float()
+    stats = torch.stack([m.sum(), (xf * m).sum()])
+    all_reduce(stats)
+    count, mean = stats[0], stats[1] / stats[0].clamp(min=1)
+    sq = (((xf - mean) ** 2) * m).sum()
+    all_reduce(sq)
+    var = sq / (count - 1).clamp(min=1)
+    return mean, var, count
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of the masked elements (Bessel-corrected unless ``unbiased=False``)."""
+    mean = masked_mean(x, mask)
+    n = mask.to(x.dtype).sum()
+    var = masked_mean((x - mean) ** 2, mask)
+    return var * n / (n - 1).clamp(min=1) if unbiased else var
+
+
+def masked_whiten(
+    x: Tensor, mask: Tensor, shift_mean: bool = True, all_reduce: AllReduce = no_all_reduce, eps: float = 1e-8
+) -> Tensor:
+    """(x − μ)/σ over the masked elements of all ranks; 0 outside the mask.
+
+    ``shift_mean=False`` rescales without centring (keeps the sign of a one-sided signal).
+    """
+    mean, var, _ = masked_moments(x, mask, all_reduce)
+    out = (x.float() - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return (out * mask.to(out.dtype)).to(x.dtype)
+
+
+def last_token_index(mask: Tensor) -> Tensor:
+    """(B,) position of the last 1 in each row of a (B, T) mask (left or right padded).
+
+    Naive equivalent: ``[max(i for i, m in enumerate(row) if m) for row in mask]``.
+    """
+    t = mask.shape[-1]
+    return t - 1 - mask.flip(-1).long().argmax(-1)
+
+
+def first_token_index(mask: Tensor) -> Tensor:
+    """(B,) position of the first 1 in each row of a (B, T) mask."""
+    return mask.long().argmax(-1)

@@ -13,22 +13,11 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from lit_rlhf.core.masked import first_token_index, last_token_index
+
+__all__ = ["Pooling", "ScalarHead", "first_token_index", "last_token_index", "pool"]
+
 Pooling = Literal["last", "cls", "mean"]
-
-
-def last_token_index(attention_mask: Tensor) -> Tensor:
-    """(B,) position of the last 1 in each row of a (B, T) mask (left or right padded).
-
-    Naive equivalent: ``[max(i for i, m in enumerate(row) if m) for row in mask]``.
-    """
-    t = attention_mask.shape[-1]
-    flipped_first = attention_mask.flip(-1).long().argmax(-1)  # first 1 counted from the end
-    return t - 1 - flipped_first
-
-
-def first_token_index(attention_mask: Tensor) -> Tensor:
-    """(B,) position of the first 1 in each row of a (B, T) mask."""
-    return attention_mask.long().argmax(-1)
 
 
 def pool(hidden: Tensor, attention_mask: Tensor, mode: Pooling) -> Tensor:

@@ -53,3 +53,101 @@ def test_extreme_gaps_stay_exact():
     assert loss.item() == pytest.approx(100.0)  # log(σ + 1e-5) would cap it at 11.5
     loss, _ = pairwise_rm_loss(torch.tensor([100.0]), torch.tensor([0.0]))
     assert loss.item() == pytest.approx(0.0, abs=1e-30) and torch.isfinite(loss)
+
+
+from lit_rlhf.core.logprobs import entropy_from_logits  # noqa: E402
+from lit_rlhf.core.losses import aggregate, ppo_policy_loss, value_loss  # noqa: E402
+
+
+def test_policy_loss_hand_values():
+    # token 0: A=1, ratio=1.5 -> clipped at 1.2: max(-1.5, -1.2) = -1.2 (clipped)
+    # token 1: A=-1, ratio=0.5 -> max(0.5, 0.8) = 0.8 (clipped); token 2 masked out
+    old = torch.zeros(1, 3)
+    lp = torch.log(torch.tensor([[1.5, 0.5, 3.0]]))
+    adv = torch.tensor([[1.0, -1.0, 5.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    loss, stats = ppo_policy_loss(lp, old, adv, mask)
+    assert loss.item() == pytest.approx((-1.2 + 0.8) / 2)
+    assert stats["clipfrac"].item() == 1.0 and stats["ratio_max"].item() == pytest.approx(1.5)
+    assert stats["approx_kl"].item() == pytest.approx(((0.5 - math.log(1.5)) + (-0.5 - math.log(0.5))) / 2)
+
+
+def test_policy_loss_clip_higher_and_dual_clip():
+    old = torch.zeros(1, 2)
+    lp = torch.log(torch.tensor([[1.25, 4.0]]))
+    adv = torch.tensor([[1.0, -1.0]])
+    mask = torch.ones(1, 2)
+    # ε_high 0.28: ratio 1.25 is inside, unclipped -1.25; token 1: max(4, 1.28)=4
+    loss, _ = ppo_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    assert loss.item() == pytest.approx((-1.25 + 4.0) / 2)
+    # dual clip c=3 caps the negative-advantage token at -c·A = 3
+    loss, stats = ppo_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    assert loss.item() == pytest.approx((-1.25 + 3.0) / 2) and stats["dual_clipfrac"].item() == 0.5
+
+
+def test_policy_loss_matches_naive_loop_and_gradient():
+    g = torch.Generator().manual_seed(0)
+    lp = (torch.randn(3, 4, generator=g) * 0.3).requires_grad_()
+    old = torch.randn(3, 4, generator=g) * 0.3
+    adv = torch.randn(3, 4, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    loss, _ = ppo_policy_loss(lp, old, adv, mask, 0.2, 0.3)
+    total, n = 0.0, 0
+    for b in range(3):
+        for t in range(4):
+            if mask[b, t]:
+                r = math.exp(lp[b, t].item() - old[b, t].item())
+                a = adv[b, t].item()
+                total += max(-a * r, -a * min(max(r, 0.8), 1.3))
+                n += 1
+    assert loss.item() == pytest.approx(total / n, rel=1e-5)
+    loss.backward()
+    # gradient is -A·ρ/N where unclipped is active, 0 where the clipped branch is
+    r = torch.exp(lp.detach() - old)
+    active = (-adv * r >= -adv * r.clamp(0.8, 1.3)) & mask.bool()
+    expected = torch.where(active, -adv * r / n, torch.zeros_like(r))
+    torch.testing.assert_close(lp.grad, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_value_loss_hand_values():
+    v = torch.tensor([[1.0, 0.0]])
+    old = torch.tensor([[0.5, 0.0]])
+    ret = torch.tensor([[0.0, 1.0]])
+    mask = torch.ones(1, 2)
+    # token 0: unclipped (1-0)^2 = 1, clipped v = 0.7 -> 0.49; max = 1. token 1: (0-1)^2 = 1 both
+    loss, stats = value_loss(v, old, ret, mask, clip=0.2)
+    assert loss.item() == pytest.approx(0.5 * (1 + 1) / 2)
+    assert stats["clipfrac"].item() == 0.0
+    # clipped branch dominates when V moved away from G: v=-1, old=0 -> clip to -0.2: (−0.2−1)²=1.44 < 4
+    loss, stats = value_loss(torch.tensor([[-1.0]]), torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.ones(1, 1), 0.2)
+    assert loss.item() == pytest.approx(0.5 * 4.0) and stats["clipfrac"].item() == 0.0
+    loss, stats = value_loss(torch.tensor([[2.0]]), torch.tensor([[0.0]]), torch.tensor([[0.0]]), torch.ones(1, 1), 0.2)
+    assert loss.item() == pytest.approx(0.5 * 4.0)
+    # no clip: plain MSE
+    loss, _ = value_loss(v, old, ret, mask, clip=None)
+    assert loss.item() == pytest.approx(0.5 * (1 + 1) / 2)
+
+
+def test_explained_variance():
+    ret = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    _, perfect = value_loss(ret, ret, ret, torch.ones(1, 4))
+    assert perfect["explained_variance"].item() == pytest.approx(1.0)
+    _, const = value_loss(ret, torch.full((1, 4), 2.5), ret, torch.ones(1, 4))
+    assert const["explained_variance"].item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_entropy_matches_naive():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 7, generator=g) * 3
+    p = logits.softmax(-1)
+    torch.testing.assert_close(entropy_from_logits(logits, chunk_size=2), -(p * p.log()).sum(-1))
+    uniform = entropy_from_logits(torch.zeros(1, 1, 8))
+    assert uniform.item() == pytest.approx(math.log(8))
+
+
+def test_aggregations():
+    x = torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0]])
+    m = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert aggregate(x, m, "token_mean").item() == pytest.approx(2.0)  # (1+3+2)/3
+    assert aggregate(x, m, "seq_mean").item() == pytest.approx((2.0 + 2.0) / 2)
+    assert aggregate(x, m, "seq_sum_const", constant=4).item() == pytest.approx(6 / (2 * 4))
