@@ -59,6 +59,9 @@ def plan(cfg: DictConfig) -> Plan:
         )
     data_cls = _get_class(cfg.data[kind], f"data.{kind}")
     data = build_config(data_cls.config_class, cfg.data[kind], f"data.{kind}")
+    resolve_model_spec = getattr(algo_cls, "resolve_model_spec", None)
+    if resolve_model_spec is not None:  # e.g. PPO trains algo.policy_path, not model.name_or_path
+        model = resolve_model_spec(algo, model)
     check_compatible = getattr(algo_cls, "check_compatible", None)
     if check_compatible is not None:
         check_compatible(algo, model)

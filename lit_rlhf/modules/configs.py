@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lit_rlhf.rollout.generate import GenerationConfig
 from lit_rlhf.utils.config import check
 
 
@@ -66,3 +67,89 @@ class RMConfig(OptimConfig):
     """``save_pretrained`` folder of the trained reward model (backbone + head + reward_config.json)."""
     export_best: bool = True
     """Export the best checkpoint by validation accuracy (when checkpointing monitors it), not the last."""
+
+
+@dataclass
+class PPOConfig(OptimConfig):
+    """PPO / PPO-max for language models (ALGORITHMS §2–§3). Every switch is a key; presets in
+    conf/algo/{ppo,ppo_max,ppo_moss_release}.yaml only set values."""
+
+    # ---- models
+    policy_path: str = ""
+    """The SFT model (``save_pretrained`` folder or hub id): actor init AND frozen reference."""
+    reward_path: str | None = None
+    """A saved reward model (algo=rm's export_dir): frozen scorer and, by default, critic init."""
+    reward_fn: dict | None = None
+    """Instead of a reward model: ``{_target_: factory}`` returning ``fn(prompts, responses, ended)
+    -> list[float]``, e.g. ``lit_rlhf.data.synthetic.gold_reward_fn`` (the embedded gold reward)."""
+    critic_path: str | None = None
+    """Critic init; None = reward_path when it is a causal-LM reward model, else policy_path (fresh head)."""
+    reward_max_length: int = field(default=512, metadata={"ge": 8})
+    """Max tokens when a reward model with its own tokenizer re-tokenizes prompt + response."""
+    # ---- optimization
+    lr: float = field(default=5e-7, metadata={"gt": 0.0})
+    """Actor learning rate."""
+    critic_lr: float = field(default=1.65e-6, metadata={"gt": 0.0})
+    ppo_epochs: int = field(default=1, metadata={"ge": 1})
+    minibatch_size: int = field(default=4, metadata={"ge": 1})
+    """Rollouts per minibatch update (the rollout batch is data.prompt.batch_size)."""
+    max_grad_norm: float | None = field(default=1.0, metadata={"gt": 0.0})
+    """Global grad-norm clip over actor and critic (DeepSpeed strategies clip in their config)."""
+    critic_warmup_steps: int = field(default=0, metadata={"ge": 0})
+    """First N RL iterations update only the critic (actor frozen)."""
+    # ---- rollout
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    logprobs_at_sampling_temperature: bool = False
+    """False: log-probs at temperature 1 (ALGORITHMS §2); True: divide logits by the sampling temperature."""
+    # ---- reward shaping
+    score_norm: Literal["none", "scale", "normalize"] = "none"
+    """Score reparameterization with running moments: r/σ (scale) or (r − μ)/σ (normalize)."""
+    score_clip: float | None = field(default=None, metadata={"gt": 0.0})
+    """Clip the (reparameterized) score to ±δ."""
+    missing_eos_penalty: float | None = field(default=None, metadata={"ge": 0.0})
+    """Subtract this from the score of responses truncated without EOS."""
+    kl_coef: float = field(default=0.0, metadata={"ge": 0.0})
+    """β; 0 = no KL term (the reference is still scored for the stability metrics)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    kl_placement: Literal["reward", "loss"] = "reward"
+    """In the per-token reward (−β·kl_t, default) or in the policy loss (β · token-mean kl)."""
+    adaptive_kl: bool = False
+    """Ziegler's adaptive β towards kl_target (sequence KL) over kl_horizon samples."""
+    kl_target: float = field(default=6.0, metadata={"gt": 0.0})
+    kl_horizon: int = field(default=10000, metadata={"ge": 1})
+    # ---- advantages
+    gamma: float = field(default=1.0, metadata={"ge": 0.0, "le": 1.0})
+    lam: float = field(default=0.95, metadata={"ge": 0.0, "le": 1.0})
+    whiten_advantages: bool = True
+    """Whiten advantages over the whole rollout buffer (all ranks) before the minibatches."""
+    advantage_clip: float | None = field(default=None, metadata={"gt": 0.0})
+    # ---- losses
+    clip_eps_low: float = field(default=0.2, metadata={"gt": 0.0, "lt": 1.0})
+    clip_eps_high: float = field(default=0.2, metadata={"gt": 0.0})
+    dual_clip: float | None = field(default=None, metadata={"gt": 1.0})
+    value_clip: float | None = field(default=0.2, metadata={"gt": 0.0})
+    vf_coef: float = field(default=1.0, metadata={"ge": 0.0})
+    entropy_coef: float = field(default=0.0, metadata={"ge": 0.0})
+    ptx_coef: float = field(default=0.0, metadata={"ge": 0.0})
+    """PPO-ptx: weight of the LM loss on ``data.prompt.ptx_source`` batches (0 = off)."""
+    export_dir: str | None = None
+    """``save_pretrained`` folder of the final actor."""
+
+    def validate(self) -> None:
+        super().validate()
+        check(bool(self.policy_path), "policy_path", "required: the SFT model folder (algo=sft's export_dir) or a hub id")
+        check(
+            (self.reward_path is None) != (self.reward_fn is None),
+            "reward_path",
+            "set exactly one of algo.reward_path (a saved reward model) and algo.reward_fn (a {_target_: …} callable)",
+        )
+        check(
+            self.clip_eps_high >= self.clip_eps_low,
+            "clip_eps_high",
+            f"must be >= algo.clip_eps_low ({self.clip_eps_low}), got {self.clip_eps_high}",
+        )
+        check(
+            self.reward_fn is None or "_target_" in self.reward_fn,
+            "reward_fn",
+            "must be a mapping with a _target_ (a factory returning the reward callable)",
+        )

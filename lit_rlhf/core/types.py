@@ -1,0 +1,61 @@
+"""The data that flows between RL phases, one field per tensor, each with its shape and mask.
+
+B = rollouts in the batch, P = prompt width (left-padded), R = response width (right-padded
+after each response's EOS). Per-token tensors are aligned with the response tokens: column t
+holds the quantity for response token t (its log-prob, the value of the state before it, …).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Rollout:
+    """One batch of generated responses and everything scored on them (no grad)."""
+
+    prompt_ids: Tensor  # (B, P) left-padded prompt tokens
+    prompt_mask: Tensor  # (B, P) 1 = real prompt token
+    response_ids: Tensor  # (B, R) generated tokens, right-padded after EOS
+    response_mask: Tensor  # (B, R) 1 = response token (up to and including the first EOS)
+    ended: Tensor  # (B,) bool: the response contains an EOS (False = truncated at max_new_tokens)
+    logprobs: Tensor  # (B, R) log π_old(y_t | x, y_<t) at rollout time
+    ref_logprobs: Tensor  # (B, R) log π_ref(y_t | x, y_<t)
+    values: Tensor  # (B, R) V_old(s_t), the critic before this update
+    scores: Tensor  # (B,) raw reward score r(x, y) (reward model or callable), before reparameterization
+    rewards: Tensor | None = None  # (B, R) shaped per-token reward (score on the last token, −β·kl)
+    advantages: Tensor | None = None  # (B, R) GAE advantages (whitened if configured)
+    returns: Tensor | None = None  # (B, R) critic targets G_t = A_t + V_t
+    prompts_text: list[str] = field(default_factory=list)  # decoded prompts (for samples tables)
+    responses_text: list[str] = field(default_factory=list)  # decoded responses
+
+    @property
+    def input_ids(self) -> Tensor:
+        """(B, P + R) prompt and response tokens."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        """(B, P + R) 1 = real token (prompt padding on the left, response padding on the right)."""
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def response_lengths(self) -> Tensor:
+        """(B,) response tokens per row (EOS included)."""
+        return self.response_mask.sum(-1)
+
+    def select(self, index: Tensor) -> "Rollout":
+        """The rows ``index`` of every tensor field (a minibatch view)."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Tensor):
+                out[f.name] = v[index]
+            elif isinstance(v, list) and v:
+                out[f.name] = [v[i] for i in index.tolist()]
+            else:
+                out[f.name] = v
+        return replace(self, **out)

@@ -1,0 +1,184 @@
+"""Prompt-only data for RL stages (PPO, GRPO): left-padded prompts, plus optional ptx batches.
+
+Prompts come from the embedded task (sentence openings), a file with a prompt field, or the
+prompts of preference pairs (HH-RLHF dialogues up to the last "Assistant:"). With
+``ptx_source`` set, every batch also carries an SFT batch for the PPO-ptx loss (InstructGPT):
+``{"prompt_ids", "prompt_mask", "prompts", "ptx": {input_ids, attention_mask, response_mask}}``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import CombinedLoader
+from torch.utils.data import DataLoader, RandomSampler
+
+from lit_rlhf.data.collate import pad
+from lit_rlhf.data.io import DataError, iter_rows, require_str, select_rows
+from lit_rlhf.data.preference import split_hh
+from lit_rlhf.data.synthetic import SyntheticTask, TaskConfig
+from lit_rlhf.data.templates import TEMPLATES, get_template
+from lit_rlhf.utils.config import check, resolve_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptDataConfig:
+    """Prompts for rollouts (``data.prompt.*``)."""
+
+    source: str = "synthetic"
+    """"synthetic" (sentence openings), a file/dataset with a prompt column, or HH-style pairs."""
+    format: Literal["auto", "prompt", "hh"] = "auto"
+    """prompt = a ``prompt_field`` column; hh = the shared prompt of chosen/rejected dialogues."""
+    prompt_field: str = "prompt"
+    train_split: str = "train"
+    train_rows: str | None = None
+    val_rows: str | None = None
+    """Rows of ``source`` evaluated in validation (greedy rollouts); None = no validation."""
+    template: str = "plain"
+    max_prompt_length: int = field(default=64, metadata={"ge": 1})
+    """Longer prompts lose tokens from the left (a leading BOS is kept); counted in the log."""
+    batch_size: int = field(default=16, metadata={"ge": 1})
+    """Prompts per RL iteration (the rollout batch, per process)."""
+    eval_batch_size: int | None = field(default=None, metadata={"ge": 1})
+    num_workers: int = field(default=0, metadata={"ge": 0})
+    seed: int = 0
+    task: TaskConfig = field(default_factory=TaskConfig)
+    n_train: int = field(default=20000, metadata={"ge": 1})
+    """Embedded task: training prompts."""
+    n_val: int = field(default=64, metadata={"ge": 0})
+    """Embedded task: validation prompts (0 = no validation)."""
+    ptx_source: str | None = None
+    """SFT pairs for the ptx loss: "synthetic" (the embedded SFT corpus) or a prompt/response file."""
+    ptx_batch_size: int = field(default=16, metadata={"ge": 1})
+    ptx_max_length: int = field(default=64, metadata={"ge": 2})
+
+    def validate(self) -> None:
+        check(self.template in TEMPLATES, "template", f"must be one of {list(TEMPLATES)}, got {self.template!r}")
+
+
+def encode_prompt(tokenizer: Any, text: str, max_length: int) -> tuple[list[int], int]:
+    """Prompt ids (with special tokens), cut from the left to ``max_length`` keeping a leading BOS."""
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    cut = max(0, len(ids) - max_length)
+    if cut:
+        keep_bos = ids[0] == tokenizer.bos_token_id and max_length > 1
+        ids = ids[:1] + ids[1 + cut :] if keep_bos else ids[cut:]
+    return ids, cut
+
+
+def collate_prompts(items: list[tuple[list[int], str]], pad_id: int) -> dict[str, Any]:
+    """Left-padded prompts (generation continues every row at the same column).
+
+    Returns:
+        prompt_ids (B, P), prompt_mask (B, P) 1 = real token, prompts: the raw prompt strings.
+    """
+    ids, mask = pad([i for i, _ in items], pad_id, "left")
+    return {"prompt_ids": ids, "prompt_mask": mask, "prompts": [t for _, t in items]}
+
+
+class PromptDataModule(pl.LightningDataModule):
+    """Left-padded prompt batches for RL; ``connect(tokenizer)`` before ``setup``."""
+
+    config_class = PromptDataConfig
+
+    def __init__(self, config: PromptDataConfig | None = None, **kwargs: Any) -> None:
+        super().__init__()
+        self.config = resolve_config(PromptDataConfig, config, kwargs, "data")
+        self.tokenizer: Any = None
+        self.train_set: list[tuple[list[int], str]] | None = None
+        self.val_set: list[tuple[list[int], str]] = []
+        self.ptx: Any = None
+        self.stats: dict[str, int] = {}
+
+    def connect(self, tokenizer: Any, kind: str = "causal_lm") -> "PromptDataModule":
+        if kind != "causal_lm":
+            raise ValueError(f"RL rollouts need a causal LM policy, got model.kind={kind}")
+        self.tokenizer = tokenizer
+        return self
+
+    def _prompts(self, rows_spec: str | None) -> list[str]:
+        c = self.config
+        rows = select_rows(list(iter_rows(c.source, c.train_split)), rows_spec)
+        fmt = c.format
+        if fmt == "auto" and rows:
+            fmt = "prompt" if c.prompt_field in rows[0].data else "hh" if {"chosen", "rejected"} <= set(rows[0].data) else "prompt"
+        out = []
+        for row in rows:
+            if fmt == "hh":
+                out.append(split_hh(require_str(row, "chosen"), require_str(row, "rejected"), row.where)[0])
+            else:
+                out.append(require_str(row, c.prompt_field, ["data.prompt.prompt_field"]))
+        return out
+
+    def _encode(self, prompts: list[str], split: str) -> list[tuple[list[int], str]]:
+        c = self.config
+        template = get_template(c.template)
+        out, cut = [], 0
+        for p in prompts:
+            ids, n = encode_prompt(self.tokenizer, template.format_prompt(p), c.max_prompt_length)
+            cut += n > 0
+            out.append((ids, p))
+        self.stats[f"{split}_prompts"] = len(out)
+        self.stats[f"{split}_prompts_cut"] = cut
+        log.info("prompts %s: %d (%d cut from the left at max_prompt_length=%d)", split, len(out), cut, c.max_prompt_length)
+        return out
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        if self.tokenizer is None:
+            raise RuntimeError("PromptDataModule.connect(tokenizer) must be called before setup()")
+        c = self.config
+        if c.source == "synthetic":
+            task = SyntheticTask(c.task)
+            train = [r["prompt"] for r in task.prompts(c.n_train, "train")]
+            val = [r["prompt"] for r in task.prompts(c.n_val, "val")] if c.n_val else []
+        else:
+            train = self._prompts(c.train_rows)
+            val = self._prompts(c.val_rows) if c.val_rows else []
+        if not train:
+            raise DataError(f"{c.source}: no prompts")
+        self.train_set = self._encode(train, "train")
+        self.val_set = self._encode(val, "val") if val else []
+        if c.ptx_source:
+            from lit_rlhf.data.sft import SFTDataModule
+
+            self.ptx = SFTDataModule(
+                source=c.ptx_source, task=c.task, template=c.template, max_length=c.ptx_max_length,
+                batch_size=c.ptx_batch_size, val_fraction=0.0, n_val=1, seed=c.seed,
+            ).connect(self.tokenizer)  # fmt: skip
+            self.ptx.setup(stage)
+
+    def _prompt_loader(self, data: list, shuffle: bool, size: int) -> DataLoader:
+        gen = torch.Generator().manual_seed(self.config.seed) if shuffle else None
+        return DataLoader(
+            data, batch_size=size, shuffle=shuffle, generator=gen, num_workers=self.config.num_workers,
+            collate_fn=functools.partial(collate_prompts, pad_id=self.tokenizer.pad_token_id), drop_last=shuffle,
+        )  # fmt: skip
+
+    def train_dataloader(self) -> Any:
+        assert self.train_set is not None, "setup() first"
+        c = self.config
+        prompts = self._prompt_loader(self.train_set, True, c.batch_size)
+        if self.ptx is None:
+            return prompts
+        # one ptx batch per prompt batch, sampled with replacement, whatever the corpus size
+        from lit_rlhf.data.collate import collate_sft
+
+        sampler = RandomSampler(self.ptx.train_set, replacement=True, num_samples=len(prompts) * c.ptx_batch_size,
+                                generator=torch.Generator().manual_seed(c.seed + 1))  # fmt: skip
+        ptx = DataLoader(self.ptx.train_set, batch_size=c.ptx_batch_size, sampler=sampler, num_workers=c.num_workers,
+                         collate_fn=functools.partial(collate_sft, pad_id=self.tokenizer.pad_token_id))  # fmt: skip
+        return CombinedLoader({"prompts": prompts, "ptx": ptx}, mode="min_size")
+
+    def val_dataloader(self) -> Any:
+        if not self.val_set:
+            return []
+        return self._prompt_loader(self.val_set, False, self.config.eval_batch_size or self.config.batch_size)

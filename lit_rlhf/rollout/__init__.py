@@ -1,0 +1,1 @@
+"""Rollout: sampling responses (generate.py), scoring them (score.py), minibatching (minibatches.py)."""

@@ -1,0 +1,87 @@
+"""No-grad scoring of a generated batch: log-probs (actor, reference), values (critic), scores.
+
+Every per-token quantity is read at the position BEFORE the token it scores: logits at t−1
+predict token t, and V(s_t) is the value of the prefix that ends just before response token t.
+So for a prompt of width P: ``full[:, P - 1 : -1]`` lines up with the response tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from lit_rlhf.core.logprobs import entropy_from_logits, logprobs_from_logits
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """(B, T): 0 at each row's first real token, counting real tokens (left padding safe)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def response_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, prompt_width: int) -> Tensor:
+    """(B, R, V) logits that predict the R response tokens of ``input_ids`` (B, P + R)."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask))
+    return out.logits[:, prompt_width - 1 : -1]
+
+
+def response_logprobs(
+    model: Any, input_ids: Tensor, attention_mask: Tensor, prompt_width: int, temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """(B, R) log π(y_t | x, y_<t) of the response tokens (and (B, R) entropies if asked).
+
+    ``temperature`` divides the logits first (1.0 = the model's own distribution, the default
+    in ALGORITHMS §2; the sampling temperature is the alternative).
+    """
+    logits = response_logits(model, input_ids, attention_mask, prompt_width)
+    if temperature != 1.0:
+        logits = logits / temperature
+    labels = input_ids[:, prompt_width:]
+    logprobs = logprobs_from_logits(logits, labels)
+    return logprobs, entropy_from_logits(logits) if with_entropy else None
+
+
+def response_values(critic: Any, input_ids: Tensor, attention_mask: Tensor, prompt_width: int) -> Tensor:
+    """(B, R) V(s_t) for the states before each response token."""
+    return critic(input_ids, attention_mask)[:, prompt_width - 1 : -1]
+
+
+class ModelScorer:
+    """Scores (B,) from a frozen reward model. Reuses the policy's token ids when both share a
+    tokenizer; otherwise decodes the texts and re-tokenizes them for the reward model (an
+    encoder RM with its own vocabulary, for example)."""
+
+    def __init__(self, reward_model: Any, reward_tokenizer: Any, policy_tokenizer: Any, template: Any, max_length: int):
+        self.model = reward_model
+        self.tokenizer = reward_tokenizer
+        self.template = template
+        self.max_length = max_length
+        self.same_vocab = reward_model.kind == "causal_lm" and reward_tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+
+    @torch.no_grad()
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], responses: Sequence[str],
+                 ended: Tensor) -> Tensor:  # fmt: skip
+        if self.same_vocab:
+            return self.model(input_ids, attention_mask).float()
+        from lit_rlhf.data.collate import collate_sft, encode_encoder_pair, encode_pair
+
+        encode = encode_encoder_pair if self.model.kind == "encoder" else encode_pair
+        pairs = [encode(self.tokenizer, p, r, self.template, self.max_length) for p, r in zip(prompts, responses)]
+        batch = collate_sft(pairs, self.tokenizer.pad_token_id)
+        device = input_ids.device
+        return self.model(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float()
+
+
+class CallableScorer:
+    """Scores from a Python function ``fn(prompts, responses, ended) -> list[float]`` (e.g. the
+    embedded task's gold reward), on the decoded texts."""
+
+    def __init__(self, fn: Callable[..., Sequence[float]]):
+        self.fn = fn
+
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], responses: Sequence[str],
+                 ended: Tensor) -> Tensor:  # fmt: skip
+        values = self.fn(list(prompts), list(responses), ended.tolist())
+        return torch.as_tensor(values, dtype=torch.float32, device=input_ids.device)

@@ -1,0 +1,13 @@
+"""The one place lit_rlhf touches torch.distributed: an in-place sum over ranks (no-op alone)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over all processes in place (and return it); a no-op without a process group."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x

@@ -1,0 +1,136 @@
+"""PPOModule on tiny models: learning happens where it should and nowhere else."""
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lit_rlhf.data.prompts import PromptDataModule
+from lit_rlhf.models.builders import build_causal_lm
+from lit_rlhf.models.reward import build_reward_model
+from lit_rlhf.models.spec import ModelSpec
+from lit_rlhf.modules.configs import PPOConfig
+from lit_rlhf.modules.ppo import PPOModule
+from lit_rlhf.utils.config import build_config
+
+
+@pytest.fixture
+def saved_models(tiny_spec, tokenizer, tmp_path):
+    """A random tiny policy and a random tiny causal reward model, saved like the real stages do."""
+    torch.manual_seed(0)
+    policy = build_causal_lm(tiny_spec, tokenizer)
+    policy.save_pretrained(tmp_path / "policy")
+    tokenizer.save_pretrained(tmp_path / "policy")
+    rm = build_reward_model(tiny_spec, tokenizer)
+    rm.save_pretrained(str(tmp_path / "rm"))
+    tokenizer.save_pretrained(tmp_path / "rm")
+    return str(tmp_path / "policy"), str(tmp_path / "rm")
+
+
+def make(saved_models, tokenizer, **kw):
+    policy, rm = saved_models
+    args = dict(policy_path=policy, reward_path=rm, lr=1e-3, critic_lr=1e-3, minibatch_size=4,
+                generation={"max_new_tokens": 8})  # fmt: skip
+    args.update(kw)
+    if "reward_fn" in kw:
+        args["reward_path"] = None
+    cfg = build_config(PPOConfig, args, "algo")
+    spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path="model group, unused by PPO"))
+    return PPOModule(cfg, model=spec, tokenizer=tokenizer)
+
+
+def data(tokenizer, batch_size=8, **kw):
+    dm = PromptDataModule(n_train=64, n_val=8, batch_size=batch_size, **kw).connect(tokenizer)
+    return dm
+
+
+def fit(module, dm, max_steps, **kw):
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, limit_val_batches=0, **kw)  # fmt: skip
+    trainer.fit(module, dm)
+    return trainer
+
+
+def test_steps_change_actor_and_critic_and_nothing_frozen(saved_models, tokenizer):
+    torch.manual_seed(0)
+    m = make(saved_models, tokenizer, kl_coef=0.05)
+    m.configure_model()
+    actor0 = {k: v.clone() for k, v in m.actor.state_dict().items()}
+    critic0 = {k: v.clone() for k, v in m.critic.state_dict().items()}
+    ref0 = {k: v.clone() for k, v in m.frozen["reference"].state_dict().items()}
+    rm0 = {k: v.clone() for k, v in m.frozen["reward"].state_dict().items()}
+    trainer = fit(m, data(tokenizer), max_steps=4)  # 2 iterations x 2 minibatches
+    assert trainer.global_step == 4 and m.iteration == 2
+    for name, p in m.actor.named_parameters():
+        assert not torch.equal(actor0[name], p.detach()), f"actor {name} did not change"
+    for name, p in m.critic.named_parameters():
+        assert not torch.equal(critic0[name], p.detach()), f"critic {name} did not change"
+    assert all(torch.equal(ref0[k], v) for k, v in m.frozen["reference"].state_dict().items())
+    assert all(torch.equal(rm0[k], v) for k, v in m.frozen["reward"].state_dict().items())
+    assert not any(n.startswith("frozen") for n, _ in m.named_parameters())  # not in checkpoints
+    for k, v in trainer.callback_metrics.items():
+        assert math.isfinite(float(v)), k
+    for key in ("policy/loss", "policy/clipfrac", "policy/approx_kl", "policy/entropy", "critic/loss",
+                "critic/explained_variance", "reward/score_mean", "kl_ctl/beta"):  # fmt: skip
+        assert key in trainer.callback_metrics
+
+
+def test_max_steps_counts_optimizer_steps_exactly(saved_models, tokenizer):
+    m = make(saved_models, tokenizer, minibatch_size=2)  # 8 rollouts / 2 = 4 updates per iteration
+    trainer = fit(m, data(tokenizer), max_steps=6)
+    assert trainer.global_step == 6  # stopped inside the 2nd iteration, not at 8
+    assert m.iteration == 2
+
+
+def test_critic_warmup_freezes_the_actor(saved_models, tokenizer):
+    m = make(saved_models, tokenizer, critic_warmup_steps=1, weight_decay=0.1)  # decay must not leak in
+    m.configure_model()
+    actor0 = {k: v.clone() for k, v in m.actor.state_dict().items()}
+    critic0 = {k: v.clone() for k, v in m.critic.state_dict().items()}
+    trainer = fit(m, data(tokenizer), max_steps=2)  # exactly the warm-up iteration
+    assert all(torch.equal(actor0[k], v) for k, v in m.actor.state_dict().items())
+    assert any(not torch.equal(critic0[k], v) for k, v in m.critic.state_dict().items())
+    lrs = [g["lr"] for g in trainer.optimizers[0].param_groups]
+    assert lrs[:2] == pytest.approx([1e-3, 1e-3])  # the actor's own schedule starts after warm-up
+    assert lrs[2:] == pytest.approx([1e-3 * m.lr_factor(2, 2)] * 2)  # the critic's ran all along
+
+
+def test_callable_reward_and_fresh_critic_head(saved_models, tokenizer):
+    m = make(saved_models, tokenizer, reward_fn={"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"})
+    trainer = fit(m, data(tokenizer), max_steps=2)
+    assert "reward" not in m.frozen and trainer.callback_metrics["reward/score_mean"] <= 1.0
+
+
+def test_ptx_term_is_used(saved_models, tokenizer):
+    m = make(saved_models, tokenizer, ptx_coef=0.5)
+    trainer = fit(m, data(tokenizer, ptx_source="synthetic", ptx_batch_size=8), max_steps=2)
+    assert math.isfinite(float(trainer.callback_metrics["ptx/loss"]))
+
+
+def test_checkpoint_holds_rl_state_and_resumes(saved_models, tokenizer, tmp_path):
+    m = make(saved_models, tokenizer, score_norm="normalize", adaptive_kl=True, kl_coef=0.1, kl_target=1.0)
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False, limit_val_batches=0,
+                         default_root_dir=tmp_path, enable_checkpointing=False)  # fmt: skip
+    trainer.fit(m, data(tokenizer))
+    trainer.save_checkpoint(tmp_path / "ppo.ckpt")
+    ckpt = torch.load(tmp_path / "ppo.ckpt", weights_only=False)
+    state = ckpt["lit_rlhf_ppo"]
+    assert state["iteration"] == 2 and state["reward_moments"]["count"] == 16
+    assert state["kl_ctl"]["value"] == pytest.approx(m.kl_ctl.value) and m.kl_ctl.value != 0.1
+    assert all(k.startswith(("actor.", "critic.")) for k in ckpt["state_dict"])
+    resumed = make(saved_models, tokenizer, score_norm="normalize", adaptive_kl=True, kl_coef=0.1, kl_target=1.0)
+    t2 = pl.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_progress_bar=False, limit_val_batches=0,
+                    enable_checkpointing=False)  # fmt: skip
+    t2.fit(resumed, data(tokenizer), ckpt_path=tmp_path / "ppo.ckpt")
+    assert t2.global_step == 6 and resumed.iteration == 3 and resumed.reward_moments.count == 24
+
+
+def test_export_actor(saved_models, tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    m = make(saved_models, tokenizer, export_dir=str(tmp_path / "actor"))
+    fit(m, data(tokenizer), max_steps=2)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "actor")
+    x = torch.tensor([[2, 5, 9]])
+    torch.testing.assert_close(loaded(input_ids=x).logits, m.actor(input_ids=x).logits)
