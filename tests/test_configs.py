@@ -6,14 +6,19 @@ import pytest
 from omegaconf import OmegaConf
 
 from lit_rlhf.runner import _resolve_auto_monitor, plan
+from lit_rlhf.utils.config import ConfigError
 from lit_rlhf.utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_strategy
 from tests.conftest import ROOT, compose
 
 CONF = ROOT / "conf"
 GROUPS = ["model", "algo", "data", "strategy", "trainer", "logger", "callbacks", "experiment", "hparams_search", "debug"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
-# data options that need a user-supplied path (`???`): composing must leave it visibly missing
-NEEDS_USER_VALUE = {("data", "sft_file"): "data.sft.source"}
+# options that need user-supplied values: the first key is `???` (visibly missing) in the config
+NEEDS_USER_VALUE = {
+    ("data", "sft_file"): ["data.sft.source=x.jsonl"],
+    **{("algo", a): ["algo.policy_path=/models/sft", "algo.reward_path=/models/rm"]
+       for a in ("ppo", "ppo_max", "ppo_moss_release")},
+}  # fmt: skip
 
 
 def test_every_group_has_options():
@@ -21,15 +26,25 @@ def test_every_group_has_options():
         assert list((CONF / g).glob("*.yaml")), f"conf/{g} is empty"
 
 
+# an algo that can consume each data kind (data options without an `sft` section use these)
+ALGO_FOR_KIND = {"preference": ["algo=rm"], "prompt": ["algo=ppo", *NEEDS_USER_VALUE[("algo", "ppo")]]}
+
+
 @pytest.mark.parametrize("group, option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option_composes_and_validates(group, option, tmp_path):
     cfg = compose([f"{group}={option}"], tmp_path)
+    if group == "data" and "sft" not in cfg.data:
+        kind = next(k for k in ALGO_FOR_KIND if k in cfg.data)
+        cfg = compose([f"{group}={option}", *ALGO_FOR_KIND[kind]], tmp_path)
     assert OmegaConf.to_yaml(cfg)
     if (group, option) in NEEDS_USER_VALUE:
-        key = NEEDS_USER_VALUE[(group, option)]
+        values = NEEDS_USER_VALUE[(group, option)]
+        key = values[0].split("=")[0]
         parent, leaf = key.rsplit(".", 1)
         assert OmegaConf.is_missing(OmegaConf.select(cfg, parent), leaf)
-        cfg = compose([f"{group}={option}", f"{key}=x.jsonl"], tmp_path)
+        with pytest.raises(ConfigError, match=rf"{key}: is required"):
+            plan(cfg)
+        cfg = compose([f"{group}={option}", *values], tmp_path)
     p = plan(cfg)  # model, algo and data configs are typed and valid
     assert p.algo_cls.data_kind in cfg.data
     if group == "strategy":

@@ -32,15 +32,22 @@ class ConfigError(ValueError):
         return ConfigError(key, self.message)
 
 
-def _to_plain(values: Any) -> Any:
-    """OmegaConf containers → plain dicts/lists (resolving interpolations); others unchanged."""
+def _to_plain(values: Any, prefix: str) -> Any:
+    """OmegaConf containers → plain dicts/lists (resolving interpolations); others unchanged.
+
+    A mandatory value left as ``???`` raises a ConfigError naming its key.
+    """
     try:
         from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(values, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(values, resolve=True)
+        from omegaconf.errors import MissingMandatoryValue
     except ImportError:  # pragma: no cover - omegaconf is a core dependency
-        pass
+        return values
+    if isinstance(values, (DictConfig, ListConfig)):
+        try:
+            return OmegaConf.to_container(values, resolve=True, throw_on_missing=True)
+        except MissingMandatoryValue as err:
+            key = err.full_key or prefix
+            raise ConfigError(key, f"is required (??? in the config): set it, e.g. {key}=…") from None
     return values
 
 
@@ -135,7 +142,7 @@ def build_config(cls: type[T], values: Mapping[str, Any] | None, prefix: str = "
     Raises:
         ConfigError: naming ``prefix.key`` and what is allowed.
     """
-    values = dict(_to_plain(values) or {})
+    values = dict(_to_plain(values, prefix) or {})
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}

@@ -1,0 +1,44 @@
+"""TEST ONLY: Lightning's DeepSpeedStrategy on a CPU accelerator, running real DeepSpeed ZeRO over gloo.
+
+Lightning refuses DeepSpeed without CUDA. Three small overrides make its real code path run on
+CPU processes, so CI (no GPU) exercises ZeRO-2 engine wrapping, manual_backward through the
+engine, engine.step and generate() under the engine:
+
+1. ``setup_environment``: DDP's (skips the CUDA check);
+2. ``setup_distributed``: no device-index validation (CPU devices have no index);
+3. ``deepspeed.initialize(args=Namespace(device_rank=local_rank))``: the CPU device has no index.
+Never use this for real training: DeepSpeed's CPU path is slow and untuned.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+
+class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+    strategy_name = "deepspeed_cpu_test"
+
+    def setup_environment(self) -> None:
+        DDPStrategy.setup_environment(self)
+
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        import deepspeed
+
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank),
+            config=self.config,
+            model=model,
+            model_parameters=filter(lambda p: p.requires_grad, model.parameters()),
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer
