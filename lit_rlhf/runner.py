@@ -84,19 +84,11 @@ def _resolve_auto_monitor(callbacks_cfg: Any, algo_cls: type) -> Any:
     return callbacks_cfg
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
-    """Run one job; returns the final ``trainer.callback_metrics`` as floats."""
+def build(cfg: DictConfig) -> tuple[Plan, Any, Any]:
+    """Validate, seed, and build the data module and the LightningModule (weights still unbuilt)."""
     import lightning.pytorch as pl
-    from hydra.utils import instantiate
 
     from lit_rlhf.models.builders import build_tokenizer
-    from lit_rlhf.utils.instantiate import (
-        finish_loggers,
-        instantiate_callbacks,
-        instantiate_loggers,
-        instantiate_strategy,
-        loggable_config,
-    )
 
     p = plan(cfg)
     if cfg.get("test", False) and "test_step" not in vars(p.algo_cls):
@@ -106,6 +98,23 @@ def run(cfg: DictConfig) -> dict[str, float]:
     tokenizer = build_tokenizer(p.model)
     datamodule = p.data_cls(p.data).connect(tokenizer, kind=p.model.kind)
     module = p.algo_cls(p.algo, model=p.model, tokenizer=tokenizer)
+    return p, datamodule, module
+
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    """Run one job; returns the final ``trainer.callback_metrics`` as floats."""
+    import lightning.pytorch as pl
+    from hydra.utils import instantiate
+
+    from lit_rlhf.utils.instantiate import (
+        finish_loggers,
+        instantiate_callbacks,
+        instantiate_loggers,
+        instantiate_strategy,
+        loggable_config,
+    )
+
+    p, datamodule, module = build(cfg)
     callbacks = instantiate_callbacks(_resolve_auto_monitor(cfg.get("callbacks"), p.algo_cls))
     loggers = instantiate_loggers(cfg.get("logger"))
     strategy = instantiate_strategy(cfg.get("strategy"))

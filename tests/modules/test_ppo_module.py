@@ -134,3 +134,31 @@ def test_export_actor(saved_models, tokenizer, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "actor")
     x = torch.tensor([[2, 5, 9]])
     torch.testing.assert_close(loaded(input_ids=x).logits, m.actor(input_ids=x).logits)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_ppo_max_raises_the_gold_reward(tmp_path):
+    """SFT on the embedded task, then algo=ppo_max (the preset as configured in conf/) with the
+    gold reward as the reward: mean gold reward on held-out prompts rises by ≥ 0.5 σ of SFT's."""
+    from lit_rlhf.runner import build, run
+    from tests.conftest import compose
+
+    run(compose(["trainer.accelerator=cpu", "logger=none", "callbacks=none", "trainer.enable_progress_bar=false",
+                 "data.sft.n_train=8000", "data.batch_size=32", "trainer.max_epochs=2"], tmp_path / "sft"))  # fmt: skip
+    cfg = compose(
+        ["algo=ppo_max", f"algo.policy_path={tmp_path / 'sft' / 'policy'}",
+         "algo.reward_fn={_target_:lit_rlhf.data.synthetic.gold_reward_fn}", "data.prompt.n_val=128",
+         "data.prompt.eval_batch_size=64", "trainer.accelerator=cpu", "trainer.max_steps=400", "logger=none",
+         "callbacks=none", "trainer.enable_progress_bar=false", "trainer.check_val_every_n_epoch=100"],
+        tmp_path / "ppo",
+    )  # fmt: skip
+    _, dm, module = build(cfg)
+    trainer = pl.Trainer(max_steps=400, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, check_val_every_n_epoch=100)  # fmt: skip
+    before = trainer.validate(module, dm, verbose=False)[0]
+    trainer.fit(module, dm)
+    after = trainer.validate(module, dm, verbose=False)[0]
+    sft_sigma = 0.25  # std of the gold reward of SFT-distribution text (tests/data/test_synthetic.py)
+    assert after["val/score_mean"] - before["val/score_mean"] >= 0.5 * sft_sigma, (before, after)
+    assert after["val/kl"] < 10.0  # the KL penalty keeps the policy near the SFT model
