@@ -18,6 +18,8 @@ NEEDS_USER_VALUE = {
     ("data", "sft_file"): ["data.sft.source=x.jsonl"],
     **{("algo", a): ["algo.policy_path=/models/sft", "algo.reward_path=/models/rm"]
        for a in ("ppo", "ppo_max", "ppo_moss_release")},
+    ("experiment", "ppo_max_hh_llama7b"): ["algo.policy_path=/models/sft", "algo.reward_path=/models/rm"],
+    ("experiment", "ppo_max_synthetic_tiny"): ["algo.policy_path=/models/sft"],
 }  # fmt: skip
 
 

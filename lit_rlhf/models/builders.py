@@ -185,5 +185,14 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def freeze_untied_lm_head(model: torch.nn.Module) -> None:
+    """``requires_grad=False`` on a causal LM's output projection unless it is tied to the input
+    embedding. Reward and value heads read the trunk only: an untied LM head that gets no
+    gradient makes DDP (find_unused_parameters=False) fail and wastes optimizer state."""
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is not None and out.weight is not inp.weight:
+        out.requires_grad_(False)
+
+
 def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

@@ -19,8 +19,11 @@ class ValueModel(nn.Module):
 
     def __init__(self, backbone: nn.Module, head: ScalarHead | None = None) -> None:
         super().__init__()
+        from lit_rlhf.models.builders import freeze_untied_lm_head
+
         self.backbone = backbone
         self.head = head if head is not None else ScalarHead(backbone.config.hidden_size)
+        freeze_untied_lm_head(backbone)  # values read the trunk only
 
     @classmethod
     def from_reward_model(cls, reward_model: nn.Module) -> "ValueModel":

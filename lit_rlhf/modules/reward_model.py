@@ -113,6 +113,10 @@ class RewardModelModule(RLHFModule):
             self.model_spec, self.ensure_tokenizer(), self.config.pooling, self.config.head_init_std
         )
         self.reward_model.train()  # from_pretrained returns eval mode; Lightning keeps module modes
+        if self.reward_model.kind == "causal_lm" and self.config.beta_rm == 0:
+            from lit_rlhf.models.builders import freeze_untied_lm_head
+
+            freeze_untied_lm_head(self.reward_model.backbone)  # unused without the LM term
 
     def exportable_model(self) -> nn.Module:
         return self.reward_model

@@ -74,3 +74,24 @@ def test_minilm_encoder_reward_model_round_trip(tmp_path):
     tok.save_pretrained(str(tmp_path))
     again = load_reward_model(str(tmp_path)).eval()
     torch.testing.assert_close(again(batch["input_ids"], batch["attention_mask"]), scores)
+
+
+def test_untied_lm_head_is_frozen_where_unused(tokenizer):
+    """A head that reads the trunk leaves an untied LM head without gradient: freeze it (DDP safety)."""
+    from lit_rlhf.models.builders import build_causal_lm
+    from lit_rlhf.models.spec import TinyLlamaConfig
+    from lit_rlhf.models.value import ValueModel
+    from lit_rlhf.modules.reward_model import RewardModelModule
+
+    untied = ModelSpec(tiny=TinyLlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                            intermediate_size=64, tie_word_embeddings=False), tokenizer="synthetic")  # fmt: skip
+    critic = ValueModel(build_causal_lm(untied, tokenizer))
+    assert not critic.backbone.lm_head.weight.requires_grad
+    assert critic.backbone.model.embed_tokens.weight.requires_grad
+    for beta, trainable in ((0.0, False), (1.0, True)):
+        m = RewardModelModule(model=untied, tokenizer=tokenizer, beta_rm=beta)
+        m.configure_model()
+        assert m.reward_model.backbone.lm_head.weight.requires_grad is trainable
+    tied = ValueModel(build_causal_lm(ModelSpec(tiny=TinyLlamaConfig(hidden_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, intermediate_size=64), tokenizer="synthetic"), tokenizer))  # fmt: skip
+    assert tied.backbone.lm_head.weight.requires_grad  # tied to the (used) input embedding
