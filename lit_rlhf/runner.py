@@ -122,6 +122,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
     try:
         for lg in loggers:
             lg.log_hyperparams(loggable_config(cfg))
+        if cfg.get("validate_before_fit", False):
+            # the starting point (e.g. the SFT policy's reward) in the same logs as the run
+            baseline = trainer.validate(module, datamodule=datamodule, verbose=False)
+            if baseline and trainer.is_global_zero:
+                log.info("before fit: %s", ", ".join(f"{k}={v:.4g}" for k, v in sorted(baseline[0].items())))
         if cfg.get("train", True):
             trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
