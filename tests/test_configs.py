@@ -120,3 +120,29 @@ def test_checkpoint_monitor_auto_follows_the_stage(algo, metric, mode, tmp_path)
     (ckpt,) = instantiate_callbacks(_resolve_auto_monitor(cfg.callbacks, plan(cfg).algo_cls))
     assert (ckpt.monitor, ckpt.mode) == (metric, mode)
     assert cfg.callbacks.model_checkpoint.monitor == "auto"  # the composed config is left as written
+
+
+def test_ppo_presets_follow_the_algorithms_table(tmp_path):
+    """ALGORITHMS §3: ppo_max = ppo + switches; ppo_moss_release = what the released scripts run."""
+    required = ["algo.policy_path=/m/sft", "algo.reward_path=/m/rm"]
+    ppo = plan(compose(["algo=ppo", *required], tmp_path)).algo
+    pmax = plan(compose(["algo=ppo_max", *required], tmp_path)).algo
+    moss = plan(compose(["algo=ppo_moss_release", *required], tmp_path)).algo
+    assert (ppo.score_norm, ppo.score_clip, ppo.kl_coef, ppo.whiten_advantages, ppo.lam) == ("none", None, 0.0, True, 0.95)
+    assert (pmax.score_norm, pmax.score_clip, pmax.kl_coef, pmax.kl_estimator) == ("normalize", 5.0, 0.05, "k1")
+    assert (pmax.whiten_advantages, pmax.lam, pmax.critic_warmup_steps > 0, pmax.warmup_ratio) == (False, 0.9, True, 0.1)
+    assert (moss.score_norm, moss.kl_coef, moss.lam, moss.ptx_coef, moss.critic_warmup_steps) == ("scale", 0.01, 0.95, 0.0, 0)
+    for a in (ppo, pmax, moss):
+        assert (a.clip_eps_low, a.clip_eps_high, a.value_clip, a.max_grad_norm, a.gamma) == (0.2, 0.2, 0.2, 1.0, 1.0)
+        g = a.generation
+        assert (g.temperature, g.top_p, g.repetition_penalty) == (0.8, 0.9, 1.1)
+
+
+def test_llama7b_ppo_max_deepspeed_composes(tmp_path):
+    cfg = compose(["model=llama7b", "algo=ppo_max", "strategy=deepspeed_stage_2",
+                   "algo.policy_path=/ckpt/sft-7b", "algo.reward_path=/ckpt/rm-7b"], tmp_path)  # fmt: skip
+    p = plan(cfg)
+    # PPO trains algo.policy_path; model=llama7b contributes dtype and memory switches
+    assert (p.model.name_or_path, p.model.dtype, p.model.gradient_checkpointing) == ("/ckpt/sft-7b", "bfloat16", True)
+    assert cfg.strategy.config.zero_optimization.stage == 2 and cfg.trainer.precision == "bf16-mixed"
+    assert type(instantiate_strategy(cfg.strategy)).__name__ == "DeepSpeedStrategy"

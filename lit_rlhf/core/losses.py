@@ -151,3 +151,30 @@ def pairwise_rm_loss(
             "score_std": scores.std(unbiased=False),
         }
     return loss, stats
+
+
+def entropy_loss(
+    entropy: Tensor, response_mask: Tensor, coef: float, target: float | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Entropy regularizer to ADD to the loss (ALGORITHMS §2).
+
+    Plain bonus (default): −coef · token-mean H. With ``target`` (MOSS-RLHF's form, fragile):
+    coef · |token-mean H − target|, pulling the entropy towards the target from either side.
+
+    Args:
+        entropy: (B, T) per-token entropies H(π(·|s_t)).
+    """
+    mean_h = masked_mean(entropy, response_mask)
+    loss = coef * (mean_h - target).abs() if target is not None else -coef * mean_h
+    return loss, {"entropy": mean_h.detach(), "loss": loss.detach()}
+
+
+def ptx_loss(logprobs: Tensor, loss_mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO-ptx (InstructGPT, Ouyang et al. 2022, Eq. 2): token-mean NLL of the policy on
+    pretraining/SFT tokens, to be weighted by c_ptx.
+
+    Args:
+        logprobs: (B, T) log π(x_t | x_<t) of the batch's tokens; loss_mask: (B, T) tokens scored.
+    """
+    loss = -masked_mean(logprobs, loss_mask)
+    return loss, {"loss": loss.detach()}

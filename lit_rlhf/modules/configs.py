@@ -130,6 +130,9 @@ class PPOConfig(OptimConfig):
     value_clip: float | None = field(default=0.2, metadata={"gt": 0.0})
     vf_coef: float = field(default=1.0, metadata={"ge": 0.0})
     entropy_coef: float = field(default=0.0, metadata={"ge": 0.0})
+    """Entropy bonus −c·H (0 = off)."""
+    entropy_target: float | None = field(default=None, metadata={"ge": 0.0})
+    """MOSS-RLHF's form instead of the bonus: c·|H − target| (fragile; off by default)."""
     ptx_coef: float = field(default=0.0, metadata={"ge": 0.0})
     """PPO-ptx: weight of the LM loss on ``data.prompt.ptx_source`` batches (0 = off)."""
     export_dir: str | None = None

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from lit_rlhf.core.advantages import gae
 from lit_rlhf.core.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from lit_rlhf.core.logprobs import shifted_token_logprobs
-from lit_rlhf.core.losses import ppo_policy_loss, value_loss
+from lit_rlhf.core.losses import entropy_loss, ppo_policy_loss, ptx_loss, value_loss
 from lit_rlhf.core.masked import masked_mean, masked_sum, masked_whiten
 from lit_rlhf.core.rewards import penalize_missing_eos, reparameterize_scores, shape_rewards
 from lit_rlhf.core.running_stats import RunningMoments
@@ -194,10 +194,10 @@ class PPOModule(RLHFModule):
         max_steps = self.trainer.max_steps
         return max_steps is not None and max_steps >= 0 and self.global_step >= max_steps
 
-    def ptx_loss(self, ptx: dict[str, Tensor]) -> Tensor:
-        """Token-mean LM loss of the actor on an SFT batch (PPO-ptx, InstructGPT)."""
+    def ptx_term(self, ptx: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """Token-mean LM loss of the actor on an SFT batch (PPO-ptx)."""
         logits = self.actor(input_ids=ptx["input_ids"], attention_mask=ptx["attention_mask"]).logits
-        return -masked_mean(shifted_token_logprobs(logits, ptx["input_ids"]), ptx["response_mask"])
+        return ptx_loss(shifted_token_logprobs(logits, ptx["input_ids"]), ptx["response_mask"])
 
     def minibatch_loss(self, mb: Rollout, critic_only: bool, ptx: dict[str, Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
         """Actor + critic loss of one minibatch (one backward covers both)."""
@@ -210,18 +210,18 @@ class PPOModule(RLHFModule):
         )
         actor_loss = pg_loss
         stats = {f"policy/{k}": v for k, v in pg_stats.items()}
-        ent = masked_mean(entropy, mb.response_mask)
-        stats["policy/entropy"] = ent.detach()
+        ent_loss, ent_stats = entropy_loss(entropy, mb.response_mask, c.entropy_coef, c.entropy_target)
+        stats["policy/entropy"] = ent_stats["entropy"]
         if c.entropy_coef:
-            actor_loss = actor_loss - c.entropy_coef * ent
+            actor_loss = actor_loss + ent_loss
         if c.kl_placement == "loss" and self.kl_ctl.value:
             kl = masked_mean(kl_penalty(logprobs, mb.ref_logprobs, c.kl_estimator), mb.response_mask)
             actor_loss = actor_loss + self.kl_ctl.value * kl
             stats["policy/kl_loss"] = kl.detach()
         if ptx is not None and c.ptx_coef:
-            ptx_l = self.ptx_loss(ptx)
+            ptx_l, ptx_stats = self.ptx_term(ptx)
             actor_loss = actor_loss + c.ptx_coef * ptx_l
-            stats["ptx/loss"] = ptx_l.detach()
+            stats["ptx/loss"] = ptx_stats["loss"]
         if critic_only:
             # critic warm-up: the actor stays in the graph with zero weight, so every parameter
             # gets a (zero) gradient and DDP needs no find_unused_parameters

@@ -151,3 +151,23 @@ def test_aggregations():
     assert aggregate(x, m, "token_mean").item() == pytest.approx(2.0)  # (1+3+2)/3
     assert aggregate(x, m, "seq_mean").item() == pytest.approx((2.0 + 2.0) / 2)
     assert aggregate(x, m, "seq_sum_const", constant=4).item() == pytest.approx(6 / (2 * 4))
+
+
+def test_entropy_loss_bonus_and_target_forms():
+    from lit_rlhf.core.losses import entropy_loss
+
+    h = torch.tensor([[1.0, 3.0, 9.0]])
+    m = torch.tensor([[1, 1, 0]])
+    loss, stats = entropy_loss(h, m, coef=0.1)
+    assert stats["entropy"].item() == 2.0 and loss.item() == pytest.approx(-0.2)
+    loss, _ = entropy_loss(h, m, coef=0.1, target=2.5)
+    assert loss.item() == pytest.approx(0.05)
+
+
+def test_ptx_loss_is_token_mean_nll():
+    from lit_rlhf.core.losses import ptx_loss
+
+    lp = torch.log(torch.tensor([[0.5, 0.25, 0.1], [0.5, 1.0, 1.0]]))
+    m = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    loss, _ = ptx_loss(lp, m)
+    assert loss.item() == pytest.approx((math.log(2) + math.log(4) + math.log(2)) / 3)

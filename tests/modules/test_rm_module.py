@@ -108,3 +108,24 @@ def test_tiny_rm_reaches_90_percent_of_the_gold_ceiling(tmp_path):
     metrics = run(cfg)
     assert metrics["test/accuracy"] >= 0.9 * metrics["test/gold_accuracy"], metrics
     assert (tmp_path / "reward_model" / "reward_config.json").exists()
+
+
+@pytest.mark.slow
+def test_wandb_receives_metrics_and_score_histograms(tiny_spec, tokenizer, tmp_path):
+    """Offline W&B (wandb 0.31 writes no summary file offline: read the in-process summary)."""
+    import wandb
+
+    from lit_rlhf.utils.loggers import wandb_logger
+
+    logger = wandb_logger(save_dir=str(tmp_path), offline=True, project="lit_rlhf_test")
+    try:
+        m = module(tiny_spec, tokenizer)
+        trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=logger, enable_checkpointing=False,
+                             enable_progress_bar=False, log_every_n_steps=1)  # fmt: skip
+        trainer.fit(m, small_data(tokenizer))
+        summary = dict(logger.experiment.summary)
+        assert {"val/accuracy", "val/margin", "val/score_mean", "val/score_std", "rm/accuracy"} <= set(summary)
+        for key in ("val/score_chosen_hist", "val/score_rejected_hist"):
+            assert summary[key]["_type"] == "histogram"
+    finally:
+        wandb.finish()
