@@ -77,3 +77,11 @@ def cfg_factory(tmp_path):
         return compose((CPU_FAST if fast else []) + list(overrides), tmp_path)
 
     return make
+
+
+@pytest.fixture
+def saved_models(tiny_spec, tokenizer, tmp_path):
+    """(policy dir, reward model dir): a random tiny policy and causal RM saved like the stages do."""
+    from tests.helpers.ppo import save_tiny_models
+
+    return save_tiny_models(tiny_spec, tokenizer, tmp_path)

@@ -11,9 +11,8 @@ import sys
 import pytest
 import torch
 
-from lit_rlhf.models.builders import build_causal_lm
-from lit_rlhf.models.reward import build_reward_model
 from tests.conftest import ROOT
+from tests.helpers.ppo import save_tiny_models
 
 pytest.importorskip("deepspeed")
 
@@ -26,12 +25,7 @@ def models(tmp_path_factory):
     out = tmp_path_factory.mktemp("models")
     spec = ModelSpec(tiny=TinyLlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
                      tokenizer="synthetic")  # fmt: skip
-    tok = build_tokenizer(spec)
-    torch.manual_seed(0)
-    build_causal_lm(spec, tok).save_pretrained(out / "policy")
-    tok.save_pretrained(out / "policy")
-    build_reward_model(spec, tok).save_pretrained(str(out / "rm"))
-    tok.save_pretrained(out / "rm")
+    save_tiny_models(spec, build_tokenizer(spec), out)
     return out
 
 

@@ -20,8 +20,12 @@ def no_all_reduce(x: Tensor) -> Tensor:
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Σ x·mask over ``dim`` (all elements when None)."""
-    masked = x * mask.to(x.dtype)
+    """Σ x over the masked elements along ``dim`` (all elements when None).
+
+    ``where`` rather than ``x * mask``: a non-finite value at a padded position (inf·0 = NaN)
+    must not leak into the sum.
+    """
+    masked = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
     return masked.sum() if dim is None else masked.sum(dim)
 
 

@@ -278,9 +278,8 @@ class PPOModule(RLHFModule):
         n = rollout.scores.shape[0]
         self.kl_ctl.update(float(reward_stats["kl_seq"]), n)
         self.iteration += 1
+        # raw score statistics, KL, perplexity and length are the monitors' (callbacks/monitors.py)
         stats.update({
-            "reward/score_mean": rollout.scores.mean(),
-            "reward/score_std": rollout.scores.std(unbiased=False),
             "reward/normalized_mean": reward_stats["normalized_mean"],
             "kl_ctl/beta": torch.tensor(self.kl_ctl.value),
             "perf/rollout_s": torch.tensor(t1 - t0),
@@ -288,8 +287,8 @@ class PPOModule(RLHFModule):
             "perf/samples_per_s": torch.tensor(n / max(t2 - t0, 1e-9)),
             "rl/iteration": torch.tensor(float(self.iteration)),
         })  # fmt: skip
-        self.log_dict({k: v.float() for k, v in stats.items()}, batch_size=n)
-        self.log("reward/score", rollout.scores.mean(), prog_bar=True, batch_size=n, logger=False)
+        self.log_dict({k: v.float() for k, v in stats.items() if k != "rl/iteration"}, batch_size=n)
+        self.log("rl/iteration", stats["rl/iteration"], prog_bar=True, batch_size=n)
         return {"rollout": rollout, "stats": stats}
 
     # ------------------------------------------------------------ validation

@@ -46,3 +46,9 @@ def test_masked_sum_and_mean():
     assert masked_mean(x, m).item() == 2.0
     torch.testing.assert_close(masked_mean(x, m, dim=1), torch.tensor([2.0, 0.0]))  # empty row -> 0, not NaN
     torch.testing.assert_close(masked_sum(x, m, dim=0), torch.tensor([1.0, 0.0, 3.0]))
+
+
+def test_masked_sum_ignores_non_finite_padding():
+    x = torch.tensor([[1.0, float("inf")], [float("nan"), 2.0]])
+    m = torch.tensor([[1, 0], [0, 1]])
+    assert masked_sum(x, m).item() == 3.0 and masked_mean(x, m).item() == 1.5

@@ -6,50 +6,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lit_rlhf.data.prompts import PromptDataModule
-from lit_rlhf.models.builders import build_causal_lm
-from lit_rlhf.models.reward import build_reward_model
-from lit_rlhf.models.spec import ModelSpec
-from lit_rlhf.modules.configs import PPOConfig
-from lit_rlhf.modules.ppo import PPOModule
-from lit_rlhf.utils.config import build_config
-
-
-@pytest.fixture
-def saved_models(tiny_spec, tokenizer, tmp_path):
-    """A random tiny policy and a random tiny causal reward model, saved like the real stages do."""
-    torch.manual_seed(0)
-    policy = build_causal_lm(tiny_spec, tokenizer)
-    policy.save_pretrained(tmp_path / "policy")
-    tokenizer.save_pretrained(tmp_path / "policy")
-    rm = build_reward_model(tiny_spec, tokenizer)
-    rm.save_pretrained(str(tmp_path / "rm"))
-    tokenizer.save_pretrained(tmp_path / "rm")
-    return str(tmp_path / "policy"), str(tmp_path / "rm")
-
-
-def make(saved_models, tokenizer, **kw):
-    policy, rm = saved_models
-    args = dict(policy_path=policy, reward_path=rm, lr=1e-3, critic_lr=1e-3, minibatch_size=4,
-                generation={"max_new_tokens": 8})  # fmt: skip
-    args.update(kw)
-    if "reward_fn" in kw:
-        args["reward_path"] = None
-    cfg = build_config(PPOConfig, args, "algo")
-    spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path="model group, unused by PPO"))
-    return PPOModule(cfg, model=spec, tokenizer=tokenizer)
-
-
-def data(tokenizer, batch_size=8, **kw):
-    dm = PromptDataModule(n_train=64, n_val=8, batch_size=batch_size, **kw).connect(tokenizer)
-    return dm
-
-
-def fit(module, dm, max_steps, **kw):
-    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, limit_val_batches=0, **kw)  # fmt: skip
-    trainer.fit(module, dm)
-    return trainer
+from tests.helpers.ppo import data, fit, make
 
 
 def test_steps_change_actor_and_critic_and_nothing_frozen(saved_models, tokenizer):
@@ -72,7 +29,7 @@ def test_steps_change_actor_and_critic_and_nothing_frozen(saved_models, tokenize
     for k, v in trainer.callback_metrics.items():
         assert math.isfinite(float(v)), k
     for key in ("policy/loss", "policy/clipfrac", "policy/approx_kl", "policy/entropy", "critic/loss",
-                "critic/explained_variance", "reward/score_mean", "kl_ctl/beta"):  # fmt: skip
+                "critic/explained_variance", "reward/normalized_mean", "kl_ctl/beta"):  # fmt: skip
         assert key in trainer.callback_metrics
 
 
@@ -99,7 +56,7 @@ def test_critic_warmup_freezes_the_actor(saved_models, tokenizer):
 def test_callable_reward_and_fresh_critic_head(saved_models, tokenizer):
     m = make(saved_models, tokenizer, reward_fn={"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"})
     trainer = fit(m, data(tokenizer), max_steps=2)
-    assert "reward" not in m.frozen and trainer.callback_metrics["reward/score_mean"] <= 1.0
+    assert "reward" not in m.frozen and trainer.callback_metrics["reward/normalized_mean"] <= 1.0  # gold ≤ 1
 
 
 def test_ptx_term_is_used(saved_models, tokenizer):

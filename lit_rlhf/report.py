@@ -1,0 +1,166 @@
+"""The embedded stability dashboard: a PNG of a run's health from its CSV logs (no W&B needed).
+
+    python -m lit_rlhf.report RUN_DIR [RUN_DIR ...] [--labels a b] [--out stability.png]
+
+Panels (MOSS-RLHF's collapse signals, ALGORITHMS §4): reward (mean with the 5–95% band,
+validation points), KL to the reference, perplexity under policy and reference, response
+length (mean, max, truncation rate), the reward histogram over RL steps (from
+``reward_scores.jsonl``), and policy entropy / clip fraction. Several runs overlay in one figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import math
+import os
+from typing import Sequence
+
+
+def find_metrics_csv(run_dir: str) -> str | None:
+    """The CSVLogger file of a run directory (``<run>/csv/metrics.csv`` by default)."""
+    direct = os.path.join(run_dir, "csv", "metrics.csv")
+    if os.path.isfile(direct):
+        return direct
+    found = sorted(glob.glob(os.path.join(run_dir, "**", "metrics.csv"), recursive=True))
+    return found[0] if found else None
+
+
+def read_series(path: str) -> dict[str, tuple[list[float], list[float]]]:
+    """metrics.csv → {metric: (steps, values)}; blank cells skipped."""
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    with open(path, newline="") as fh:
+        for row in csv.DictReader(fh):
+            step = row.get("step")
+            if step in (None, ""):
+                continue
+            for key, value in row.items():
+                if key in ("step", "epoch") or value in (None, ""):
+                    continue
+                try:
+                    v = float(value)
+                except ValueError:
+                    continue
+                if math.isfinite(v):
+                    xs, ys = series.setdefault(key, ([], []))
+                    xs.append(float(step))
+                    ys.append(v)
+    return series
+
+
+def read_scores(run_dir: str) -> list[tuple[int, list[float]]]:
+    path = os.path.join(run_dir, "reward_scores.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as fh:
+        return [(int(r["step"]), r["scores"]) for r in map(json.loads, fh) if r.get("scores")]
+
+
+def render(run_dirs: Sequence[str], out: str, labels: Sequence[str] | None = None, title: str | None = None) -> str:
+    """Write the stability PNG for one or more runs; returns its path.
+
+    Raises:
+        FileNotFoundError: a run directory without a metrics.csv (run with logger=csv).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    labels = list(labels) if labels else [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    runs = []
+    for d in run_dirs:
+        path = find_metrics_csv(d)
+        if path is None:
+            raise FileNotFoundError(f"{d}: no metrics.csv (the report reads the CSV logger; run with logger=csv)")
+        runs.append((read_series(path), read_scores(d)))
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+    def line(ax, series, key, color, label, **kw):
+        if key in series:
+            ax.plot(*series[key], color=color, label=label, **kw)
+            return True
+        return False
+
+    for i, ((series, _), label) in enumerate(zip(runs, labels)):
+        c = colors[i % len(colors)]
+        ax = axes[0, 0]
+        if line(ax, series, "reward/score_mean", c, f"{label} train"):
+            if "reward/score_q05" in series and "reward/score_q95" in series:
+                xs, lo = series["reward/score_q05"]
+                _, hi = series["reward/score_q95"]
+                ax.fill_between(xs, lo, hi, color=c, alpha=0.15, linewidth=0)
+        if "val/score_mean" in series:
+            ax.plot(*series["val/score_mean"], "o--", color=c, label=f"{label} val", markersize=4)
+        line(axes[0, 1], series, "stability/kl", c, f"{label} KL / response")
+        line(axes[0, 1], series, "stability/kl_k3", c, f"{label} k3", linestyle=":")
+        line(axes[0, 2], series, "stability/perplexity", c, f"{label} policy")
+        line(axes[0, 2], series, "stability/perplexity_ref", c, f"{label} reference", linestyle="--")
+        line(axes[1, 0], series, "stability/response_length", c, f"{label} mean")
+        line(axes[1, 0], series, "stability/response_length_max", c, f"{label} max", linestyle=":")
+        line(axes[1, 2], series, "policy/entropy", c, f"{label} entropy")
+        line(axes[1, 2], series, "policy/clipfrac", c, f"{label} clip fraction", linestyle="--")
+
+    # reward histogram over time: one column of bins per logged step, runs stacked side by side
+    ax = axes[1, 1]
+    all_scores = [s for _, scores in runs for _, row in scores for s in row]
+    if all_scores:
+        lo, hi = float(np.percentile(all_scores, 0.5)), float(np.percentile(all_scores, 99.5))
+        if hi <= lo:
+            hi = lo + 1.0
+        bins = np.linspace(lo, hi, 41)
+        images = []
+        for _, scores in runs:
+            if scores:
+                images.append(np.stack([np.histogram(np.clip(row, lo, hi), bins=bins)[0] for _, row in scores], 1))
+        grid = np.concatenate(images, 1) if len(images) > 1 else images[0]
+        ax.imshow(grid, aspect="auto", origin="lower", cmap="magma", extent=[0, grid.shape[1], lo, hi],
+                  interpolation="nearest")  # fmt: skip
+        offset = 0
+        for (_, scores), label in zip(runs, labels):
+            if scores:
+                ax.axvline(offset, color="white", linewidth=0.8)
+                ax.text(offset + 0.5, hi, label, color="white", va="top", fontsize=8)
+                offset += len(scores)
+        ax.set_xlabel("logged RL step (runs side by side)")
+    else:
+        ax.text(0.5, 0.5, "no reward_scores.jsonl", ha="center", va="center", transform=ax.transAxes)
+
+    titles = [
+        ("reward score (band: 5-95%)", "score"), ("KL(policy || reference)", "nats / response"),
+        ("perplexity of responses", "perplexity"), ("response length", "tokens"),
+        ("reward histogram over time", "score"), ("policy entropy / clip fraction", ""),
+    ]  # fmt: skip
+    for ax, (t, ylabel) in zip(axes.flat, titles):
+        ax.set_title(t)
+        ax.set_ylabel(ylabel)
+        if ax is not axes[1, 1]:
+            ax.set_xlabel("RL step")
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+            ax.grid(alpha=0.3)
+    fig.suptitle(title or "lit_rlhf stability: " + ", ".join(labels))
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m lit_rlhf.report", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dirs", nargs="+", help="run directories (with csv/metrics.csv)")
+    ap.add_argument("--labels", nargs="*", help="legend names, one per run")
+    ap.add_argument("--out", help="output PNG (default: <first run dir>/stability.png)")
+    args = ap.parse_args(argv)
+    out = args.out or os.path.join(args.run_dirs[0], "stability.png")
+    print(render(args.run_dirs, out, args.labels))
+
+
+if __name__ == "__main__":
+    main()
