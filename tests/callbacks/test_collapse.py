@@ -1,0 +1,163 @@
+"""CollapseAlarm driven by synthetic metric streams: each signal, patience, and each action."""
+
+import logging
+import types
+
+import pytest
+import torch
+
+from lit_rlhf.callbacks.collapse import KL, LENGTH, PPL, TAIL, CollapseAlarm, CollapseDetector
+
+HEALTHY = {KL: 1.0, LENGTH: 10.0, PPL: 6.0, TAIL: 1.0}
+
+
+def stream(detector, values):
+    """Feed metric dicts; return the index of each trigger and its reasons."""
+    out = []
+    for i, m in enumerate(values):
+        reasons = detector.observe(m)
+        if reasons:
+            out.append((i, reasons))
+    return out
+
+
+def baseline(n=5, jitter=True):
+    # small natural variation around the healthy values
+    return [{KL: 1.0, LENGTH: 10.0 + (0.5 if jitter and i % 2 else 0.0), PPL: 6.0, TAIL: 1.0} for i in range(n)]
+
+
+def test_healthy_stream_never_triggers():
+    d = CollapseDetector()
+    assert stream(d, baseline(5) + [dict(HEALTHY) for _ in range(20)]) == []
+
+
+def test_kl_bound_triggers_after_patience():
+    d = CollapseDetector(kl_max=5.0, patience=2)
+    trig = stream(d, baseline(5) + [dict(HEALTHY, **{KL: 6.0})] * 3)
+    assert [i for i, _ in trig] == [6]  # second alarming observation in a row; streak then restarts
+    assert trig[0][1] == ["KL 6 > bound 5"]
+
+
+def test_isolated_spike_is_not_a_trigger():
+    d = CollapseDetector(kl_max=5.0, patience=2)
+    seq = baseline(5) + [dict(HEALTHY, **{KL: 9.0}), dict(HEALTHY), dict(HEALTHY, **{KL: 9.0}), dict(HEALTHY)]
+    assert stream(d, seq) == []
+
+
+def test_length_drift_in_sigmas_of_the_baseline():
+    d = CollapseDetector(length_sigmas=4.0, min_length_sigma=1.0, patience=1)
+    # baseline lengths 10, 10.5, 10, 10.5, 10: mean 10.2, pstdev 0.245 -> floor 1.0 -> bound 4.0
+    assert stream(d, baseline(5) + [dict(HEALTHY, **{LENGTH: 14.1})]) == []
+    trig = stream(CollapseDetector(length_sigmas=4.0, patience=1), baseline(5) + [dict(HEALTHY, **{LENGTH: 14.3})])
+    assert len(trig) == 1 and "response length 14.3 drifted" in trig[0][1][0]
+
+
+def test_perplexity_fall():
+    trig = stream(CollapseDetector(ppl_drop=0.5, patience=1), baseline(5) + [dict(HEALTHY, **{PPL: 2.9})])
+    assert len(trig) == 1 and trig[0][1][0].startswith("perplexity 2.9 fell below 0.5 x baseline 6")
+    assert stream(CollapseDetector(ppl_drop=0.5, patience=1), baseline(5) + [dict(HEALTHY, **{PPL: 3.1})]) == []
+
+
+def test_reward_tail_growth():
+    trig = stream(CollapseDetector(tail_factor=4.0, patience=1), baseline(5) + [dict(HEALTHY, **{TAIL: 4.5})])
+    assert len(trig) == 1 and "reward tail ratio 4.5 > 4 x baseline 1" in trig[0][1][0]
+
+
+def test_relative_signals_wait_for_their_baseline():
+    d = CollapseDetector(baseline_steps=5, patience=1)
+    # a wild length during the baseline phase is part of the baseline, not an alarm
+    assert stream(d, [dict(HEALTHY, **{LENGTH: 50.0})] + baseline(4)) == []
+
+
+def test_signals_can_be_switched_off():
+    d = CollapseDetector(kl_max=None, length_sigmas=None, ppl_drop=None, tail_factor=None, patience=1)
+    wild = {KL: 1e3, LENGTH: 1e3, PPL: 1e-3, TAIL: 1e3}
+    assert stream(d, baseline(5) + [wild] * 3) == []
+
+
+# ---------------------------------------------------------------- actions
+
+
+class FakeModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(2))
+        self.kl_ctl = types.SimpleNamespace(value=0.05)
+        self.logged = {}
+
+    def log(self, name, value, **kw):
+        self.logged[name] = value
+
+
+def fake_trainer(module, tmp_path):
+    opt = torch.optim.SGD(module.parameters(), lr=1.0)
+    t = types.SimpleNamespace(
+        callback_metrics={}, should_stop=False, optimizers=[opt], default_root_dir=str(tmp_path),
+        fit_loop=types.SimpleNamespace(epoch_loop=types.SimpleNamespace(_batches_that_stepped=0)), saved=[],
+    )  # fmt: skip
+    t.save_checkpoint = lambda path: (t.saved.append(path), open(path, "w").close())
+    return t
+
+
+def drive(alarm, trainer, module, values, before_step=None):
+    """One on_train_batch_end per metrics dict; ``before_step(i)`` may change the weights."""
+    import os
+
+    os.makedirs(os.path.join(trainer.default_root_dir, "checkpoints"), exist_ok=True)
+    for i, m in enumerate(values):
+        if before_step:
+            before_step(i)
+        trainer.callback_metrics = {k: torch.tensor(v) for k, v in m.items()}
+        trainer.fit_loop.epoch_loop._batches_that_stepped = i
+        alarm.on_train_batch_end(trainer, module, {"rollout": object()}, None, i)
+        if trainer.should_stop:
+            return i
+    return None
+
+
+def test_warn_logs_reasons_and_counts(tmp_path, caplog):
+    module, alarm = FakeModule(), CollapseAlarm(action="warn", kl_max=5.0, patience=1)
+    trainer = fake_trainer(module, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="lit_rlhf.callbacks.collapse"):
+        stopped = drive(alarm, trainer, module, baseline(5) + [dict(HEALTHY, **{KL: 7.0})] * 2)
+    assert stopped is None and len(alarm.triggers) == 2 and module.logged["alarm/triggers"] == 2.0
+    assert "collapse alarm at RL step 5 (warn): KL 7 > bound 5" in caplog.text
+
+
+def test_stop_keeps_a_checkpoint_and_stops_cleanly(tmp_path):
+    module, alarm = FakeModule(), CollapseAlarm(action="stop", ppl_drop=0.5, patience=2)
+    trainer = fake_trainer(module, tmp_path)
+    stopped = drive(alarm, trainer, module, baseline(5) + [dict(HEALTHY, **{PPL: 1.0})] * 5)
+    assert stopped == 6 and trainer.should_stop
+    assert trainer.saved == [str(tmp_path / "checkpoints" / "collapse-step6.ckpt")]
+    assert (tmp_path / "checkpoints" / "collapse-step6.ckpt").exists()
+
+
+def test_rollback_restores_the_last_healthy_state_and_raises_beta(tmp_path):
+    module = FakeModule()
+    alarm = CollapseAlarm(action="rollback", kl_max=5.0, patience=1, snapshot_every=2, beta_factor=3.0)
+    trainer = fake_trainer(module, tmp_path)
+
+    def train_step(i):  # "training" moves the weight every iteration: w = i
+        with torch.no_grad():
+            module.w.fill_(float(i))
+
+    metrics = baseline(5) + [dict(HEALTHY, **{KL: 9.0})]
+    drive(alarm, trainer, module, metrics, before_step=train_step)
+    # healthy at 0..4; snapshots at the first healthy step (0) and every 2nd healthy one (1, 3)
+    assert module.w.tolist() == [3.0, 3.0] and module.logged["alarm/rollback_to"] == 3.0
+    assert module.kl_ctl.value == pytest.approx(0.15)
+
+
+def test_rollback_is_refused_on_sharded_strategies():
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    alarm = CollapseAlarm(action="rollback")
+    trainer = types.SimpleNamespace(strategy=DeepSpeedStrategy(config={"zero_optimization": {"stage": 2}}))
+    with pytest.raises(ValueError, match="use action=stop"):
+        alarm.setup(trainer, None, "fit")
+
+
+def test_bad_action():
+    with pytest.raises(ValueError, match="warn, stop or rollback"):
+        CollapseAlarm(action="panic")
