@@ -227,28 +227,43 @@ class TrueLanguage:
         response: str,
         ended: bool = True,
         disfluency_coef: float = 2.0,
+        repetition_coef: float = 1.0,
+        unfinished_penalty: float = 1.0,
         min_prob: float = 0.0,
     ) -> dict[str, float]:
-        """Gold reward of one response: mean word sentiment − coef × disfluency.
+        """Gold reward of one response: what a reader of the true language wants.
 
-        disfluency = fraction of the response's transitions (prompt's last word → words → EOS
-        when ``ended``) that the true language makes with probability ≤ ``min_prob`` (by default:
-        never). Unknown tokens count as neutral words and impossible transitions.
+        gold = mean word sentiment − disfluency_coef × disfluency − repetition_coef × repetition
+               − unfinished_penalty × [no EOS]
+
+        * disfluency: fraction of the response's transitions (prompt's last word → words → EOS
+          when ``ended``) that the true language makes with probability ≤ ``min_prob`` (by
+          default: never); unknown tokens count as impossible transitions;
+        * repetition: fraction of the response's word bigrams that already occurred earlier in
+          it — a first-order chain cannot see a loop like "gift thanks a gift thanks a …";
+        * unfinished: the response was cut at the length limit (real sentences end).
+
+        Samples of the language are complete, rarely repeat and never make impossible
+        transitions, so preference pairs drawn from it carry almost no signal on the three
+        penalties: a proxy reward model learns sentiment and stays blind to them (DESIGN §6).
 
         Returns:
-            {"gold": …, "sentiment": …, "disfluency": …}
+            {"gold", "sentiment", "disfluency", "repetition", "unfinished"}
         """
+        words = response.split()
         resp_ids = self.encode(response)
         known = [i for i in resp_ids if i is not None]
         sentiment = float(self.sentiment[known].sum() / max(len(resp_ids), 1)) if known else 0.0
         logps = self.transition_logprobs(prompt, response, ended)
         bound = math.log(min_prob) if min_prob > 0 else -math.inf
         disfluency = float(np.mean(logps <= bound)) if len(logps) else 0.0
-        return {
-            "gold": sentiment - disfluency_coef * disfluency,
-            "sentiment": sentiment,
-            "disfluency": disfluency,
-        }
+        bigrams = list(zip(words, words[1:]))
+        repeated = sum(1 for i, b in enumerate(bigrams) if b in bigrams[:i])
+        repetition = repeated / len(bigrams) if bigrams else 0.0
+        unfinished = 0.0 if ended else 1.0
+        gold = sentiment - disfluency_coef * disfluency - repetition_coef * repetition - unfinished_penalty * unfinished
+        return {"gold": gold, "sentiment": sentiment, "disfluency": disfluency, "repetition": repetition,
+                "unfinished": unfinished}  # fmt: skip
 
 
 def chain_entropy_rate(transitions: np.ndarray) -> tuple[float, float]:
@@ -287,6 +302,10 @@ class TaskConfig:
     """Bradley–Terry temperature: P(a ≻ b) = σ((gold_a − gold_b) / T)."""
     disfluency_coef: float = field(default=2.0, metadata={"ge": 0})
     """Weight of the disfluency penalty in the gold reward."""
+    repetition_coef: float = field(default=1.0, metadata={"ge": 0})
+    """Weight of the repeated-bigram fraction in the gold reward."""
+    unfinished_penalty: float = field(default=1.0, metadata={"ge": 0})
+    """Gold reward subtracted from responses cut without an EOS."""
 
 
 _STREAMS = {"sft": 1, "prompts": 2, "pairs": 3}
@@ -332,7 +351,10 @@ class SyntheticTask:
         return [{"prompt": self.language.decode(self._opening(rng)[0])} for _ in range(n)]
 
     def gold_reward(self, prompt: str, response: str, ended: bool = True) -> float:
-        return self.language.gold_reward(prompt, response, ended, self.config.disfluency_coef)["gold"]
+        c = self.config
+        return self.language.gold_reward(
+            prompt, response, ended, c.disfluency_coef, c.repetition_coef, c.unfinished_penalty
+        )["gold"]
 
     def preference_pairs(self, n: int, split: str = "train") -> list[dict[str, Any]]:
         """``n`` pairs of two continuations of one opening, labeled by Bradley–Terry on gold.

@@ -82,6 +82,9 @@ class PPOConfig(OptimConfig):
     reward_fn: dict | None = None
     """Instead of a reward model: ``{_target_: factory}`` returning ``fn(prompts, responses, ended)
     -> list[float]``, e.g. ``lit_rlhf.data.synthetic.gold_reward_fn`` (the embedded gold reward)."""
+    gold_reward_fn: dict | None = None
+    """Optional second reward evaluated in validation only (``val/gold_score_mean``), never trained
+    on: e.g. the embedded task's gold reward, to watch the proxy being over-optimized."""
     critic_path: str | None = None
     """Critic init; None = reward_path when it is a causal-LM reward model, else policy_path (fresh head)."""
     reward_max_length: int = field(default=512, metadata={"ge": 8})
@@ -151,8 +154,9 @@ class PPOConfig(OptimConfig):
             "clip_eps_high",
             f"must be >= algo.clip_eps_low ({self.clip_eps_low}), got {self.clip_eps_high}",
         )
-        check(
-            self.reward_fn is None or "_target_" in self.reward_fn,
-            "reward_fn",
-            "must be a mapping with a _target_ (a factory returning the reward callable)",
-        )
+        for key in ("reward_fn", "gold_reward_fn"):
+            check(
+                getattr(self, key) is None or "_target_" in getattr(self, key),
+                key,
+                "must be a mapping with a _target_ (a factory returning the reward callable)",
+            )

@@ -66,6 +66,7 @@ class PPOModule(RLHFModule):
         self.critic: nn.Module | None = None
         self.frozen: dict[str, nn.Module] = {}  # plain dict: not submodules, not checkpointed
         self.scorer: Any = None
+        self.gold_scorer: Any = None
         self.reward_moments = RunningMoments()
         self.kl_ctl = (
             AdaptiveKLController(c.kl_coef, c.kl_target, c.kl_horizon) if c.adaptive_kl else FixedKLController(c.kl_coef)
@@ -107,6 +108,10 @@ class PPOModule(RLHFModule):
             from hydra.utils import instantiate
 
             self.scorer = CallableScorer(instantiate(c.reward_fn))
+        if c.gold_reward_fn is not None:
+            from hydra.utils import instantiate
+
+            self.gold_scorer = CallableScorer(instantiate(c.gold_reward_fn))
         critic_path = c.critic_path or (c.reward_path if reward_is_causal else c.policy_path)
         critic_path = resolve_path(critic_path)
         if is_reward_model_dir(critic_path):
@@ -299,6 +304,10 @@ class PPOModule(RLHFModule):
         self.log("val/score_mean", rollout.scores.mean(), batch_size=n, sync_dist=True, prog_bar=True)
         self.log("val/kl", kl.mean(), batch_size=n, sync_dist=True)
         self.log("val/response_length", rollout.response_lengths.float().mean(), batch_size=n, sync_dist=True)
+        if self.gold_scorer is not None:
+            gold = self.gold_scorer(rollout.input_ids, rollout.attention_mask, rollout.prompts_text,
+                                    rollout.responses_text, rollout.ended)  # fmt: skip
+            self.log("val/gold_score_mean", gold.mean(), batch_size=n, sync_dist=True)
 
     # ------------------------------------------------------------- optimizer
     def configure_optimizers(self) -> Any:

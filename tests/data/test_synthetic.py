@@ -88,7 +88,7 @@ def test_gold_reward_hand_computed(task):
     lang = task.language
     # det -> det and det -> EOS never happen: 3 impossible transitions out of 3
     r = lang.gold_reward("the", "the the", ended=True)
-    assert r == {"gold": -2.0, "sentiment": 0.0, "disfluency": 1.0}
+    assert r == {"gold": -2.0, "sentiment": 0.0, "disfluency": 1.0, "repetition": 0.0, "unfinished": 0.0}
     # one possible transition (the -> w), then w -> "the" (adj/noun -> det: impossible) and the -> EOS
     the = lang.word_index["the"]
     w = int(np.nonzero(lang.transitions[the + 1, : lang.n_words])[0][0])
@@ -98,17 +98,40 @@ def test_gold_reward_hand_computed(task):
     assert r["sentiment"] == pytest.approx(s_w / 2)
     assert r["disfluency"] == pytest.approx(2 / 3)
     assert r["gold"] == pytest.approx(s_w / 2 - 2.0 * 2 / 3)
-    # unfinished response: the missing EOS transition is not counted
+    # unfinished response: the missing EOS transition is not counted, the missing end is (−1)
     r = lang.gold_reward("the", word, ended=False)
-    assert r["disfluency"] == 0.0 and r["gold"] == pytest.approx(s_w)
+    assert r["disfluency"] == 0.0 and r["unfinished"] == 1.0 and r["gold"] == pytest.approx(s_w - 1.0)
 
 
-def test_gold_reward_on_language_samples_is_mean_sentiment(task):
+def test_gold_reward_penalizes_loops(task):
+    """A loop of possible transitions is fluent to a first-order chain but repeats its bigrams."""
+    lang = task.language
+    # build a 3-word cycle the chain allows: det -> noun -> verb -> det ...
+    t = lang.transitions
+    det = lang.word_index["a"]
+    noun = int(next(j for j in range(lang.n_words) if t[det + 1, j] > 0 and lang.word_class[j] == "noun"))
+    verb = int(next(j for j in range(lang.n_words) if t[noun + 1, j] > 0 and lang.word_class[j] == "verb"))
+    if t[verb + 1, det] == 0:
+        pytest.skip("this seed's verb does not lead back to 'a'")
+    loop = " ".join([lang.words[noun], lang.words[verb], "a"] * 4)  # 12 words, 11 bigrams, 3 distinct
+    r = lang.gold_reward("a", loop, ended=False)
+    assert r["disfluency"] == 0.0 and r["repetition"] == pytest.approx(8 / 11)
+    assert r["gold"] == pytest.approx(r["sentiment"] - 8 / 11 - 1.0)
+
+
+def test_gold_reward_on_language_samples(task):
+    """Samples are fluent and finished: gold = mean sentiment − repeated-bigram share (rarely > 0)."""
     sentiment = dict(v for entries in LEXICON.values() for v in entries)
-    for rec in task.sft_records(100):
+    with_repeats = 0
+    for rec in task.sft_records(500):
         words = rec["response"].split()
-        expected = sum(sentiment[w] for w in words) / len(words)
+        pairs = [" ".join(p) for p in zip(words, words[1:])]
+        repeats = len(pairs) - len(set(pairs)) if pairs else 0  # each bigram seen before counts once
+        rep = repeats / len(pairs) if pairs else 0.0
+        with_repeats += repeats > 0
+        expected = sum(sentiment[w] for w in words) / len(words) - rep
         assert task.gold_reward(rec["prompt"], rec["response"]) == pytest.approx(expected)
+    assert with_repeats / 500 < 0.05
     fn = gold_reward_fn()
     assert fn(["the"], ["the the"]) == [-2.0]
 
