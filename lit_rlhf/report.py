@@ -97,6 +97,8 @@ def render(run_dirs: Sequence[str], out: str, labels: Sequence[str] | None = Non
                 ax.fill_between(xs, lo, hi, color=c, alpha=0.15, linewidth=0)
         if "val/score_mean" in series:
             ax.plot(*series["val/score_mean"], "o--", color=c, label=f"{label} val", markersize=4)
+        if "val/gold_score_mean" in series:  # a validation-only gold reward (embedded task)
+            ax.plot(*series["val/gold_score_mean"], "s:", color=c, label=f"{label} val gold", markersize=4)
         line(axes[0, 1], series, "stability/kl", c, f"{label} KL / response")
         line(axes[0, 1], series, "stability/kl_k3", c, f"{label} k3", linestyle=":")
         line(axes[0, 2], series, "stability/perplexity", c, f"{label} policy")
@@ -132,7 +134,7 @@ def render(run_dirs: Sequence[str], out: str, labels: Sequence[str] | None = Non
         ax.text(0.5, 0.5, "no reward_scores.jsonl", ha="center", va="center", transform=ax.transAxes)
 
     titles = [
-        ("reward score (band: 5-95%)", "score"), ("KL(policy || reference)", "nats / response"),
+        ("reward: train (band 5-95%), val, val gold", "score"), ("KL(policy || reference)", "nats / response"),
         ("perplexity of responses", "perplexity"), ("response length", "tokens"),
         ("reward histogram over time", "score"), ("policy entropy / clip fraction", ""),
     ]  # fmt: skip
@@ -144,6 +146,7 @@ def render(run_dirs: Sequence[str], out: str, labels: Sequence[str] | None = Non
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=8)
             ax.grid(alpha=0.3)
+    axes[0, 2].set_yscale("log")  # a collapsing run's reference perplexity explodes; keep both readable
     fig.suptitle(title or "lit_rlhf stability: " + ", ".join(labels))
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

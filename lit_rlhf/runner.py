@@ -49,6 +49,8 @@ def plan(cfg: DictConfig) -> Plan:
     model = build_config(ModelSpec, cfg.model, "model")
     algo_cls = _get_class(cfg.algo, "algo")
     algo = build_config(algo_cls.config_class, cfg.algo, "algo")
+    if getattr(algo_cls, "is_pipeline", False):  # e.g. the demo: its stages validate their own configs
+        return Plan(model, algo_cls, algo, type(None), None)
     kind = algo_cls.data_kind
     if cfg.get("data") is None or kind not in cfg.data:
         have = [k for k in (cfg.get("data") or {}) if isinstance(cfg.data[k], DictConfig) and "_target_" in cfg.data[k]]
@@ -114,6 +116,15 @@ def run(cfg: DictConfig) -> dict[str, float]:
         loggable_config,
     )
 
+    try:  # per-shard "Loading weights" bars drown the training log
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+    p = plan(cfg)
+    if getattr(p.algo_cls, "is_pipeline", False):
+        return p.algo_cls(p.algo).run(cfg)
     p, datamodule, module = build(cfg)
     callbacks = instantiate_callbacks(_resolve_auto_monitor(cfg.get("callbacks"), p.algo_cls))
     loggers = instantiate_loggers(cfg.get("logger"))

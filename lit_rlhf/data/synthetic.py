@@ -418,8 +418,15 @@ def build_tokenizer(language: TrueLanguage | None = None):
     )
 
 
-def gold_reward_fn(task_config: TaskConfig | None = None):
-    """A batch gold-reward callable ``(prompts, responses, ended) -> list[float]`` for RL stages."""
+def gold_reward_fn(task_config: TaskConfig | dict | None = None):
+    """A batch gold-reward callable ``(prompts, responses, ended) -> list[float]`` for RL stages.
+
+    ``task_config`` may be a mapping (``data.task`` of the Hydra config), validated here.
+    """
+    if task_config is not None and not isinstance(task_config, TaskConfig):
+        from lit_rlhf.utils.config import build_config
+
+        task_config = build_config(TaskConfig, task_config, "task_config")
     task = SyntheticTask(task_config)
 
     def reward(prompts: Sequence[str], responses: Sequence[str], ended: Sequence[bool] | None = None):
