@@ -98,6 +98,9 @@ class PPOConfig(OptimConfig):
     """Rollouts per minibatch update (the rollout batch is data.prompt.batch_size)."""
     max_grad_norm: float | None = field(default=1.0, metadata={"gt": 0.0})
     """Global grad-norm clip over actor and critic (DeepSpeed strategies clip in their config)."""
+    fuse_first_forward: bool = True
+    """With 1 epoch over 1 minibatch (and no dropout), take log π_old and V_old from the first
+    training forward instead of separate rollout passes: exact, and two forwards cheaper."""
     critic_warmup_steps: int = field(default=0, metadata={"ge": 0})
     """First N RL iterations update only the critic (actor frozen)."""
     # ---- rollout

@@ -51,6 +51,17 @@ from lit_rlhf.utils.distributed import all_reduce_sum
 log = logging.getLogger(__name__)
 
 
+def _has_dropout(module: nn.Module) -> bool:
+    """Any active dropout (nn.Dropout p > 0, or a transformers config attention/hidden dropout)."""
+    for m in module.modules():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            return True
+        config = getattr(m, "config", None)
+        if config is not None and any(getattr(config, k, 0) or 0 for k in ("attention_dropout", "hidden_dropout", "dropout")):
+            return True
+    return False
+
+
 class PPOModule(RLHFModule):
     """PPO over (actor, critic) with a frozen reference and reward. ``data_kind = "prompt"``."""
 
@@ -143,8 +154,12 @@ class PPOModule(RLHFModule):
         return out
 
     @torch.no_grad()
-    def collect(self, batch: dict[str, Any]) -> Rollout:
-        """Generate and score one batch of prompts (ALGORITHMS §2 "Rollout")."""
+    def collect(self, batch: dict[str, Any], score_policy: bool = True) -> Rollout:
+        """Generate and score one batch of prompts (ALGORITHMS §2 "Rollout").
+
+        ``score_policy=False`` skips the actor and critic passes: the caller fills
+        ``logprobs``/``values`` from the first training forward (see :meth:`fused_first_forward`).
+        """
         c: PPOConfig = self.config
         tok = self.tokenizer
         prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
@@ -155,13 +170,15 @@ class PPOModule(RLHFModule):
         mask = torch.cat([prompt_mask, response_mask], 1)
         width = prompt_ids.shape[1]
         temperature = c.generation.temperature if c.logprobs_at_sampling_temperature else 1.0
-        self.actor.eval()
-        logprobs, _ = response_logprobs(self.actor, ids, mask, width, temperature)
-        self.actor.train()
+        logprobs = values = None
+        if score_policy:
+            self.actor.eval()
+            logprobs, _ = response_logprobs(self.actor, ids, mask, width, temperature)
+            self.actor.train()
+            self.critic.eval()
+            values = response_values(self.critic, ids, mask, width)
+            self.critic.train()
         ref_logprobs, _ = response_logprobs(self.frozen["reference"], ids, mask, width, temperature)
-        self.critic.eval()
-        values = response_values(self.critic, ids, mask, width)
-        self.critic.train()
         texts = self.decode_responses(response_ids, response_mask, ended)
         scores = self.scorer(ids, mask, batch["prompts"], texts, ended)
         return Rollout(
@@ -204,12 +221,33 @@ class PPOModule(RLHFModule):
         logits = self.actor(input_ids=ptx["input_ids"], attention_mask=ptx["attention_mask"]).logits
         return ptx_loss(shifted_token_logprobs(logits, ptx["input_ids"]), ptx["response_mask"])
 
-    def minibatch_loss(self, mb: Rollout, critic_only: bool, ptx: dict[str, Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
-        """Actor + critic loss of one minibatch (one backward covers both)."""
+    def forward_train(self, mb: Rollout) -> tuple[Tensor, Tensor, Tensor]:
+        """With grad: (B, R) actor log-probs, (B, R) entropies, (B, R) critic values."""
         c: PPOConfig = self.config
         ids, mask, width = mb.input_ids, mb.attention_mask, mb.prompt_ids.shape[1]
         temperature = c.generation.temperature if c.logprobs_at_sampling_temperature else 1.0
         logprobs, entropy = response_logprobs(self.actor, ids, mask, width, temperature, with_entropy=True)
+        return logprobs, entropy, response_values(self.critic, ids, mask, width)
+
+    def fused_first_forward(self, batch_size: int) -> bool:
+        """Whether the rollout-time actor/critic passes can be the first training forward.
+
+        With one PPO epoch over one minibatch, the weights the update starts from ARE the rollout
+        weights, so log π_old and V_old equal that forward's outputs (detached) — exactly, as long
+        as no dropout makes train-mode and eval-mode forwards differ. TRL computes them twice.
+        """
+        c: PPOConfig = self.config
+        one_update = c.ppo_epochs == 1 and c.minibatch_size >= batch_size
+        return c.fuse_first_forward and one_update and not (_has_dropout(self.actor) or _has_dropout(self.critic))
+
+    def minibatch_loss(
+        self, mb: Rollout, critic_only: bool, ptx: dict[str, Tensor] | None,
+        forwards: tuple[Tensor, Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+        """Actor + critic loss of one minibatch (one backward covers both); ``forwards`` = the
+        minibatch's :meth:`forward_train` outputs when already computed."""
+        c: PPOConfig = self.config
+        logprobs, entropy, values = forwards if forwards is not None else self.forward_train(mb)
         pg_loss, pg_stats = ppo_policy_loss(
             logprobs, mb.logprobs, mb.advantages, mb.response_mask, c.clip_eps_low, c.clip_eps_high, c.dual_clip
         )
@@ -231,13 +269,15 @@ class PPOModule(RLHFModule):
             # critic warm-up: the actor stays in the graph with zero weight, so every parameter
             # gets a (zero) gradient and DDP needs no find_unused_parameters
             actor_loss = actor_loss * 0.0
-        values = response_values(self.critic, ids, mask, width)
         vf_loss, vf_stats = value_loss(values, mb.values, mb.returns, mb.response_mask, c.value_clip)
         stats.update({f"critic/{k}": v for k, v in vf_stats.items()})
         return actor_loss + c.vf_coef * vf_loss, stats
 
-    def update(self, rollout: Rollout, ptx: dict[str, Tensor] | None) -> dict[str, Tensor]:
-        """``ppo_epochs`` × minibatches of one backward + one optimizer step each."""
+    def update(
+        self, rollout: Rollout, ptx: dict[str, Tensor] | None, forwards: tuple[Tensor, Tensor, Tensor] | None = None
+    ) -> dict[str, Tensor]:
+        """``ppo_epochs`` × minibatches of one backward + one optimizer step each (``forwards``:
+        the whole rollout's first training forward, fused path only)."""
         c: PPOConfig = self.config
         opt = self.optimizers()
         sched = self.lr_schedulers()
@@ -245,6 +285,8 @@ class PPOModule(RLHFModule):
         n = rollout.scores.shape[0]
         gen = torch.Generator().manual_seed(int(self.trainer.current_epoch * 1_000_003 + self.iteration))
         minibatches = list(iterate_minibatches(n, c.minibatch_size, c.ppo_epochs, gen))
+        if forwards is not None:  # fused: the single minibatch is the whole rollout, in order
+            minibatches = [torch.arange(n)]
         ptx_chunks = None
         if ptx is not None and c.ptx_coef:
             rows = torch.arange(ptx["input_ids"].shape[0]).chunk(len(minibatches))
@@ -257,7 +299,8 @@ class PPOModule(RLHFModule):
             if self._max_steps_reached():
                 break
             chunk = ptx_chunks[i % len(ptx_chunks)] if ptx_chunks else None
-            loss, stats = self.minibatch_loss(rollout.select(idx.to(rollout.scores.device)), critic_only, chunk)
+            mb = rollout if forwards is not None else rollout.select(idx.to(rollout.scores.device))
+            loss, stats = self.minibatch_loss(mb, critic_only, chunk, forwards)
             opt.zero_grad()
             self.manual_backward(loss)
             if clip_here:
@@ -275,10 +318,15 @@ class PPOModule(RLHFModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         prompts, ptx = (batch["prompts"], batch["ptx"]) if "ptx" in batch else (batch, None)
         t0 = time.perf_counter()
-        rollout = self.collect(prompts)
+        fused = self.fused_first_forward(prompts["prompt_ids"].shape[0])
+        rollout = self.collect(prompts, score_policy=not fused)
+        forwards = None
+        if fused:
+            forwards = self.forward_train(rollout)
+            rollout.logprobs, rollout.values = forwards[0].detach(), forwards[2].detach()
         t1 = time.perf_counter()
         reward_stats = self.compute_advantages(rollout)
-        stats = self.update(rollout, ptx)
+        stats = self.update(rollout, ptx, forwards)
         t2 = time.perf_counter()
         n = rollout.scores.shape[0]
         self.kl_ctl.update(float(reward_stats["kl_seq"]), n)

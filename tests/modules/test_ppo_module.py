@@ -119,3 +119,33 @@ def test_ppo_max_raises_the_gold_reward(tmp_path):
     sft_sigma = 0.25  # std of the gold reward of SFT-distribution text (tests/data/test_synthetic.py)
     assert after["val/score_mean"] - before["val/score_mean"] >= 0.5 * sft_sigma, (before, after)
     assert after["val/kl"] < 10.0  # the KL penalty keeps the policy near the SFT model
+
+
+def test_fused_first_forward_is_exact(saved_models, tokenizer):
+    """1 epoch x 1 minibatch: taking log π_old and V_old from the first training forward gives the
+    same update as the separate rollout passes (and the same logged statistics)."""
+    results = []
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        m = make(saved_models, tokenizer, minibatch_size=8, fuse_first_forward=fuse, kl_coef=0.05, score_norm="normalize")
+        trainer = fit(m, data(tokenizer), max_steps=2)  # 2 iterations, one optimizer step each
+        assert m.fused_first_forward(8) is fuse and trainer.global_step == 2
+        results.append(({k: v.detach().clone() for k, v in m.actor.state_dict().items()},
+                        {k: v.detach().clone() for k, v in m.critic.state_dict().items()},
+                        {k: float(v) for k, v in trainer.callback_metrics.items()}))  # fmt: skip
+    (a1, c1, s1), (a2, c2, s2) = results
+    for k in a1:
+        torch.testing.assert_close(a1[k], a2[k], atol=1e-6, rtol=1e-5, msg=k)
+    for k in c1:
+        torch.testing.assert_close(c1[k], c2[k], atol=1e-6, rtol=1e-5, msg=k)
+    for k in ("policy/loss", "critic/loss", "policy/approx_kl", "critic/explained_variance"):
+        assert s1[k] == pytest.approx(s2[k], abs=1e-5), k
+
+
+def test_fusion_is_off_with_dropout_or_several_updates(saved_models, tokenizer):
+    m = make(saved_models, tokenizer, minibatch_size=8)
+    m.configure_model()
+    assert m.fused_first_forward(8) and not m.fused_first_forward(16)  # 2 minibatches
+    assert not make(saved_models, tokenizer, minibatch_size=8, ppo_epochs=2).fused_first_forward(8)
+    m.actor.config.attention_dropout = 0.1
+    assert not m.fused_first_forward(8)

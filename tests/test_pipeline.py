@@ -1,0 +1,54 @@
+"""The main job, shortened: every stage runs through train.py's code path, the summary and PNG appear."""
+
+import json
+
+import pytest
+from omegaconf import OmegaConf, open_dict
+
+from lit_rlhf.runner import run
+from tests.conftest import compose
+
+TINY = ["trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "logger=csv",
+        "model.tiny.hidden_size=32", "model.tiny.num_attention_heads=2", "model.tiny.intermediate_size=64"]  # fmt: skip
+BUDGET = ["data.sft.n_train=256", "data.sft.n_val=32", "trainer.max_epochs=1", "data.preference.n_train=256",
+          "data.preference.n_val=32", "data.preference.n_test=32", "data.prompt.n_val=16", "data.prompt.eval_batch_size=16"]  # fmt: skip
+
+
+def shorten(stage_overrides):
+    out = []
+    for o in OmegaConf.to_container(stage_overrides, resolve=False):  # keep the escaped \${data.task}
+        if o.startswith("trainer.max_steps="):
+            o = "trainer.max_steps=8"  # 2 RL iterations
+        elif o.startswith("trainer.val_check_interval="):
+            o = "trainer.val_check_interval=1"
+        out.append(o)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_shortened_demo_pipeline(tmp_path):
+    cfg = compose(TINY, tmp_path)
+    assert cfg.algo._target_ == "lit_rlhf.pipeline.DemoPipeline"  # `python train.py` runs the pipeline
+    with open_dict(cfg):
+        cfg.algo.common = BUDGET
+        cfg.algo.ppo = shorten(cfg.algo.ppo)
+        cfg.algo.ppo_max = shorten(cfg.algo.ppo_max)
+        cfg.algo.eval_prompts = 24
+    metrics = run(cfg)
+    for stage, export in (("sft", "policy"), ("rm", "reward_model"), ("ppo", "actor"), ("ppo_max", "actor")):
+        assert (tmp_path / stage / export).is_dir(), stage
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["policies"]) == {"SFT", "PPO (β=0)", "PPO-max"}
+    for res in summary["policies"].values():
+        assert set(res) == {"gold_mean", "gold_std", "proxy_mean", "kl_to_sft", "perplexity", "response_length",
+                            "truncation_rate"}  # fmt: skip
+    assert summary["policies"]["SFT"]["kl_to_sft"] == pytest.approx(0.0, abs=1e-5)  # the reference itself
+    assert len(summary["curves"]["ppo"]["gold"]) == 3  # before fit + after each of 2 iterations
+    table = (tmp_path / "summary.md").read_text()
+    assert "| PPO-max |" in table and "gold reward" in table
+    assert (tmp_path / "stability.png").stat().st_size > 20_000
+    assert "eval/PPO-max/gold_mean" in metrics and "ppo_max/critic/loss" in metrics
+    # rerunning the pipeline reuses the finished stages (only the evaluation runs again)
+    again = run(cfg)
+    assert not any(k.startswith(("sft/", "ppo/")) for k in again) and "eval/SFT/gold_mean" in again
