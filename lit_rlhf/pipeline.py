@@ -66,7 +66,7 @@ class DemoPipeline:
         self.config = config
 
     # ---------------------------------------------------------------- stages
-    def stage_overrides(self, stage: str, run_dir: str, cli: list[str], seed: Any) -> list[str]:
+    def stage_overrides(self, stage: str, run_dir: str, cli: list[str]) -> list[str]:
         dirs = {s: os.path.join(run_dir, s) for s in STAGES}
 
         def expand(o: str) -> str:  # {sft}, {rm}, … → stage directories (str.format would trip on {_target_:…})
@@ -75,9 +75,9 @@ class DemoPipeline:
             return o
 
         overrides = [expand(o) for o in getattr(self.config, stage)]
+        # the user's command line (seed=…, logger=…, trainer.…) reaches every stage; algo.* is the demo's own
         forwarded = [o for o in cli if not o.lstrip("+~").startswith(("algo", "hydra"))]
-        seeded = [f"seed={seed}"] if seed is not None else []
-        return [*seeded, *forwarded, *map(expand, self.config.common), *overrides, f"paths.output_dir={dirs[stage]}"]
+        return [*forwarded, *map(expand, self.config.common), *overrides, f"paths.output_dir={dirs[stage]}"]
 
     def compose_stage(self, overrides: list[str], root_dir: str) -> Any:
         from hydra import compose, initialize_config_dir
@@ -97,7 +97,7 @@ class DemoPipeline:
         metrics: dict[str, float] = {}
         for stage in self.config.stages:
             export = os.path.join(run_dir, stage, EXPORTS[stage])
-            overrides = self.stage_overrides(stage, run_dir, cli, cfg.get("seed"))
+            overrides = self.stage_overrides(stage, run_dir, cli)
             log.info("stage %s — rerun it alone with: python train.py %s", stage, " ".join(_quote(o) for o in overrides))
             if self.config.reuse and os.path.isdir(export):
                 log.info("stage %s: %s exists, reusing it (algo.reuse=false to retrain)", stage, export)
