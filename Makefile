@@ -29,3 +29,6 @@ test-fast: $(STAMP)
 
 clean:
 	rm -rf $(VENV) logs outputs multirun .pytest_cache
+
+bench: $(STAMP)
+	$(PY) bench/run.py

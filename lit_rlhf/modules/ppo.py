@@ -226,7 +226,10 @@ class PPOModule(RLHFModule):
         c: PPOConfig = self.config
         ids, mask, width = mb.input_ids, mb.attention_mask, mb.prompt_ids.shape[1]
         temperature = c.generation.temperature if c.logprobs_at_sampling_temperature else 1.0
-        logprobs, entropy = response_logprobs(self.actor, ids, mask, width, temperature, with_entropy=True)
+        # the entropy needs a graph only when it is in the loss; otherwise it is a statistic
+        logprobs, entropy = response_logprobs(
+            self.actor, ids, mask, width, temperature, with_entropy=True, entropy_grad=bool(c.entropy_coef)
+        )
         return logprobs, entropy, response_values(self.critic, ids, mask, width)
 
     def fused_first_forward(self, batch_size: int) -> bool:

@@ -28,7 +28,7 @@ def response_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, promp
 
 def response_logprobs(
     model: Any, input_ids: Tensor, attention_mask: Tensor, prompt_width: int, temperature: float = 1.0,
-    with_entropy: bool = False,
+    with_entropy: bool = False, entropy_grad: bool = True,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """(B, R) log π(y_t | x, y_<t) of the response tokens (and (B, R) entropies if asked).
 
@@ -40,7 +40,12 @@ def response_logprobs(
         logits = logits / temperature
     labels = input_ids[:, prompt_width:]
     logprobs = logprobs_from_logits(logits, labels)
-    return logprobs, entropy_from_logits(logits) if with_entropy else None
+    if not with_entropy:
+        return logprobs, None
+    if entropy_grad:
+        return logprobs, entropy_from_logits(logits)
+    with torch.no_grad():
+        return logprobs, entropy_from_logits(logits.detach())
 
 
 def response_values(critic: Any, input_ids: Tensor, attention_mask: Tensor, prompt_width: int) -> Tensor:

@@ -73,3 +73,55 @@ def test_response_logprobs_match_naive_and_ignore_padding(policy):
                 assert lp[i, t].item() == pytest.approx(logp[len(p) + t - 1, tok].item(), abs=1e-5)
                 probs = logp[len(p) + t - 1].exp()
                 assert ent[i, t].item() == pytest.approx(-(probs * logp[len(p) + t - 1]).sum().item(), abs=1e-4)
+
+
+def test_greedy_matches_transformers_generate(policy, tokenizer):
+    """The decoding loop equals model.generate token for token (greedy, with repetition penalty)."""
+    prompts = [[2, 10, 11, 12], [2, 20], [2, 30, 31]]
+    ids, mask = pad(prompts, tokenizer.pad_token_id, "left")
+    for rep in (1.0, 1.3):
+        gen = GenerationConfig(max_new_tokens=10, do_sample=False, repetition_penalty=rep)
+        ours, ours_mask, _ = sample(policy, ids, mask, gen, eos_id=-1, pad_id=0)  # no EOS: full length
+        with torch.no_grad():
+            ref = policy.eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                         repetition_penalty=rep, pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:]  # fmt: skip
+        policy.train()
+        assert ours.tolist() == ref.tolist(), rep
+
+
+def test_process_logits_filters_like_transformers():
+    """top-k, top-p and temperature against transformers' own warpers on random logits."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from lit_rlhf.rollout.generate import process_logits
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 30, generator=g) * 3
+    gen = GenerationConfig(temperature=0.7, top_k=10, top_p=0.8)
+    ours = process_logits(logits, None, gen)
+    ids = torch.zeros(5, 1, dtype=torch.long)
+    ref = logits
+    for w in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(10), TopPLogitsWarper(0.8)):
+        ref = w(ids, ref)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    torch.testing.assert_close(ours[~torch.isinf(ours)], ref[~torch.isinf(ref)])
+
+
+def test_sampling_distribution_follows_temperature(policy):
+    """Empirical next-token frequencies match softmax(logits / T), and not softmax(logits)."""
+    import copy
+
+    peaky = copy.deepcopy(policy)
+    with torch.no_grad():
+        peaky.lm_head.weight.mul_(8.0)  # a few likely tokens: frequencies become precise at n = 4000
+    ids = torch.tensor([[2, 10]])
+    with torch.no_grad():
+        logits = peaky(input_ids=ids).logits[0, -1]
+    p_t, p_1 = (logits / 0.5).softmax(-1), logits.softmax(-1)
+    torch.manual_seed(0)
+    gen = GenerationConfig(max_new_tokens=1, temperature=0.5)
+    draws = sample(peaky, ids.repeat(4000, 1), torch.ones(4000, 2, dtype=torch.long), gen, eos_id=-1, pad_id=0)[0][:, 0]
+    freq = torch.bincount(draws, minlength=logits.numel()).float() / 4000
+    tv = lambda a, b: 0.5 * (a - b).abs().sum().item()  # noqa: E731
+    assert tv(p_t, p_1) > 0.1  # the two hypotheses are far apart
+    assert tv(freq, p_t) < 0.03 and tv(freq, p_t) < tv(p_t, p_1) / 4
