@@ -35,7 +35,13 @@ def tiny_spec():
 
 
 def compose(overrides: list[str], output_dir: Path | None = None):
-    """conf/train.yaml composed like train.py would, with the Hydra runtime set for ${hydra:…}."""
+    """conf/train.yaml composed like train.py would, with the Hydra runtime set for ${hydra:…}.
+
+    Without an ``algo=`` override the tests get ``algo=sft`` (a single stage), not train.yaml's
+    default ``algo=demo`` pipeline; tests of the pipeline say ``algo=demo``.
+    """
+    if not any(o.startswith("algo=") for o in overrides):
+        overrides = ["algo=sft", *overrides]
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

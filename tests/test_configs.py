@@ -48,6 +48,9 @@ def test_option_composes_and_validates(group, option, tmp_path):
             plan(cfg)
         cfg = compose([f"{group}={option}", *values], tmp_path)
     p = plan(cfg)  # model, algo and data configs are typed and valid
+    if getattr(p.algo_cls, "is_pipeline", False):  # algo=demo: its stages are validated when they run
+        assert p.algo.stages == ["sft", "rm", "ppo", "ppo_max"]
+        return
     assert p.algo_cls.data_kind in cfg.data
     if group == "strategy":
         strategy = instantiate_strategy(cfg.strategy)
@@ -57,7 +60,13 @@ def test_option_composes_and_validates(group, option, tmp_path):
         assert len(loggers) == (0 if option == "none" else 1)
     if group == "callbacks":
         callbacks = instantiate_callbacks(_resolve_auto_monitor(cfg.callbacks, p.algo_cls))
-        assert len(callbacks) == (0 if option == "none" else 1)
+        expected = {"none": set(), "default": {"ModelCheckpoint"},
+                    "rlhf": {"ModelCheckpoint", "KLMonitor", "PerplexityMonitor", "ResponseLengthMonitor",
+                             "RewardStatsMonitor", "SamplesTable", "CollapseAlarm", "StabilityReport", "WandbPanels"}}  # fmt: skip
+        assert {type(c).__name__ for c in callbacks} == expected[option]
+        names = [type(c).__name__ for c in callbacks]
+        if option == "rlhf":  # the alarm reads what the monitors logged in the same iteration
+            assert names.index("CollapseAlarm") > max(names.index(m) for m in ("KLMonitor", "ResponseLengthMonitor"))
 
 
 def test_deepspeed_stage_2_settings(tmp_path):

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf, open_dict
 from lit_rlhf.runner import run
 from tests.conftest import compose
 
-TINY = ["trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "logger=csv",
+TINY = ["algo=demo", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "logger=csv",
         "model.tiny.hidden_size=32", "model.tiny.num_attention_heads=2", "model.tiny.intermediate_size=64"]  # fmt: skip
 BUDGET = ["data.sft.n_train=256", "data.sft.n_val=32", "trainer.max_epochs=1", "data.preference.n_train=256",
           "data.preference.n_val=32", "data.preference.n_test=32", "data.prompt.n_val=16", "data.prompt.eval_batch_size=16"]  # fmt: skip
@@ -29,7 +29,7 @@ def shorten(stage_overrides):
 @pytest.mark.integration
 def test_shortened_demo_pipeline(tmp_path):
     cfg = compose(TINY, tmp_path)
-    assert cfg.algo._target_ == "lit_rlhf.pipeline.DemoPipeline"  # `python train.py` runs the pipeline
+    assert cfg.algo._target_ == "lit_rlhf.pipeline.DemoPipeline"
     with open_dict(cfg):
         cfg.algo.common = BUDGET
         cfg.algo.ppo = shorten(cfg.algo.ppo)
@@ -52,3 +52,18 @@ def test_shortened_demo_pipeline(tmp_path):
     # rerunning the pipeline reuses the finished stages (only the evaluation runs again)
     again = run(cfg)
     assert not any(k.startswith(("sft/", "ppo/")) for k in again) and "eval/SFT/gold_mean" in again
+
+
+def test_plain_train_py_is_the_pipeline(tmp_path):
+    """`python train.py` with no arguments selects the demo pipeline (conf/train.yaml default)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tests.conftest import ROOT
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = hydra_compose("train")
+    assert cfg.algo._target_ == "lit_rlhf.pipeline.DemoPipeline"
+    assert cfg.algo.stages == ["sft", "rm", "ppo", "ppo_max"]

@@ -58,7 +58,7 @@ def test_cfg_job_prints_zero_stage_2():
 
 
 def test_cli_config_error_is_clear_and_writes_nothing(tmp_path):
-    out = cli("+algo.lrr=0.1", f"hydra.run.dir={tmp_path}")
+    out = cli("algo=sft", "+algo.lrr=0.1", f"hydra.run.dir={tmp_path}")
     assert out.returncode == 1
     assert "Configuration error: algo.lrr: unknown key for SFTConfig. Did you mean 'lr'?" in out.stderr
     assert "Traceback" not in out.stderr
@@ -68,7 +68,7 @@ def test_cli_config_error_is_clear_and_writes_nothing(tmp_path):
 def test_cli_bad_data_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "the", "response": "dog"}\n{"prompt": "a" "response": "cat"}\n')
-    out = cli("data=sft_file", f"data.sft.source={bad}", f"hydra.run.dir={tmp_path / 'run'}")
+    out = cli("algo=sft", "data=sft_file", f"data.sft.source={bad}", f"hydra.run.dir={tmp_path / 'run'}")
     assert out.returncode == 1
     assert f"Error: {bad}:2: invalid JSON" in out.stderr
     assert not (tmp_path / "run" / "policy").exists() and not (tmp_path / "run" / "checkpoints").exists()
@@ -78,7 +78,7 @@ def test_cli_bad_data_names_file_and_line(tmp_path):
 @pytest.mark.integration
 def test_multirun_gives_one_run_dir_and_logger_run_per_job(tmp_path):
     out = cli(
-        "-m", "algo.lr=1e-3,3e-3", "trainer.max_steps=5", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false",
+        "-m", "algo=sft", "algo.lr=1e-3,3e-3", "trainer.max_steps=5", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false",
         "data.sft.n_train=200", "data.sft.n_val=50", f"hydra.sweep.dir={tmp_path}", timeout=900,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
