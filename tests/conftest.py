@@ -40,7 +40,7 @@ def compose(overrides: list[str], output_dir: Path | None = None):
     Without an ``algo=`` override the tests get ``algo=sft`` (a single stage), not train.yaml's
     default ``algo=demo`` pipeline; tests of the pipeline say ``algo=demo``.
     """
-    if not any(o.startswith("algo=") for o in overrides):
+    if not any(o.startswith(("algo=", "experiment=")) for o in overrides):  # experiments pick their own
         overrides = ["algo=sft", *overrides]
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir

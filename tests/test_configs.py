@@ -126,7 +126,8 @@ def test_algo_without_matching_data_section(tmp_path):
 @pytest.mark.parametrize("algo, metric, mode", [("sft", "val/perplexity", "min"), ("rm", "val/accuracy", "max")])
 def test_checkpoint_monitor_auto_follows_the_stage(algo, metric, mode, tmp_path):
     cfg = compose([f"algo={algo}"], tmp_path)
-    (ckpt,) = instantiate_callbacks(_resolve_auto_monitor(cfg.callbacks, plan(cfg).algo_cls))
+    callbacks = instantiate_callbacks(_resolve_auto_monitor(cfg.callbacks, plan(cfg).algo_cls))
+    (ckpt,) = [c for c in callbacks if type(c).__name__ == "ModelCheckpoint"]
     assert (ckpt.monitor, ckpt.mode) == (metric, mode)
     assert cfg.callbacks.model_checkpoint.monitor == "auto"  # the composed config is left as written
 
