@@ -77,3 +77,26 @@ def test_deepspeed_zero2_cpu_two_processes_identical(models, tmp_path):
     ranks = run("deepspeed", 2, models, tmp_path)
     assert (ranks[0]["wrapper"], ranks[0]["zero_stage"]) == ("DeepSpeedEngine", 2)
     assert_ranks_agree_and_trained(ranks, models)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_deepspeed_zero2_rm_exports_the_best_checkpoint(tmp_path):
+    """Under ZeRO-2 a checkpoint is a folder of shards: the export must be the best one's weights
+    (merged to fp32, as Lightning's own converter does), not the last ones, with 2 ranks agreeing."""
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    from lit_rlhf.models.reward import load_reward_model
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, str(ROOT / "tests" / "helpers" / "rm_deepspeed_best.py"), "--devices", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = torch.load(tmp_path / "result.pt", weights_only=False)
+    assert res["world_size"] == 2 and os.path.isdir(res["best"])
+    ref = convert_zero_checkpoint_to_fp32_state_dict(res["best"], tmp_path / "best.pt")["state_dict"]
+    exported = load_reward_model(str(tmp_path / "rm")).state_dict()
+    assert exported.keys() == res["live"].keys()
+    assert any(not torch.equal(ref[f"reward_model.{k}"], res["live"][k]) for k in exported)  # best is not the last
+    for k, v in exported.items():
+        torch.testing.assert_close(v, ref[f"reward_model.{k}"], rtol=0, atol=0, msg=k)

@@ -109,16 +109,20 @@ class RLHFModule(pl.LightningModule):
         """The Hugging Face model that :meth:`export` saves."""
         raise NotImplementedError
 
-    def export(self, directory: str) -> None:
+    def export(self, directory: str, state_dict: dict[str, Any] | None = None) -> None:
         """``save_pretrained`` the model and tokenizer into ``directory``, atomically.
 
         Every rank must call it (sharded strategies gather the state collectively); rank zero
         writes into a temporary sibling folder and renames it into place, so a crash never
-        leaves a half-written model where a later stage would load it.
+        leaves a half-written model where a later stage would load it. ``state_dict``: the
+        LightningModule-level weights to write instead of the live ones (e.g. the best
+        checkpoint's; only rank zero's is used; every rank must agree on passing one).
         """
         model = self.exportable_model()
         trainer = self._trainer
-        state = trainer.strategy.lightning_module_state_dict() if trainer is not None else None
+        state = state_dict
+        if state is None and trainer is not None:
+            state = trainer.strategy.lightning_module_state_dict()
         if trainer is None or trainer.is_global_zero:
             prefix = self._state_prefix(model)
             sd = None

@@ -204,11 +204,40 @@ class RewardModelModule(RLHFModule):
         if not self.config.export_dir:
             return
         best = self._best_checkpoint()
-        if best and os.path.isfile(best):  # (a DeepSpeed checkpoint is a folder: export the last weights)
-            state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
-            self.load_state_dict(state)
-            log.info("exporting the best checkpoint by %s: %s", self.monitor[0], best)
-        self.export(self.config.export_dir)
+        if self._trainer is not None:
+            best = self.trainer.strategy.broadcast(best)  # every rank takes the same branch in export
+        state = None
+        if best:
+            ok, state = True, {}  # only rank zero's state is written
+            if self._trainer is None or self.trainer.is_global_zero:
+                try:
+                    state = self.best_state_dict(best)
+                    log.info("exporting the best checkpoint by %s: %s", self.monitor[0], best)
+                except (KeyError, OSError, RuntimeError, ValueError) as e:
+                    log.warning("cannot read the best checkpoint %s (%s): exporting the last weights", best, e)
+                    ok = False
+            if self._trainer is not None:
+                ok = self.trainer.strategy.broadcast(ok)
+            if not ok:
+                state = None  # the live weights (gathered collectively where sharded)
+        self.export(self.config.export_dir, state_dict=state)
+
+    def best_state_dict(self, path: str) -> dict[str, Tensor]:
+        """The LightningModule state of checkpoint ``path`` (a file, or a DeepSpeed ZeRO folder whose
+        shards are merged into fp32 weights), cast to the live parameters' dtypes. Raises if it does
+        not hold every weight of the reward model (a partial export would load as garbage)."""
+        if os.path.isdir(path):
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            merged = get_fp32_state_dict_from_zero_checkpoint(path)
+            state = {k.removeprefix("_forward_module."): v for k, v in merged.items()}
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+        live = {f"reward_model.{k}": v for k, v in self.reward_model.state_dict().items()}
+        missing = sorted(set(live) - set(state))
+        if missing:
+            raise KeyError(f"best checkpoint {path} lacks {len(missing)} reward-model weights, e.g. {missing[:3]}")
+        return {k: state[k].to(v.dtype) for k, v in live.items()}
 
     def _best_checkpoint(self) -> str | None:
         from lightning.pytorch.callbacks import ModelCheckpoint

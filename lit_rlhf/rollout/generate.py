@@ -64,6 +64,46 @@ def process_logits(logits: Tensor, seen: Tensor | None, gen: GenerationConfig) -
     return logits
 
 
+def _preallocated_cache(model: Any, capacity: int) -> Any:
+    """A ``DynamicCache`` whose full-attention layers write into buffers of ``capacity`` positions
+    allocated once, instead of growing by ``torch.cat`` (which copies the whole cache at every
+    step: quadratic in the response length). Sliding-window and other layer kinds stay as
+    transformers builds them."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.length = 0
+
+        def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+            self.device = key_states.device
+            b, h, _, _ = key_states.shape
+            self._k = key_states.new_empty(b, h, capacity, key_states.shape[-1])
+            self._v = value_states.new_empty(b, h, capacity, value_states.shape[-1])
+            self.is_initialized = True
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            start, end = self.length, self.length + key_states.shape[-2]
+            if end > capacity:
+                raise RuntimeError(f"KV cache capacity {capacity} exceeded ({end} positions)")
+            self._k[:, :, start:end].copy_(key_states)
+            self._v[:, :, start:end].copy_(value_states)
+            self.length = end
+            self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+    cache = DynamicCache(config=model.config)
+    cache.layers = [PreallocatedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 def _all_ranks_done(done: bool, device: torch.device) -> bool:
     """Every rank must run the same number of forwards (ZeRO-3 gathers parameters in them)."""
     import torch.distributed as dist
@@ -83,9 +123,10 @@ def sample(
 
     A plain decoding loop (prefill, then one token per forward with ``cache``) instead of
     ``model.generate``: the same distribution — repetition penalty, temperature, top-k, top-p in
-    transformers' order (:func:`process_logits`) — without generate's per-step machinery, ~15%
-    faster on small models, where Python overhead dominates. Position ids count real tokens, so a
-    left-padded prompt generates exactly as it would alone. Naive equivalent:
+    transformers' order (:func:`process_logits`) — without generate's per-step machinery (where
+    Python overhead dominates, on small models) and with a KV cache allocated once
+    (:func:`_preallocated_cache`) instead of concatenated at every step: ~1.4x the tokens/s of
+    ``generate`` in ``bench/``. Position ids count real tokens, so a left-padded prompt generates exactly as it would alone. Naive equivalent:
     ``model.generate(..., do_sample=…, temperature=…, top_k=…, top_p=…, repetition_penalty=…)``
     (tests compare greedy outputs token for token).
 
@@ -95,15 +136,13 @@ def sample(
     Returns:
         response_ids (B, R) with pad after each EOS, response_mask (B, R), ended (B,); R ≤ max_new_tokens.
     """
-    from transformers import DynamicCache
-
     was_training = model.training
     model.eval()
     try:
         b, device = prompt_ids.shape[0], prompt_ids.device
         mask = prompt_mask.long()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=model.config)
+        cache = _preallocated_cache(model, prompt_ids.shape[1] + gen.max_new_tokens)
         out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, cache=cache,
                     use_cache=True, logits_to_keep=1)  # fmt: skip
         logits = out.logits[:, -1].float()

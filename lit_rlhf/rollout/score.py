@@ -7,6 +7,7 @@ So for a prompt of width P: ``full[:, P - 1 : -1]`` lines up with the response t
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import torch
@@ -20,10 +21,27 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def _takes_logits_to_keep(model: Any) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def response_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, prompt_width: int) -> Tensor:
-    """(B, R, V) logits that predict the R response tokens of ``input_ids`` (B, P + R)."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask))
-    return out.logits[:, prompt_width - 1 : -1]
+    """(B, R, V) logits that predict the R response tokens of ``input_ids`` (B, P + R).
+
+    The LM head runs on those R positions only (``logits_to_keep``) where the model supports it:
+    with long prompts and large vocabularies, prompt-position logits are most of the LM head's
+    time and memory, and nothing reads them.
+    """
+    kwargs: dict[str, Any] = {}
+    response_width = input_ids.shape[1] - prompt_width
+    if _takes_logits_to_keep(model):
+        kwargs["logits_to_keep"] = response_width + 1  # positions P-1 … T-1; the last predicts nothing
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+                **kwargs)  # fmt: skip
+    return out.logits[:, -(response_width + 1) : -1]
 
 
 def response_logprobs(

@@ -129,3 +129,30 @@ def test_wandb_receives_metrics_and_score_histograms(tiny_spec, tokenizer, tmp_p
             assert summary[key]["_type"] == "histogram"
     finally:
         wandb.finish()
+
+
+def test_export_writes_the_best_checkpoint_not_the_last(tiny_spec, tokenizer, tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    m = RewardModelModule(model=tiny_spec, tokenizer=tokenizer, lr=3e-3, export_dir=str(tmp_path / "rm"))
+    # mode "min": the WORST epoch is "best", so the best checkpoint is surely not the last weights
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val/accuracy", mode="min", save_top_k=1)
+    trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         callbacks=[ckpt], num_sanity_val_steps=0)  # fmt: skip
+    trainer.fit(m, small_data(tokenizer))
+    best = torch.load(ckpt.best_model_path, weights_only=False)["state_dict"]
+    live = m.reward_model.state_dict()
+    exported = load_reward_model(str(tmp_path / "rm")).state_dict()
+    assert exported.keys() == live.keys()
+    assert any(not torch.equal(best[f"reward_model.{k}"], live[k]) for k in live)  # best is not the last
+    for k, v in exported.items():
+        torch.testing.assert_close(v, best[f"reward_model.{k}"], rtol=0, atol=0, msg=k)
+
+
+def test_best_checkpoint_missing_weights_is_refused_by_name(tiny_spec, tokenizer, tmp_path):
+    m = module(tiny_spec, tokenizer)
+    path = tmp_path / "partial.ckpt"
+    torch.save({"state_dict": {k: v for k, v in m.state_dict().items() if "head" not in k}}, path)
+    with pytest.raises(KeyError, match="partial.ckpt lacks .* reward-model weights"):
+        m.best_state_dict(str(path))

@@ -125,3 +125,72 @@ def test_sampling_distribution_follows_temperature(policy):
     tv = lambda a, b: 0.5 * (a - b).abs().sum().item()  # noqa: E731
     assert tv(p_t, p_1) > 0.1  # the two hypotheses are far apart
     assert tv(freq, p_t) < 0.03 and tv(freq, p_t) < tv(p_t, p_1) / 4
+
+
+def test_preallocated_cache_samples_exactly_as_the_growing_cache(policy, tokenizer, monkeypatch):
+    """Same seed, same tokens with the KV cache written in place as with transformers' DynamicCache
+    (which concatenates at every step); the buffers hold prompt + max_new_tokens positions."""
+    import lit_rlhf.rollout.generate as generate
+    from transformers import DynamicCache
+
+    ids, mask = pad([[2, 10, 11, 12], [2, 20], [2, 30, 31]], tokenizer.pad_token_id, "left")
+    gen = GenerationConfig(max_new_tokens=12, temperature=0.9, top_p=0.95, repetition_penalty=1.2)
+    built = []
+    real = generate._preallocated_cache
+    monkeypatch.setattr(generate, "_preallocated_cache", lambda m, cap: built.append(real(m, cap)) or built[-1])
+    torch.manual_seed(3)
+    ours = sample(policy, ids, mask, gen, eos_id=-1, pad_id=0)[0]
+    layer = built[0].layers[0]
+    assert type(layer).__name__ == "PreallocatedLayer" and layer._k.shape[2] == ids.shape[1] + 12
+    assert layer.get_seq_length() == ids.shape[1] + 11  # the last sampled token is never fed back
+    monkeypatch.setattr(generate, "_preallocated_cache", lambda m, cap: DynamicCache(config=m.config))
+    torch.manual_seed(3)
+    growing = sample(policy, ids, mask, gen, eos_id=-1, pad_id=0)[0]
+    assert ours.tolist() == growing.tolist()
+
+
+def test_preallocated_cache_refuses_overflow_and_keeps_sliding_layers():
+    from transformers import MistralConfig, MistralForCausalLM
+    from transformers.cache_utils import DynamicLayer
+
+    from lit_rlhf.rollout.generate import _preallocated_cache
+
+    cfg = MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, sliding_window=4)  # fmt: skip
+    cache = _preallocated_cache(MistralForCausalLM(cfg), 5)
+    assert all(type(layer).__name__ != "PreallocatedLayer" and isinstance(layer, DynamicLayer) for layer in cache.layers)
+    cfg.sliding_window = None
+    cache = _preallocated_cache(MistralForCausalLM(cfg), 5)
+    layer = cache.layers[0]
+    assert type(layer).__name__ == "PreallocatedLayer"
+    k = torch.randn(1, 1, 3, 8)
+    keys, values = layer.update(k, k + 1)
+    assert torch.equal(keys, k) and torch.equal(values, k + 1)
+    keys, _ = layer.update(k[:, :, :2], k[:, :, :2])
+    assert torch.equal(keys, torch.cat([k, k[:, :, :2]], 2))
+    with pytest.raises(RuntimeError, match="capacity 5 exceeded"):
+        layer.update(k[:, :, :1], k[:, :, :1])
+
+
+def test_response_logits_same_with_and_without_logits_to_keep(policy):
+    """The LM head on the response positions only gives the logits a full forward gives there;
+    models whose forward has no ``logits_to_keep`` get the full forward, sliced."""
+    from lit_rlhf.rollout.score import _takes_logits_to_keep, response_logits
+
+    class NoKeep(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask, position_ids):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+
+    ids, mask = pad([[2, 10, 11, 20, 21, 3], [2, 12, 22, 3]], 0, "left")
+    assert _takes_logits_to_keep(policy) and not _takes_logits_to_keep(NoKeep(policy))
+    with torch.no_grad():
+        kept = response_logits(policy, ids, mask, 3)
+        full = response_logits(NoKeep(policy), ids, mask, 3)
+        naive = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, 2:-1]
+    assert kept.shape == (2, 3, policy.config.vocab_size)
+    torch.testing.assert_close(kept, naive)
+    torch.testing.assert_close(full, naive)
