@@ -47,6 +47,16 @@ class Rollout:
         """(B,) response tokens per row (EOS included)."""
         return self.response_mask.sum(-1)
 
+    def normal_tensors(self) -> "Rollout":
+        """This rollout with every inference-mode tensor cloned into a normal one (inference
+        tensors cannot enter autograd, e.g. as the token ids of a training forward)."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Tensor) and v.is_inference():
+                out[f.name] = v.clone()
+        return replace(self, **out)
+
     def select(self, index: Tensor) -> "Rollout":
         """The rows ``index`` of every tensor field (a minibatch view)."""
         out = {}

@@ -153,13 +153,34 @@ class PPOModule(RLHFModule):
             out.append(self.tokenizer.decode(ids[: n - 1 if e else n], skip_special_tokens=False).strip())
         return out
 
-    @torch.no_grad()
+    def rollout_grad_mode(self) -> Any:
+        """``torch.inference_mode()`` for generation and the frozen models' forwards (no autograd
+        bookkeeping at all: ~5% faster decoding on CPU than ``no_grad``), except where parameters
+        are sharded and gathered inside forwards (DeepSpeed ZeRO-3, FSDP, other strategies):
+        there, ``no_grad``."""
+        if self._trainer is None:
+            return torch.inference_mode()
+        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
+        strategy = self.trainer.strategy
+        if isinstance(strategy, DeepSpeedStrategy):
+            stage = (strategy.config or {}).get("zero_optimization", {}).get("stage", 0)
+            return torch.no_grad() if stage >= 3 else torch.inference_mode()
+        if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+            return torch.inference_mode()
+        return torch.no_grad()
+
     def collect(self, batch: dict[str, Any], score_policy: bool = True) -> Rollout:
-        """Generate and score one batch of prompts (ALGORITHMS §2 "Rollout").
+        """Generate and score one batch of prompts (ALGORITHMS §2 "Rollout"), without grad.
 
         ``score_policy=False`` skips the actor and critic passes: the caller fills
         ``logprobs``/``values`` from the first training forward (see :meth:`fused_first_forward`).
         """
+        with self.rollout_grad_mode():
+            rollout = self._collect(batch, score_policy)
+        return rollout.normal_tensors()
+
+    def _collect(self, batch: dict[str, Any], score_policy: bool) -> Rollout:
         c: PPOConfig = self.config
         tok = self.tokenizer
         prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]

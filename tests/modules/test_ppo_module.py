@@ -149,3 +149,34 @@ def test_fusion_is_off_with_dropout_or_several_updates(saved_models, tokenizer):
     assert not make(saved_models, tokenizer, minibatch_size=8, ppo_epochs=2).fused_first_forward(8)
     m.actor.config.attention_dropout = 0.1
     assert not m.fused_first_forward(8)
+
+
+def test_rollout_runs_in_inference_mode_unless_parameters_are_sharded(saved_models, tokenizer, monkeypatch):
+    """Generation and frozen scoring run under inference mode, yet the rollout's tensors can enter
+    the training forward; strategies that gather sharded parameters inside forwards get no_grad."""
+    from dataclasses import fields
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
+
+    m = make(saved_models, tokenizer, minibatch_size=8)
+    m.configure_model()
+    dm = data(tokenizer)
+    dm.setup("fit")
+    import lit_rlhf.modules.ppo as ppo
+
+    seen, real_sample = [], ppo.sample
+    monkeypatch.setattr(ppo, "sample", lambda *a, **k: seen.append(torch.is_inference_mode_enabled()) or real_sample(*a, **k))
+    rollout = m.collect(next(iter(dm.train_dataloader())))
+    assert seen == [True]
+    tensors = [getattr(rollout, f.name) for f in fields(rollout) if isinstance(getattr(rollout, f.name), torch.Tensor)]
+    assert tensors and not any(t.is_inference() for t in tensors)
+    logprobs, _, values = m.forward_train(rollout)  # token ids enter autograd (embedding saves them)
+    (logprobs.sum() + values.sum()).backward()
+    assert m.actor.get_input_embeddings().weight.grad is not None
+    for strategy, inference in ((SingleDeviceStrategy("cpu"), True), (DDPStrategy(), True),
+                                (DeepSpeedStrategy(stage=2), True), (DeepSpeedStrategy(stage=3), False),
+                                (FSDPStrategy(), False)):  # fmt: skip
+        m._trainer = SimpleNamespace(strategy=strategy)
+        with m.rollout_grad_mode():
+            assert torch.is_inference_mode_enabled() is inference and not torch.is_grad_enabled(), strategy
