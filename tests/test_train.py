@@ -65,6 +65,15 @@ def test_cli_config_error_is_clear_and_writes_nothing(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [".hydra", "train.log"]  # no checkpoint, no model
 
 
+def test_cli_typo_without_plus_gets_the_allowed_keys_before_hydra_runs(tmp_path):
+    """Without '+', Hydra alone would say "Key 'lrr' is not in struct"; the pre-check names the
+    config class, the closest key and the allowed ones, and nothing is written."""
+    out = cli("algo=sft", "algo.lrr=0.1", f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 1
+    assert "Configuration error: algo.lrr: unknown key for SFTConfig. Did you mean 'lr'? Allowed keys: betas" in out.stderr
+    assert "not in struct" not in out.stderr and not (tmp_path / "run").exists()
+
+
 def test_cli_bad_data_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "the", "response": "dog"}\n{"prompt": "a" "response": "cat"}\n')
@@ -90,6 +99,23 @@ def test_multirun_gives_one_run_dir_and_logger_run_per_job(tmp_path):
         rows = read_metrics(job / "csv" / "metrics.csv")
         lrs.append(max(float(r["train/lr"]) for r in rows if r.get("train/lr")))
     assert lrs[0] < lrs[1]  # each job logged its own run with its own learning rate
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_optuna_sweep_runs_from_the_readme_command(tmp_path):
+    """``-m hparams_search=sft_lr_optuna`` as the README writes it (no algo=): the search selects
+    the SFT stage itself, runs its trials and reports the best value of val/perplexity."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    out = cli("hparams_search=sft_lr_optuna", "hydra.sweeper.n_trials=2", "trainer.max_steps=3",
+              "trainer.val_check_interval=3", "trainer.enable_progress_bar=false", "data.sft.n_train=200",
+              "data.sft.n_val=50", f"hydra.sweep.dir={tmp_path}", timeout=900)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["0", "1"]
+    import yaml
+
+    result = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
+    assert set(result["best_params"]) == {"algo.lr", "algo.warmup_ratio"} and result["best_value"] > 1.0
 
 
 @pytest.mark.slow

@@ -1,0 +1,113 @@
+"""A pre-check of ``train.py``'s command-line overrides, before Hydra composes the config.
+
+Hydra refuses ``algo.lrr=0.1`` (a key the composed config does not have) with its own message,
+"Key 'lrr' is not in struct", which names neither the config class nor the allowed keys. This
+check composes the config with the command line's group choices only (``algo=…``,
+``experiment=…``; every value of a swept choice), looks up every ``key=value`` override, and
+turns an unknown key into the same :class:`ConfigError` the typed configs raise:
+``algo.lrr: unknown key for SFTConfig. Did you mean 'lr'? Allowed keys: …``.
+
+Anything it cannot judge (a parse error, ``+``/``++``/``~`` overrides, ``hydra.*`` keys, list
+indices) is left to Hydra, which reports it as before.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+from pathlib import Path
+from typing import Any
+
+from lit_rlhf.utils.config import ConfigError
+
+_MAX_COMBINATIONS = 16
+
+
+def _cli_overrides(argv: list[str]) -> list[str] | None:
+    try:
+        from hydra._internal.utils import get_args_parser
+
+        return list(get_args_parser().parse_args(argv).overrides)
+    except (Exception, SystemExit):  # --help, a bad flag: Hydra's own parser reports it
+        return None
+
+
+def _missing_key(cfg: Any, dotted: str) -> tuple[str, str, list[str]] | None:
+    """(parent path, first missing segment, keys the parent has) when ``dotted`` is not in ``cfg``."""
+    from omegaconf import DictConfig
+
+    node, path = cfg, []
+    for part in dotted.split("."):
+        if not isinstance(node, DictConfig):
+            return None  # lists, leaf values: Hydra judges
+        keys = [str(k) for k in node.keys()]
+        if part not in keys:
+            return ".".join(path), part, keys
+        node = node._get_node(part)  # no interpolation is resolved
+        path.append(part)
+    return None
+
+
+def _unknown_key_error(cfg: Any, parent: str, part: str, keys: list[str]) -> ConfigError:
+    key = f"{parent}.{part}" if parent else part
+    close = difflib.get_close_matches(part, keys, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    owner = ""
+    if parent == "algo":
+        from lit_rlhf.runner import _get_class
+
+        try:
+            algo_cls = _get_class(cfg.algo, "algo")
+            owner = f" for {algo_cls.config_class.__name__}"
+            if getattr(algo_cls, "is_pipeline", False):
+                owner += " (the default job, algo=demo, is the whole pipeline: choose a stage to set its keys, e.g. algo=sft)"
+        except Exception:  # an unknown _target_: the runner reports it later
+            pass
+    allowed = ", ".join(sorted(k for k in keys if not k.startswith("_")))
+    return ConfigError(key, f"unknown key{owner}.{hint} Allowed keys: {allowed}")
+
+
+def check_overrides(argv: list[str], config_dir: str | Path, config_name: str = "train") -> None:
+    """Raise :class:`ConfigError` for a ``key=value`` override whose key the composed config lacks."""
+    overrides = _cli_overrides(argv)
+    if not overrides:
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:
+        return
+    config_dir = Path(config_dir)
+    groups = {p.name for p in config_dir.iterdir() if p.is_dir()}
+    choices, keys = [], []
+    for o in parsed:
+        name = o.key_or_group
+        if o.type != OverrideType.CHANGE or o.package is not None or name.split(".")[0].split("/")[0] == "hydra":
+            continue
+        if name.split("/")[0] in groups and "." not in name:
+            values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
+            choices.append([f"{name}={v}" for v in values])
+        else:
+            keys.append(name)
+    if not keys:
+        return
+    combinations = list(itertools.islice(itertools.product(*choices), _MAX_COMBINATIONS + 1))
+    if len(combinations) > _MAX_COMBINATIONS:
+        return
+    for combination in combinations:
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base="1.3"):
+                cfg = compose(config_name, overrides=list(combination))
+        except Exception:  # a bad group choice: Hydra lists the available options itself
+            return
+        finally:
+            GlobalHydra.instance().clear()
+        for key in keys:
+            missing = _missing_key(cfg, key)
+            if missing is not None:
+                raise _unknown_key_error(cfg, *missing)

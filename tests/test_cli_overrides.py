@@ -1,0 +1,56 @@
+"""train.py's pre-check of command-line overrides (lit_rlhf/utils/cli.py): unknown keys get the
+typed-config message before Hydra composes; everything else is left to Hydra."""
+
+import pytest
+
+from lit_rlhf.utils.cli import check_overrides
+from lit_rlhf.utils.config import ConfigError
+from tests.conftest import ROOT
+
+CONF = ROOT / "conf"
+
+
+def error(*argv):
+    with pytest.raises(ConfigError) as info:
+        check_overrides(list(argv), CONF)
+    return str(info.value)
+
+
+def test_known_keys_pass():
+    check_overrides(["algo=sft", "algo.lr=1e-3", "trainer.max_steps=5", "seed=3", "--cfg", "job"], CONF)
+    check_overrides(["-m", "algo=sft,rm", "algo.lr=1e-3,3e-3"], CONF)  # both stages have lr
+    check_overrides(["experiment=ppo_max_synthetic_tiny", "algo.kl_coef=0.1"], CONF)  # the experiment picks ppo_max
+    check_overrides(["data=sft_file", "data.sft.source=x.jsonl", "algo=sft"], CONF)
+
+
+def test_unknown_algo_key_names_the_class_the_closest_key_and_the_allowed_ones():
+    msg = error("algo=sft", "algo.lrr=0.1")
+    assert msg.startswith("algo.lrr: unknown key for SFTConfig. Did you mean 'lr'? Allowed keys: betas, eps,")
+
+
+def test_the_default_pipeline_says_to_choose_a_stage():
+    msg = error("-m", "algo.lr=1e-3,3e-3", "trainer.max_steps=5")
+    assert msg.startswith("algo.lr: unknown key for DemoConfig (the default job, algo=demo, is the whole pipeline")
+    assert "e.g. algo=sft" in msg
+
+
+def test_every_value_of_a_swept_choice_is_checked():
+    assert error("-m", "algo=rm,sft", "algo.beta_rm=1").startswith("algo.beta_rm: unknown key for SFTConfig")
+
+
+def test_unknown_keys_outside_algo():
+    assert error("algo=sft", "sed=3").startswith("sed: unknown key. Did you mean 'seed'?")
+    assert error("algo=sft", "trainer.max_stepz=3").startswith("trainer.max_stepz: unknown key. Did you mean 'max_steps'?")
+    check_overrides(["algo=sft", "trainer.max_steps.x=3"], CONF)  # below a leaf value: Hydra judges
+
+
+@pytest.mark.parametrize("argv", [
+    ["algo=sft", "+algo.extra=1"],              # adding on purpose: the typed config judges it later
+    ["algo=sft", "~trainer.max_steps"],         # deletions
+    ["algo=sft", "hydra.run.dir=/tmp/x"],       # Hydra's own keys
+    ["algo=nosuchalgo", "algo.lr=1"],           # a bad group choice: Hydra lists the options
+    ["algo=sft", "algo.lr=[unclosed"],          # a parse error: Hydra reports it
+    ["--help"],
+])  # fmt: skip
+def test_what_hydra_judges_is_left_to_hydra(argv):
+    check_overrides(argv, CONF)
