@@ -50,6 +50,17 @@ def assert_ranks_agree_and_trained(ranks, models):
         assert other["moments"] == first["moments"]
     # moments saw every rank's rollouts: 2 iterations x 8 prompts x world size
     assert first["moments"]["count"] == 2 * 8 * len(ranks)
+    # the adaptive β is fed the KL of ALL ranks' rollouts (8 prompts per rank and iteration), so it
+    # moves the same way on every rank
+    assert [n for _, n in first["kl_inputs"]] == [8 * len(ranks)] * 2
+    assert all(r["kl_inputs"] == first["kl_inputs"] and r["kl_ctl"] == first["kl_ctl"] for r in ranks)
+    assert first["kl_ctl"]["value"] != pytest.approx(0.05)
+    # advantages were whitened with the statistics of ALL ranks: mean 0 and (unbiased) variance 1 over the
+    # union (per-rank whitening would give mean 0 on each rank instead)
+    s, sq, n = (sum(r["advantages"][i] for r in ranks) for i in range(3))
+    assert s / n == pytest.approx(0.0, abs=1e-5) and sq / (n - 1) == pytest.approx(1.0, abs=1e-4)  # Bessel
+    if len(ranks) > 1:
+        assert max(abs(r["advantages"][0] / r["advantages"][2]) for r in ranks) > 1e-3
     init = AutoModelForCausalLM.from_pretrained(models / "policy").state_dict()
     changed = [k for k, v in init.items() if not torch.equal(first["params"][f"actor.{k}"], v.float())]
     assert len(changed) == len(init)

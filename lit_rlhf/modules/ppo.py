@@ -227,7 +227,11 @@ class PPOModule(RLHFModule):
         if c.advantage_clip is not None:
             advantages = advantages.clamp(-c.advantage_clip, c.advantage_clip)
         rollout.advantages = advantages
-        return {"normalized_mean": scores.mean(), "kl_seq": masked_sum(kl, mask, dim=1).mean()}
+        # the KL controller's input over ALL ranks' rollouts (so β stays the same on every rank)
+        kl_seq = masked_sum(kl, mask, dim=1)
+        kl_sum_n = all_reduce_sum(torch.stack([kl_seq.sum(), kl.new_tensor(float(kl.shape[0]))]).float())
+        return {"normalized_mean": scores.mean(), "kl_seq": kl_seq.mean(),
+                "kl_seq_global": kl_sum_n[0] / kl_sum_n[1], "n_global": kl_sum_n[1]}  # fmt: skip
 
     # --------------------------------------------------------------- phase 3
     def updates_per_iteration(self, batch_size: int) -> int:
@@ -353,7 +357,7 @@ class PPOModule(RLHFModule):
         stats = self.update(rollout, ptx, forwards)
         t2 = time.perf_counter()
         n = rollout.scores.shape[0]
-        self.kl_ctl.update(float(reward_stats["kl_seq"]), n)
+        self.kl_ctl.update(float(reward_stats["kl_seq_global"]), int(reward_stats["n_global"]))
         self.iteration += 1
         # raw score statistics, KL, perplexity and length are the monitors' (callbacks/monitors.py)
         stats.update({

@@ -71,9 +71,25 @@ def response_values(critic: Any, input_ids: Tensor, attention_mask: Tensor, prom
     return critic(input_ids, attention_mask)[:, prompt_width - 1 : -1]
 
 
+def append_eos_to_truncated(input_ids: Tensor, attention_mask: Tensor, ended: Tensor, eos_id: int,
+                            pad_id: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(B, T) right-padded sequences → the same with an EOS after every response that has none
+    (ALGORITHMS §1: the reward model reads x + y + EOS; it was never trained on anything else).
+
+    A truncated response ran to the last column, so one extra column holds its EOS; rows that
+    ended keep theirs and get a pad there. Without truncated rows the inputs come back as they are.
+    """
+    if bool(ended.all()):
+        return input_ids, attention_mask
+    add = ~ended.to(torch.bool)
+    col_ids = torch.where(add, torch.full_like(input_ids[:, 0], eos_id), torch.full_like(input_ids[:, 0], pad_id))
+    return torch.cat([input_ids, col_ids[:, None]], 1), torch.cat([attention_mask, add.to(attention_mask.dtype)[:, None]], 1)
+
+
 class ModelScorer:
     """Scores (B,) from a frozen reward model. Reuses the policy's token ids when both share a
-    tokenizer; otherwise decodes the texts and re-tokenizes them for the reward model (an
+    tokenizer (with an EOS appended to truncated responses, as the re-tokenizing path and RM
+    training do); otherwise decodes the texts and re-tokenizes them for the reward model (an
     encoder RM with its own vocabulary, for example)."""
 
     def __init__(self, reward_model: Any, reward_tokenizer: Any, policy_tokenizer: Any, template: Any, max_length: int):
@@ -87,7 +103,9 @@ class ModelScorer:
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], responses: Sequence[str],
                  ended: Tensor) -> Tensor:  # fmt: skip
         if self.same_vocab:
-            return self.model(input_ids, attention_mask).float()
+            ids, mask = append_eos_to_truncated(input_ids, attention_mask, ended, self.tokenizer.eos_token_id,
+                                                self.tokenizer.pad_token_id)  # fmt: skip
+            return self.model(ids, mask).float()
         from lit_rlhf.data.collate import collate_sft, encode_encoder_pair, encode_pair
 
         encode = encode_encoder_pair if self.model.kind == "encoder" else encode_pair

@@ -126,6 +126,16 @@ def test_value_loss_hand_values():
     # no clip: plain MSE
     loss, _ = value_loss(v, old, ret, mask, clip=None)
     assert loss.item() == pytest.approx(0.5 * (1 + 1) / 2)
+    # the clipped term is the larger one when V overshot G from V_old: old 0, V 2, G 1.5 ->
+    # unclipped (2 − 1.5)² = 0.25, clipped V = 0.2 -> (0.2 − 1.5)² = 1.69: loss ½·1.69, no gradient
+    # (the clamp is saturated); token 2 (V 0.1 inside the band, G 0) is masked out
+    v = torch.tensor([[2.0, 0.1]], requires_grad=True)
+    loss, stats = value_loss(v, torch.tensor([[0.0, 0.0]]), torch.tensor([[1.5, 0.0]]), torch.tensor([[1.0, 0.0]]), 0.2)
+    assert loss.item() == pytest.approx(0.5 * 1.69) and stats["clipfrac"].item() == 1.0
+    loss.backward()
+    assert v.grad.tolist() == [[0.0, 0.0]]
+    unclipped, _ = value_loss(torch.tensor([[2.0]]), torch.tensor([[0.0]]), torch.tensor([[1.5]]), torch.ones(1, 1), None)
+    assert unclipped.item() == pytest.approx(0.5 * 0.25)
 
 
 def test_explained_variance():

@@ -32,12 +32,24 @@ class Dump(pl.Callback):
     def __init__(self, out: str) -> None:
         self.out = out
 
+    def on_fit_start(self, trainer, module) -> None:
+        self.kl_inputs = []  # what the KL controller is fed each iteration: (sequence KL, samples)
+        update = module.kl_ctl.update
+        module.kl_ctl.update = lambda kl, n: self.kl_inputs.append((kl, n)) or update(kl, n)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        r = outputs["rollout"]
+        m = r.response_mask.float()
+        # the last rollout's whitened advantages on this rank: masked sum, sum of squares, count
+        self.advantages = [float((r.advantages * m).sum()), float((r.advantages**2 * m).sum()), float(m.sum())]
+
     def on_train_end(self, trainer, module) -> None:
         state = {f"actor.{k}": v.detach().float().cpu().clone() for k, v in module.actor.state_dict().items()}
         state.update({f"critic.{k}": v.detach().float().cpu().clone() for k, v in module.critic.state_dict().items()})
         torch.save(
             {"params": state, "moments": module.reward_moments.state_dict(), "global_step": trainer.global_step,
              "world_size": trainer.world_size, "iteration": module.iteration,
+             "kl_ctl": module.kl_ctl.state_dict(), "kl_inputs": self.kl_inputs, "advantages": self.advantages,
              "wrapper": type(trainer.strategy.model).__name__,
              "zero_stage": trainer.strategy.model.zero_optimization_stage()
              if hasattr(trainer.strategy.model, "zero_optimization_stage") else None},
@@ -58,6 +70,7 @@ def main() -> None:
     cfg = build_config(PPOConfig, {
         "policy_path": policy, "reward_path": rm, "lr": 1e-3, "critic_lr": 1e-3, "minibatch_size": 4,
         "score_norm": "normalize", "kl_coef": 0.05, "generation": {"max_new_tokens": 8},
+        "adaptive_kl": True, "kl_target": 0.01, "kl_horizon": 100, "whiten_advantages": True, "advantage_clip": None,
     }, "algo")  # fmt: skip
     spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=policy))
     tok = build_tokenizer(spec)

@@ -194,3 +194,38 @@ def test_response_logits_same_with_and_without_logits_to_keep(policy):
     assert kept.shape == (2, 3, policy.config.vocab_size)
     torch.testing.assert_close(kept, naive)
     torch.testing.assert_close(full, naive)
+
+
+def test_truncated_responses_are_scored_with_an_eos_like_the_retokenizing_path(tiny_spec, tokenizer):
+    """The reward model reads x + y + EOS (ALGORITHMS §1). Reusing the policy's ids must give the
+    scores that decoding + re-tokenizing (encode_pair appends the EOS) gives, truncated rows too."""
+    from lit_rlhf.data.templates import get_template
+    from lit_rlhf.models.reward import build_reward_model
+    from lit_rlhf.rollout.score import ModelScorer, append_eos_to_truncated
+
+    eos, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    ids = torch.tensor([[pad_id, 7, 8, 20, 21, eos], [4, 5, 6, 22, 23, 24]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    ended = torch.tensor([True, False])
+    new_ids, new_mask = append_eos_to_truncated(ids, mask, ended, eos, pad_id)
+    assert new_ids[:, :6].tolist() == ids.tolist() and new_ids[:, 6].tolist() == [pad_id, eos]
+    assert new_mask[:, 6].tolist() == [0, 1]
+    assert append_eos_to_truncated(ids, mask, torch.tensor([True, True]), eos, pad_id)[0] is ids
+
+    torch.manual_seed(0)
+    rm = build_reward_model(tiny_spec, tokenizer).eval()
+    scorer = ModelScorer(rm, tokenizer, tokenizer, get_template("plain"), 64)
+    assert scorer.same_vocab
+    words = [w for w in tokenizer.get_vocab() if w.isalpha()][:8]
+    prompts, responses = [" ".join(words[:2]), " ".join(words[2:5])], [" ".join(words[5:7]), " ".join(words[5:8])]
+    p_ids, p_mask = pad([tokenizer(p)["input_ids"] for p in prompts], pad_id, "left")
+    r = [tokenizer(x, add_special_tokens=False)["input_ids"] for x in responses]
+    r_ids, r_mask = pad([r[0] + [eos], r[1]], pad_id, "right")  # row 0 ended, row 1 truncated
+    ids, mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
+    fast = scorer(ids, mask, prompts, responses, ended)
+    scorer.same_vocab = False
+    slow = scorer(ids, mask, prompts, responses, ended)
+    torch.testing.assert_close(fast, slow)
+    with torch.no_grad():
+        no_eos = rm(ids, mask)  # what the old path scored: the truncated row at its last token
+    assert abs(float(no_eos[1] - fast[1])) > 1e-4 and abs(float(no_eos[0] - fast[0])) < 1e-5
