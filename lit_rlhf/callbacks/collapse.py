@@ -3,6 +3,9 @@ the run's own early baseline, and act: warn, stop cleanly, or roll back and rais
 
 MOSS-RLHF §5.2: a collapsing policy shows reward up while KL rises, responses lengthen and
 perplexity falls, and the reward distribution grows a long tail; loss and reward alone look fine.
+Collapse shows in SEVERAL of these at once: one alone is normal RL fine-tuning (perplexity halves
+as any policy sharpens on its reward — the healthy PPO-max run of the demo does exactly that), so
+by default an alarm needs ``min_signals=2`` of them in the same iteration.
 
 :class:`CollapseDetector` is the pure logic (a stream of metric dicts in, reasons out); the
 callback feeds it the values the monitors logged this iteration (so it must come AFTER the
@@ -36,6 +39,8 @@ class CollapseDetector:
         length_sigmas: alarm when |length − μ₀| > k·max(σ₀, min_length_sigma).
         ppl_drop: alarm when perplexity < (1 − drop) · baseline perplexity.
         tail_factor: alarm when the reward tail ratio > factor · its baseline.
+        min_signals: signals that must alarm in the same observation for it to count as alarming
+            (1 = any single signal).
         patience: consecutive alarming observations before a trigger.
     """
 
@@ -45,9 +50,16 @@ class CollapseDetector:
     min_length_sigma: float = 1.0
     ppl_drop: float | None = 0.5
     tail_factor: float | None = 4.0
+    min_signals: int = 2
     patience: int = 2
     baseline: dict[str, list[float]] = field(default_factory=dict)
+    alarming: bool = False
+    """Whether the latest observation was alarming (a trigger, or one still waiting out patience)."""
     _streak: int = 0
+
+    def __post_init__(self) -> None:
+        if self.min_signals < 1 or self.patience < 1:
+            raise ValueError(f"min_signals and patience must be >= 1, got {self.min_signals}, {self.patience}")
 
     def _stats(self, key: str) -> tuple[float, float] | None:
         values = self.baseline.get(key, [])
@@ -79,14 +91,16 @@ class CollapseDetector:
 
     def observe(self, metrics: dict[str, float]) -> list[str]:
         """Feed one iteration's metrics; returns the reasons when the alarm TRIGGERS, i.e. after
-        ``patience`` alarming observations in a row. The first ``baseline_steps`` observations of
-        each relative signal form its baseline (only the absolute KL bound applies meanwhile)."""
+        ``patience`` alarming observations (``min_signals`` or more reasons each) in a row. The
+        first ``baseline_steps`` observations of each relative signal form its baseline (only the
+        absolute KL bound applies meanwhile)."""
         reasons = self.check(metrics)
+        self.alarming = len(reasons) >= self.min_signals
         for key in (LENGTH, PPL, TAIL):
             values = self.baseline.setdefault(key, [])
             if key in metrics and math.isfinite(metrics[key]) and len(values) < self.baseline_steps:
                 values.append(metrics[key])
-        self._streak = self._streak + 1 if reasons else 0
+        self._streak = self._streak + 1 if self.alarming else 0
         if self._streak >= self.patience:
             self._streak = 0
             return reasons
@@ -98,9 +112,11 @@ class CollapseAlarm(pl.Callback):
 
     Actions: ``warn`` (log the reasons, count in ``alarm/triggers``), ``stop`` (save a checkpoint
     ``collapse-step<N>.ckpt`` next to the other checkpoints and stop cleanly), ``rollback``
-    (restore the actor/critic/optimizer snapshot of the last healthy iteration, kept in CPU
-    memory every ``snapshot_every`` healthy iterations, and multiply the KL coefficient β by
-    ``beta_factor``). Every trigger is logged with its reasons.
+    (restore the snapshot of the last healthy iteration — module weights, optimizer state and the
+    running reward statistics, kept in CPU memory every ``snapshot_every`` healthy iterations —
+    and multiply the KL coefficient β by ``beta_factor``; the step budget and lr schedule go on).
+    An iteration is healthy when it is not alarming, including while an alarm waits out its
+    patience. Every trigger is logged with its reasons.
     """
 
     def __init__(
@@ -137,6 +153,9 @@ class CollapseAlarm(pl.Callback):
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
         reasons = self.detector.observe(metrics)
         if not reasons:
+            if self.detector.alarming:  # waiting out patience: not a state to roll back to
+                pl_module.log("alarm/triggers", float(len(self.triggers)), on_step=True)
+                return
             self._healthy += 1
             if self.action == "rollback" and (self._snapshot is None or self._healthy % self.snapshot_every == 0):
                 self._snapshot = self._take_snapshot(trainer, pl_module, step)
@@ -161,10 +180,13 @@ class CollapseAlarm(pl.Callback):
 
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> dict[str, Any]:
         to_cpu = lambda sd: {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}  # noqa: E731
+        moments = getattr(pl_module, "reward_moments", None)
         return {
             "step": step,
             "module": to_cpu(pl_module.state_dict()),
             "optimizers": [copy.deepcopy(o.state_dict()) for o in trainer.optimizers],
+            # the running reward statistics saw the collapsing rollouts too
+            "reward_moments": copy.deepcopy(moments.state_dict()) if moments is not None else None,
         }
 
     def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
@@ -174,6 +196,8 @@ class CollapseAlarm(pl.Callback):
         pl_module.load_state_dict(self._snapshot["module"])
         for opt, state in zip(trainer.optimizers, self._snapshot["optimizers"]):
             opt.load_state_dict(state)
+        if self._snapshot.get("reward_moments") is not None:
+            pl_module.reward_moments.load_state_dict(copy.deepcopy(self._snapshot["reward_moments"]))
         kl_ctl = getattr(pl_module, "kl_ctl", None)
         if kl_ctl is not None:
             old = kl_ctl.value
