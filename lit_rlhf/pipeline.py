@@ -123,7 +123,9 @@ class DemoPipeline:
             path = os.path.join(run_dir, stage, "actor")
             if os.path.isdir(path):
                 policies[label] = path
-        results = evaluate_policies(policies, sft, rm, task, prompts, self.config.eval_batch_size)
+        gen, template, max_prompt_length = self.rollout_settings(run_dir, cfg)
+        results = evaluate_policies(policies, sft, rm, task, prompts, self.config.eval_batch_size, gen, template,
+                                    max_prompt_length)  # fmt: skip
         curves = {stage: training_curve(os.path.join(run_dir, stage)) for stage in ("ppo", "ppo_max")}
         checks = self.checks(results, curves)
         flat = {f"eval/{name}/{k}": v for name, res in results.items() for k, v in res.items()}
@@ -142,6 +144,19 @@ class DemoPipeline:
             log.info("stability panels: %s", png)
         log.info("summary: %s", os.path.join(run_dir, "summary.md"))
         return {"results": results, "checks": checks, "flat": flat}
+
+    def rollout_settings(self, run_dir: str, cfg: Any) -> tuple[Any, str, int]:
+        """The RL stages' own sampling settings, chat template and prompt length (the last RL stage
+        of ``stages`` as composed for this run), so the final table samples as training did."""
+        from lit_rlhf.rollout.generate import GenerationConfig
+        from lit_rlhf.utils.config import build_config
+
+        rl = [s for s in self.config.stages if s in ("ppo", "ppo_max")]
+        stage = rl[-1] if rl else "ppo_max"
+        stage_cfg = self.compose_stage(self.stage_overrides(stage, run_dir, _cli_overrides()), str(cfg.paths.root_dir))
+        gen = build_config(GenerationConfig, stage_cfg.algo.generation, "algo.generation")
+        prompt = stage_cfg.data.prompt
+        return gen, str(prompt.template), int(prompt.max_prompt_length)
 
     def checks(self, results: dict[str, dict[str, float]], curves: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """The demo's claims, computed from the evaluation and the PPO runs' validation curves."""
@@ -162,6 +177,12 @@ class DemoPipeline:
             out["ppo_proxy_at_gold_peak"] = proxy[peak]
             out["ppo_proxy_final"] = proxy[-1]
             out["ppo_overoptimized"] = gold[-1] < gold[peak] and proxy[-1] > proxy[peak]
+        ppo = results.get("PPO (β=0)")
+        if ppo and sft and pmax:
+            # the drift that comes with it: KL far beyond PPO-max's bound, length away from SFT's
+            out["ppo_kl_drift"] = ppo["kl_to_sft"] > self.config.kl_bound
+            out["ppo_length_drift"] = abs(ppo["response_length"] - sft["response_length"]) > abs(
+                pmax["response_length"] - sft["response_length"])
         return out
 
 
@@ -196,9 +217,11 @@ def training_curve(stage_dir: str) -> dict[str, list[float]]:
 
 @torch.no_grad()
 def evaluate_policies(
-    policies: dict[str, str], sft_path: str, rm_path: str, task: Any, prompts: list[str], batch_size: int
-) -> dict[str, dict[str, float]]:
-    """Sample every policy on the same held-out prompts (PPO's generation settings) and measure
+    policies: dict[str, str], sft_path: str, rm_path: str, task: Any, prompts: list[str], batch_size: int,
+    gen: Any = None, template: str = "plain", max_prompt_length: int = 16,
+) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Sample every policy on the same held-out prompts (the RL stages' generation settings,
+    template and prompt length; ``gen`` None = the PPO presets' sampling) and measure
     the gold reward, the proxy reward, KL to SFT (Σ_t k1 per response), the perplexity of the
     responses under the policy, response length and truncation rate."""
     from lit_rlhf.core.masked import masked_sum
@@ -214,8 +237,10 @@ def evaluate_policies(
     tok = build_tokenizer(ModelSpec(name_or_path=sft_path))
     sft = freeze(build_causal_lm(ModelSpec(name_or_path=sft_path), tok))
     rm = freeze(load_reward_model(rm_path)) if os.path.isdir(rm_path) else None
-    scorer = ModelScorer(rm, tok, tok, get_template("plain"), 512) if rm is not None else None
-    gen = GenerationConfig(max_new_tokens=24, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
+    chat = get_template(template)
+    scorer = ModelScorer(rm, tok, tok, chat, 512) if rm is not None else None
+    if gen is None:
+        gen = GenerationConfig(max_new_tokens=24, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
     results = {}
     for name, path in policies.items():
         policy = sft if path == sft_path else freeze(build_causal_lm(ModelSpec(name_or_path=path), tok))
@@ -223,7 +248,8 @@ def evaluate_policies(
         gold, proxy, kl, nll, tokens, lengths, ended_all = [], [], [], 0.0, 0, [], []
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
-            ids, mask = pad([encode_prompt(tok, p, 16)[0] for p in chunk], tok.pad_token_id, "left")
+            ids, mask = pad([encode_prompt(tok, chat.format_prompt(p), max_prompt_length)[0] for p in chunk],
+                            tok.pad_token_id, "left")  # fmt: skip
             r_ids, r_mask, ended = sample(policy, ids, mask, gen, tok.eos_token_id, tok.pad_token_id)
             full, full_mask, width = torch.cat([ids, r_ids], 1), torch.cat([mask, r_mask], 1), ids.shape[1]
             lp, _ = response_logprobs(policy, full, full_mask, width)
@@ -273,5 +299,12 @@ def format_table(results: dict[str, dict[str, float]], checks: dict[str, Any]) -
             f"PPO (β=0) during training: gold peaked at {checks['ppo_gold_peak']:+.3f} and ended at "
             f"{checks['ppo_gold_final']:+.3f} while the proxy went {checks['ppo_proxy_at_gold_peak']:+.2f} → "
             f"{checks['ppo_proxy_final']:+.2f}: {'over-optimization' if checks['ppo_overoptimized'] else 'no over-optimization'}"
+        )
+    if "ppo_kl_drift" in checks:
+        ppo, sft = results["PPO (β=0)"], results["SFT"]
+        notes.append(
+            f"PPO (β=0) drift: KL to SFT {ppo['kl_to_sft']:.1f} ({'beyond' if checks['ppo_kl_drift'] else 'within'} the "
+            f"bound), length {sft['response_length']:.1f} → {ppo['response_length']:.1f} "
+            f"({'more' if checks['ppo_length_drift'] else 'less'} than PPO-max's change)"
         )
     return "\n".join(lines + [""] + [f"- {n}" for n in notes])

@@ -141,6 +141,7 @@ def test_ppo_presets_follow_the_algorithms_table(tmp_path):
     assert (ppo.score_norm, ppo.score_clip, ppo.kl_coef, ppo.whiten_advantages, ppo.lam) == ("none", None, 0.0, True, 0.95)
     assert (pmax.score_norm, pmax.score_clip, pmax.kl_coef, pmax.kl_estimator) == ("normalize", 5.0, 0.05, "k1")
     assert (pmax.whiten_advantages, pmax.lam, pmax.critic_warmup_steps > 0, pmax.warmup_ratio) == (False, 0.9, True, 0.1)
+    assert (ppo.ptx_coef, pmax.ptx_coef > 0, ppo.adaptive_kl, pmax.adaptive_kl) == (0.0, True, False, False)  # ptx: on with a set
     assert (moss.score_norm, moss.kl_coef, moss.lam, moss.ptx_coef, moss.critic_warmup_steps) == ("scale", 0.01, 0.95, 0.0, 0)
     for a in (ppo, pmax, moss):
         assert (a.clip_eps_low, a.clip_eps_high, a.value_clip, a.max_grad_norm, a.gamma) == (0.2, 0.2, 0.2, 1.0, 1.0)

@@ -45,8 +45,9 @@ def test_shortened_demo_pipeline(tmp_path):
                             "truncation_rate"}  # fmt: skip
     assert summary["policies"]["SFT"]["kl_to_sft"] == pytest.approx(0.0, abs=1e-5)  # the reference itself
     assert len(summary["curves"]["ppo"]["gold"]) == 3  # before fit + after each of 2 iterations
+    assert {"ppo_overoptimized", "ppo_kl_drift", "ppo_length_drift", "ppo_max_kl_bounded"} <= set(summary["checks"])
     table = (tmp_path / "summary.md").read_text()
-    assert "| PPO-max |" in table and "gold reward" in table
+    assert "| PPO-max |" in table and "gold reward" in table and "PPO (β=0) drift: KL to SFT" in table
     assert (tmp_path / "stability.png").stat().st_size > 20_000
     assert "eval/PPO-max/gold_mean" in metrics and "ppo_max/critic/loss" in metrics
     # rerunning the pipeline reuses the finished stages (only the evaluation runs again)
@@ -67,3 +68,17 @@ def test_plain_train_py_is_the_pipeline(tmp_path):
         cfg = hydra_compose("train")
     assert cfg.algo._target_ == "lit_rlhf.pipeline.DemoPipeline"
     assert cfg.algo.stages == ["sft", "rm", "ppo", "ppo_max"]
+
+
+def test_final_table_samples_with_the_rl_stages_settings(tmp_path):
+    """The evaluation reads generation, template and prompt length from the RL stage as composed
+    for the run (here changed through the stage's overrides), not from constants."""
+    from lit_rlhf.pipeline import DemoPipeline
+    from lit_rlhf.runner import plan
+
+    cfg = compose(["algo=demo"], tmp_path)
+    with open_dict(cfg):
+        cfg.algo.ppo_max = [*OmegaConf.to_container(cfg.algo.ppo_max, resolve=False),
+                            "algo.generation.max_new_tokens=7", "data.prompt.max_prompt_length=9"]  # fmt: skip
+    gen, template, max_prompt_length = DemoPipeline(plan(cfg).algo).rollout_settings(str(tmp_path), cfg)
+    assert (gen.max_new_tokens, gen.temperature, gen.top_p, template, max_prompt_length) == (7, 0.8, 0.9, "plain", 9)

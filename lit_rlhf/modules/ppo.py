@@ -143,6 +143,10 @@ class PPOModule(RLHFModule):
 
             dm = self.trainer.datamodule
             self.scorer.template = get_template(getattr(getattr(dm, "config", None), "template", "plain"))
+        ptx_source = getattr(getattr(self._trainer.datamodule, "config", None), "ptx_source", None)
+        if ptx_source and not self.config.ptx_coef:
+            log.warning("data.prompt.ptx_source=%s is set but algo.ptx_coef=0: its batches are loaded and "
+                        "never used (set algo.ptx_coef > 0, or drop the source)", ptx_source)  # fmt: skip
 
     # --------------------------------------------------------------- phase 1
     def decode_responses(self, response_ids: Tensor, response_mask: Tensor, ended: Tensor) -> list[str]:
@@ -366,6 +370,8 @@ class PPOModule(RLHFModule):
             "perf/rollout_s": torch.tensor(t1 - t0),
             "perf/train_s": torch.tensor(t2 - t1),
             "perf/samples_per_s": torch.tensor(n / max(t2 - t0, 1e-9)),
+            # generated response tokens (EOS included) per second of the whole iteration
+            "perf/tokens_per_s": rollout.response_mask.sum().float().cpu() / max(t2 - t0, 1e-9),
             "rl/iteration": torch.tensor(float(self.iteration)),
         })  # fmt: skip
         self.log_dict({k: v.float() for k, v in stats.items() if k != "rl/iteration"}, batch_size=n)

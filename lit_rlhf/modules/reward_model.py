@@ -4,8 +4,11 @@ loss = mean[−logsigmoid(r_w − r_l − margin)] + β_rm · NLL(y_w | x) + c �
 
 Chosen and rejected sequences go through the backbone in ONE forward (stacked batch). Metrics
 aggregate with torchmetrics across batches and ranks: ``val/accuracy``, ``val/margin``,
-``val/score_mean``, ``val/score_std`` (and ``test/…`` with a 95% Wilson interval); training
-steps log ``rm/accuracy``, ``rm/margin``, ``rm/score_mean``, ``rm/score_std``.
+``val/score_mean``, ``val/score_std`` (and ``test/…`` with a 95% Wilson interval). Training logs
+``rm/accuracy``, ``rm/margin``, ``rm/score_mean``, ``rm/score_std`` over every window of
+``trainer.log_every_n_steps`` batches, with the same torchmetrics (so over all ranks and all the
+window's batches, not the last batch), and the loss terms ``rm/bt_loss``, ``rm/center_loss``,
+``rm/lm_loss`` per step.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class RewardModelModule(RLHFModule):
     def __init__(self, config: RMConfig | None = None, model: Any = None, tokenizer: Any = None, **kwargs: Any):
         super().__init__(config, model, tokenizer, **kwargs)
         self.reward_model: nn.Module | None = None
+        self.train_metrics = PreferenceMetrics()
         self.val_metrics = PreferenceMetrics()
         self.test_metrics = PreferenceMetrics()
 
@@ -149,8 +153,18 @@ class RewardModelModule(RLHFModule):
             stats["lm_loss"] = lm.detach()
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
-        self.log_stats("rm", stats)
+        self.log_stats("rm", {k: v for k, v in stats.items() if k.endswith("_loss")})
+        self.train_metrics.update(chosen, rejected)
+        window = max(1, int(getattr(self.trainer, "log_every_n_steps", 1) or 1))
+        if (batch_idx + 1) % window == 0 or self.trainer.is_last_batch:
+            self._log_window("rm", self.train_metrics)
         return loss
+
+    def _log_window(self, prefix: str, metrics: "PreferenceMetrics") -> None:
+        """The aggregate of the batches since the last call (all ranks: compute() syncs), then reset."""
+        out = metrics.compute()
+        self.log_dict({f"{prefix}/{k}": out[k] for k in ("accuracy", "margin", "score_mean", "score_std")})
+        metrics.reset()
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         chosen, rejected, _ = self._scores(batch)

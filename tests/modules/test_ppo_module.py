@@ -65,6 +65,33 @@ def test_ptx_term_is_used(saved_models, tokenizer):
     assert math.isfinite(float(trainer.callback_metrics["ptx/loss"]))
 
 
+def test_ptx_data_without_a_coefficient_is_reported(saved_models, tokenizer, caplog):
+    import logging
+
+    m = make(saved_models, tokenizer, ptx_coef=0.0)
+    with caplog.at_level(logging.WARNING, logger="lit_rlhf.modules.ppo"):
+        trainer = fit(m, data(tokenizer, ptx_source="synthetic", ptx_batch_size=8), max_steps=1)
+    assert "ptx_source=synthetic is set but algo.ptx_coef=0" in caplog.text
+    assert "ptx/loss" not in trainer.callback_metrics
+
+
+def test_perf_metrics_are_logged_with_design_names(saved_models, tokenizer):
+    """DESIGN §5 perf/* names; tokens/s over samples/s is the iteration's mean response length."""
+    outputs = []
+
+    class Keep(pl.Callback):
+        def on_train_batch_end(self, trainer, module, out, batch, batch_idx):
+            outputs.append(out)
+
+    m = make(saved_models, tokenizer, minibatch_size=8)
+    trainer = fit(m, data(tokenizer), max_steps=1, callbacks=[Keep()])
+    cm = trainer.callback_metrics
+    for key in ("perf/samples_per_s", "perf/tokens_per_s", "perf/rollout_s", "perf/train_s"):
+        assert float(cm[key]) > 0, key
+    mean_length = outputs[-1]["rollout"].response_mask.sum(-1).float().mean().item()
+    assert float(cm["perf/tokens_per_s"]) / float(cm["perf/samples_per_s"]) == pytest.approx(mean_length, rel=1e-4)
+
+
 def test_checkpoint_holds_rl_state_and_resumes(saved_models, tokenizer, tmp_path):
     m = make(saved_models, tokenizer, score_norm="normalize", adaptive_kl=True, kl_coef=0.1, kl_target=1.0)
     trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False, limit_val_batches=0,
@@ -180,3 +207,24 @@ def test_rollout_runs_in_inference_mode_unless_parameters_are_sharded(saved_mode
         m._trainer = SimpleNamespace(strategy=strategy)
         with m.rollout_grad_mode():
             assert torch.is_inference_mode_enabled() is inference and not torch.is_grad_enabled(), strategy
+
+
+def test_critic_starts_as_a_trainable_copy_of_the_reward_model(saved_models, tokenizer):
+    """ALGORITHMS §2: the critic is initialized from the RM (trunk AND head), as a separate copy:
+    its values at the last token are the RM's scores, and training it leaves the frozen RM alone."""
+    from lit_rlhf.models.reward import load_reward_model
+
+    m = make(saved_models, tokenizer)
+    m.configure_model()
+    rm = load_reward_model(saved_models[1]).eval()
+    critic_sd, rm_sd = m.critic.state_dict(), rm.state_dict()
+    assert critic_sd.keys() == rm_sd.keys()
+    for k in rm_sd:
+        assert torch.equal(critic_sd[k], rm_sd[k]), k
+    ids, mask = torch.tensor([[2, 10, 11, 12, 3], [0, 2, 20, 21, 3]]), torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    with torch.no_grad():
+        torch.testing.assert_close(m.critic.eval()(ids, mask)[:, -1], rm(ids, mask))
+    frozen = m.frozen["reward"]
+    assert all(not (a is b) and a.data_ptr() != b.data_ptr()
+               for a, b in zip(m.critic.parameters(), frozen.parameters()))  # fmt: skip
+    assert all(p.requires_grad for p in m.critic.parameters()) and not any(p.requires_grad for p in frozen.parameters())

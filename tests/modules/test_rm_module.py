@@ -156,3 +156,32 @@ def test_best_checkpoint_missing_weights_is_refused_by_name(tiny_spec, tokenizer
     torch.save({"state_dict": {k: v for k, v in m.state_dict().items() if "head" not in k}}, path)
     with pytest.raises(KeyError, match="partial.ckpt lacks .* reward-model weights"):
         m.best_state_dict(str(path))
+
+
+def test_training_rm_metrics_aggregate_over_the_logging_window(tiny_spec, tokenizer):
+    """rm/accuracy, rm/margin, rm/score_mean, rm/score_std cover every batch of the last
+    log_every_n_steps window (torchmetrics), not just the last batch."""
+    torch.manual_seed(0)
+    m = module(tiny_spec, tokenizer, lr=1e-2)
+    seen, real = [], m._scores
+
+    def spy(batch):
+        c, r, h = real(batch)
+        seen.append((c.detach(), r.detach()))
+        return c, r, h
+
+    m._scores = spy
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, log_every_n_steps=3, limit_val_batches=0)  # fmt: skip
+    trainer.fit(m, small_data(tokenizer))
+    n = len(seen)
+    assert n == 8  # 64 pairs / 8: windows [0-2], [3-5], [6-7] (the epoch's last batch closes one)
+    c = torch.cat([x[0] for x in seen[6:]])
+    r = torch.cat([x[1] for x in seen[6:]])
+    both = torch.cat([c, r])
+    got = {k: trainer.callback_metrics[f"rm/{k}"].item() for k in ("accuracy", "margin", "score_mean", "score_std")}
+    assert got["accuracy"] == pytest.approx((c > r).float().mean().item())
+    assert got["margin"] == pytest.approx((c - r).mean().item(), abs=1e-6)
+    assert got["score_mean"] == pytest.approx(both.mean().item(), abs=1e-6)
+    assert got["score_std"] == pytest.approx(both.std(unbiased=False).item(), rel=1e-4)
+    assert got["margin"] != pytest.approx((seen[-1][0] - seen[-1][1]).mean().item(), abs=1e-6)  # not the last batch alone
