@@ -161,10 +161,13 @@ def test_fused_first_forward_is_exact(saved_models, tokenizer):
                         {k: v.detach().clone() for k, v in m.critic.state_dict().items()},
                         {k: float(v) for k, v in trainer.callback_metrics.items()}))  # fmt: skip
     (a1, c1, s1), (a2, c2, s2) = results
+    # the same math; the rollout-time passes run under inference mode, whose kernels may round the
+    # last bit differently, and Adam's m/√v turns near-zero gradients into up-to-lr steps, so the
+    # weights agree to 1e-5 (1% of one Adam step at lr 1e-3), the statistics to 1e-5
     for k in a1:
-        torch.testing.assert_close(a1[k], a2[k], atol=1e-6, rtol=1e-5, msg=k)
+        torch.testing.assert_close(a1[k], a2[k], atol=1e-5, rtol=1e-5, msg=k)
     for k in c1:
-        torch.testing.assert_close(c1[k], c2[k], atol=1e-6, rtol=1e-5, msg=k)
+        torch.testing.assert_close(c1[k], c2[k], atol=1e-5, rtol=1e-5, msg=k)
     for k in ("policy/loss", "critic/loss", "policy/approx_kl", "critic/explained_variance"):
         assert s1[k] == pytest.approx(s2[k], abs=1e-5), k
 
