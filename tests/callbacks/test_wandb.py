@@ -20,8 +20,13 @@ def test_ppo_run_fills_the_wandb_dashboard(tmp_path, tokenizer, saved_models):
         trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=logger, callbacks=callbacks, log_every_n_steps=1,
                              enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
                              default_root_dir=tmp_path)  # fmt: skip
-        trainer.fit(make(saved_models, tokenizer, kl_coef=0.05), data(tokenizer))
         run = logger.experiment
+        defined, real_define = [], run.define_metric
+        run.define_metric = lambda name, **kw: defined.append((name, kw.get("step_metric"))) or real_define(name, **kw)
+        trainer.fit(make(saved_models, tokenizer, kl_coef=0.05), data(tokenizer))
+        # every panel group plots against the RL step, not Lightning's step
+        for prefix in ("stability", "reward", "policy", "critic", "perf"):
+            assert (f"{prefix}/*", "rl/iteration") in defined, prefix
         summary = dict(run.summary)
         for key in ("stability/kl", "stability/perplexity", "stability/response_length", "reward/score_mean",
                     "policy/approx_kl", "critic/explained_variance", "rl/iteration"):  # fmt: skip
