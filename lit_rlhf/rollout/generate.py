@@ -125,8 +125,8 @@ def sample(
     ``model.generate``: the same distribution — repetition penalty, temperature, top-k, top-p in
     transformers' order (:func:`process_logits`) — without generate's per-step machinery (where
     Python overhead dominates, on small models) and with a KV cache allocated once
-    (:func:`_preallocated_cache`) instead of concatenated at every step: ~1.4x the tokens/s of
-    ``generate`` in ``bench/``. Position ids count real tokens, so a left-padded prompt generates exactly as it would alone. Naive equivalent:
+    (:func:`_preallocated_cache`) instead of concatenated at every step (``bench/``: 0.96–1.42×
+    ``generate``'s tokens/s across runs on a noisy 2-core VM). Position ids count real tokens, so a left-padded prompt generates exactly as it would alone. Naive equivalent:
     ``model.generate(..., do_sample=…, temperature=…, top_k=…, top_p=…, repetition_penalty=…)``
     (tests compare greedy outputs token for token).
 
