@@ -234,8 +234,7 @@ class PPOModule(RLHFModule):
         # the KL controller's input over ALL ranks' rollouts (so β stays the same on every rank)
         kl_seq = masked_sum(kl, mask, dim=1)
         kl_sum_n = all_reduce_sum(torch.stack([kl_seq.sum(), kl.new_tensor(float(kl.shape[0]))]).float())
-        return {"normalized_mean": scores.mean(), "kl_seq": kl_seq.mean(),
-                "kl_seq_global": kl_sum_n[0] / kl_sum_n[1], "n_global": kl_sum_n[1]}  # fmt: skip
+        return {"normalized_mean": scores.mean(), "kl_seq_global": kl_sum_n[0] / kl_sum_n[1], "n_global": kl_sum_n[1]}
 
     # --------------------------------------------------------------- phase 3
     def updates_per_iteration(self, batch_size: int) -> int:
