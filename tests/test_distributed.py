@@ -29,12 +29,17 @@ def models(tmp_path_factory):
     return out
 
 
-def run(strategy: str, devices: int, models, out, max_steps: int = 4):
+def run_helper(script: str, out, *args: str) -> None:
+    """Run tests/helpers/<script> (Lightning re-executes it once per extra rank) in ``out``."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, str(ROOT / "tests" / "helpers" / "ppo_multiproc.py"), "--strategy", strategy,
-           "--devices", str(devices), "--models", str(models), "--out", str(out), "--max-steps", str(max_steps)]
+    cmd = [sys.executable, str(ROOT / "tests" / "helpers" / script), "--out", str(out), *args]
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def run(strategy: str, devices: int, models, out, max_steps: int = 4):
+    run_helper("ppo_multiproc.py", out, "--strategy", strategy, "--devices", str(devices), "--models", str(models),
+               "--max-steps", str(max_steps))  # fmt: skip
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
 
@@ -76,16 +81,9 @@ def test_ddp_two_processes_identical(models, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_deepspeed_zero2_cpu_one_process(models, tmp_path):
-    ranks = run("deepspeed", 1, models, tmp_path)
-    assert (ranks[0]["wrapper"], ranks[0]["zero_stage"]) == ("DeepSpeedEngine", 2)
-    assert_ranks_agree_and_trained(ranks, models)
-
-
-@pytest.mark.slow
-@pytest.mark.integration
-def test_deepspeed_zero2_cpu_two_processes_identical(models, tmp_path):
-    ranks = run("deepspeed", 2, models, tmp_path)
+@pytest.mark.parametrize("devices", [1, 2])
+def test_deepspeed_zero2_cpu_processes_identical(models, tmp_path, devices):
+    ranks = run("deepspeed", devices, models, tmp_path)
     assert (ranks[0]["wrapper"], ranks[0]["zero_stage"]) == ("DeepSpeedEngine", 2)
     assert_ranks_agree_and_trained(ranks, models)
 
@@ -99,10 +97,7 @@ def test_deepspeed_zero2_rm_exports_the_best_checkpoint(tmp_path):
 
     from lit_rlhf.models.reward import load_reward_model
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, str(ROOT / "tests" / "helpers" / "rm_deepspeed_best.py"), "--devices", "2", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_helper("rm_deepspeed_best.py", tmp_path, "--devices", "2")
     res = torch.load(tmp_path / "result.pt", weights_only=False)
     assert res["world_size"] == 2 and os.path.isdir(res["best"])
     ref = convert_zero_checkpoint_to_fp32_state_dict(res["best"], tmp_path / "best.pt")["state_dict"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,32 +65,30 @@ def process_logits(logits: Tensor, seen: Tensor | None, gen: GenerationConfig) -
     return logits
 
 
-def _preallocated_cache(model: Any, capacity: int) -> Any:
-    """A ``DynamicCache`` whose full-attention layers write into buffers of ``capacity`` positions
-    allocated once, instead of growing by ``torch.cat`` (which copies the whole cache at every
-    step: quadratic in the response length). Sliding-window and other layer kinds stay as
-    transformers builds them."""
-    from transformers import DynamicCache
+@functools.cache
+def _preallocated_layer_class() -> type:
+    """``PreallocatedLayer``: a transformers ``DynamicLayer`` writing into buffers allocated once
+    (defined on first use: transformers is imported lazily)."""
     from transformers.cache_utils import DynamicLayer
 
     class PreallocatedLayer(DynamicLayer):
-        def __init__(self) -> None:
+        def __init__(self, capacity: int) -> None:
             super().__init__()
-            self.length = 0
+            self.capacity, self.length = capacity, 0
 
         def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
             self.device = key_states.device
             b, h, _, _ = key_states.shape
-            self._k = key_states.new_empty(b, h, capacity, key_states.shape[-1])
-            self._v = value_states.new_empty(b, h, capacity, value_states.shape[-1])
+            self._k = key_states.new_empty(b, h, self.capacity, key_states.shape[-1])
+            self._v = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
             self.is_initialized = True
 
         def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             start, end = self.length, self.length + key_states.shape[-2]
-            if end > capacity:
-                raise RuntimeError(f"KV cache capacity {capacity} exceeded ({end} positions)")
+            if end > self.capacity:
+                raise RuntimeError(f"KV cache capacity {self.capacity} exceeded ({end} positions)")
             self._k[:, :, start:end].copy_(key_states)
             self._v[:, :, start:end].copy_(value_states)
             self.length = end
@@ -99,8 +98,20 @@ def _preallocated_cache(model: Any, capacity: int) -> Any:
         def get_seq_length(self) -> int:
             return self.length
 
+    return PreallocatedLayer
+
+
+def _preallocated_cache(model: Any, capacity: int) -> Any:
+    """A ``DynamicCache`` whose full-attention layers write into buffers of ``capacity`` positions
+    allocated once, instead of growing by ``torch.cat`` (which copies the whole cache at every
+    step: quadratic in the response length). Sliding-window and other layer kinds stay as
+    transformers builds them."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    layer_class = _preallocated_layer_class()
     cache = DynamicCache(config=model.config)
-    cache.layers = [PreallocatedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [layer_class(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
 
 
