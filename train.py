@@ -35,6 +35,9 @@ def main(cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     from lit_rlhf.utils.cli import check_overrides
     from lit_rlhf.utils.config import ConfigError
+    from lit_rlhf.utils.schemas import register
+
+    register()  # the typed configs' defaults as Hydra schemas (conf/algo/*.yaml start from them)
 
     try:  # an unknown key gets the allowed keys, not Hydra's "Key 'x' is not in struct"
         check_overrides(sys.argv[1:], Path(__file__).resolve().parent / "conf")

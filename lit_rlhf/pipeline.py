@@ -1,13 +1,14 @@
 """The main job: SFT → reward model → PPO (β = 0) and PPO-max on the embedded task, then a table.
 
-``python train.py`` (``algo=demo``, the default) runs every stage as an ordinary job of its own
-(``runner.run`` on the stage's composed config), each in ``<run dir>/<stage>/``; stages hand
+``python train.py`` (no ``algo`` chosen: the ``pipeline`` group's default, ``pipeline=demo``) runs
+every stage as an ordinary job of its own (``runner.run`` on the stage's composed config), each
+in ``<run dir>/<stage>/``; stages hand
 artifacts to each other by path, so any stage can be rerun alone with the command it logs. At the
 end the three policies (SFT, PPO, PPO-max) are sampled on held-out prompts and compared on the
 gold reward, the proxy (RM) reward, KL to the SFT model, perplexity and length (``summary.md``,
 ``summary.json``), and ``stability.png`` overlays both RL runs' stability panels.
 
-What the demo shows (DESIGN §6, MOSS-RLHF): PPO-max raises the gold reward with a bounded KL;
+What the demo shows (docs/demo.md, MOSS-RLHF): PPO-max raises the gold reward with a bounded KL;
 vanilla PPO over-optimizes the proxy — its proxy reward keeps rising while its gold reward falls
 below its own peak, with KL and length drifting.
 """
@@ -38,16 +39,21 @@ class DemoConfig:
     stages: list[str] = field(default_factory=lambda: list(STAGES))
     """Stages to run, in order (a later stage reads earlier stages' exports)."""
     common: list[str] = field(default_factory=list)
-    """Overrides for every stage (command-line overrides other than algo.*/hydra.* are added too)."""
+    """Overrides for every stage (command-line overrides other than algo.*/pipeline.*/hydra.* are added too)."""
     sft: list[str] = field(default_factory=lambda: ["algo=sft"])
+    """Overrides composing the SFT stage."""
     rm: list[str] = field(default_factory=lambda: ["algo=rm"])
+    """Overrides composing the reward-model stage."""
     ppo: list[str] = field(default_factory=lambda: ["algo=ppo"])
+    """Overrides composing the vanilla PPO stage."""
     ppo_max: list[str] = field(default_factory=lambda: ["algo=ppo_max"])
+    """Overrides composing the PPO-max stage."""
     reuse: bool = True
     """Skip a stage whose export already exists in the run directory (resume a pipeline)."""
     eval_prompts: int = field(default=256, metadata={"ge": 1})
     """Held-out prompts (the task's test split) sampled per policy for the final table."""
     eval_batch_size: int = field(default=64, metadata={"ge": 1})
+    """Prompts per sampling batch in the final evaluation."""
     kl_bound: float = field(default=10.0, metadata={"gt": 0.0})
     """PPO-max's KL to SFT (nats per response) counts as bounded below this."""
 
@@ -60,7 +66,6 @@ class DemoPipeline:
     """Runs the stages, evaluates the policies, writes the summary and the PNG."""
 
     config_class = DemoConfig
-    is_pipeline = True
 
     def __init__(self, config: DemoConfig) -> None:
         self.config = config
@@ -75,8 +80,8 @@ class DemoPipeline:
             return o
 
         overrides = [expand(o) for o in getattr(self.config, stage)]
-        # the user's command line (seed=…, logger=…, trainer.…) reaches every stage; algo.* is the demo's own
-        forwarded = [o for o in cli if not o.lstrip("+~").startswith(("algo", "hydra"))]
+        # the user's command line (seed=…, logger=…, trainer.…) reaches every stage; the stages choose their algo
+        forwarded = [o for o in cli if not o.lstrip("+~").startswith(("algo", "pipeline", "hydra"))]
         return [*forwarded, *map(expand, self.config.common), *overrides, f"paths.output_dir={dirs[stage]}"]
 
     def compose_stage(self, overrides: list[str], root_dir: str) -> Any:
@@ -221,18 +226,20 @@ def evaluate_policies(
     gen: Any = None, template: str = "plain", max_prompt_length: int = 16,
 ) -> dict[str, dict[str, float]]:  # fmt: skip
     """Sample every policy on the same held-out prompts (the RL stages' generation settings,
-    template and prompt length; ``gen`` None = the PPO presets' sampling) and measure
-    the gold reward, the proxy reward, KL to SFT (Σ_t k1 per response), the perplexity of the
-    responses under the policy, response length and truncation rate."""
+    template and prompt length; ``gen`` None = the tiny experiments' sampling) through the one
+    rollout path (:func:`~lit_rlhf.rollout.collect.generate_and_score`) and measure the gold
+    reward, the proxy reward, KL to SFT (Σ_t k1 per response), the perplexity of the responses
+    under the policy, response length and truncation rate."""
+    from lit_rlhf.core.kl import sequence_kl
     from lit_rlhf.core.masked import masked_sum
-    from lit_rlhf.data.collate import pad
-    from lit_rlhf.data.prompts import encode_prompt
+    from lit_rlhf.data.prompts import collate_prompts, encode_prompt
     from lit_rlhf.data.templates import get_template
     from lit_rlhf.models.builders import build_causal_lm, build_tokenizer, freeze
     from lit_rlhf.models.reward import load_reward_model
     from lit_rlhf.models.spec import ModelSpec
-    from lit_rlhf.rollout.generate import GenerationConfig, sample
-    from lit_rlhf.rollout.score import ModelScorer, response_logprobs
+    from lit_rlhf.rollout.collect import generate_and_score
+    from lit_rlhf.rollout.generate import GenerationConfig
+    from lit_rlhf.rollout.score import ModelScorer
 
     tok = build_tokenizer(ModelSpec(name_or_path=sft_path))
     sft = freeze(build_causal_lm(ModelSpec(name_or_path=sft_path), tok))
@@ -245,26 +252,19 @@ def evaluate_policies(
     for name, path in policies.items():
         policy = sft if path == sft_path else freeze(build_causal_lm(ModelSpec(name_or_path=path), tok))
         torch.manual_seed(0)
-        gold, proxy, kl, nll, tokens, lengths, ended_all = [], [], [], 0.0, 0, [], []
+        gold, proxy, kl, nll, tokens, lengths, ended = [], [], [], 0.0, 0, [], []
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
-            ids, mask = pad([encode_prompt(tok, chat.format_prompt(p), max_prompt_length)[0] for p in chunk],
-                            tok.pad_token_id, "left")  # fmt: skip
-            r_ids, r_mask, ended = sample(policy, ids, mask, gen, tok.eos_token_id, tok.pad_token_id)
-            full, full_mask, width = torch.cat([ids, r_ids], 1), torch.cat([mask, r_mask], 1), ids.shape[1]
-            lp, _ = response_logprobs(policy, full, full_mask, width)
-            ref, _ = response_logprobs(sft, full, full_mask, width)
-            texts = []
-            for row, n, e in zip(r_ids.tolist(), r_mask.sum(-1).tolist(), ended.tolist()):
-                texts.append(tok.decode(row[: n - 1 if e else n], skip_special_tokens=False).strip())
-            gold += [task.gold_reward(p, t, e) for p, t, e in zip(chunk, texts, ended.tolist())]
-            if scorer is not None:
-                proxy += scorer(full, full_mask, chunk, texts, ended).tolist()
-            kl += masked_sum(lp - ref, r_mask, dim=1).tolist()
-            nll -= float(masked_sum(lp, r_mask))
-            tokens += int(r_mask.sum())
-            lengths += r_mask.sum(-1).tolist()
-            ended_all += ended.tolist()
+            batch = collate_prompts([(encode_prompt(tok, chat.format_prompt(p), max_prompt_length)[0], p) for p in chunk],
+                                    tok.pad_token_id)  # fmt: skip
+            r = generate_and_score(policy, batch, tok, gen, reference=sft, scorer=scorer)
+            gold += [task.gold_reward(p, t, e) for p, t, e in zip(chunk, r.responses_text, r.ended.tolist())]
+            proxy += r.scores.tolist() if r.scores is not None else []
+            kl += sequence_kl(r.logprobs, r.ref_logprobs, r.response_mask, clamp=None).tolist()
+            nll -= float(masked_sum(r.logprobs, r.response_mask))
+            tokens += int(r.response_mask.sum())
+            lengths += r.response_lengths.tolist()
+            ended += r.ended.tolist()
         g = torch.tensor(gold)
         results[name] = {
             "gold_mean": float(g.mean()),
@@ -273,7 +273,7 @@ def evaluate_policies(
             "kl_to_sft": float(torch.tensor(kl).mean()),
             "perplexity": math.exp(nll / max(tokens, 1)),
             "response_length": float(torch.tensor(lengths, dtype=torch.float32).mean()),
-            "truncation_rate": 1.0 - sum(ended_all) / len(ended_all),
+            "truncation_rate": 1.0 - sum(ended) / len(ended),
         }
     return results
 

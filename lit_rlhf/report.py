@@ -2,7 +2,7 @@
 
     python -m lit_rlhf.report RUN_DIR [RUN_DIR ...] [--labels a b] [--out stability.png]
 
-Panels (MOSS-RLHF's collapse signals, ALGORITHMS §4): reward (mean with the 5–95% band,
+Panels (MOSS-RLHF's collapse signals, docs/algorithms.md §4): reward (mean with the 5–95% band,
 validation points), KL to the reference, perplexity under policy and reference, response
 length (mean, max, truncation rate), the reward histogram over RL steps (from
 ``reward_scores.jsonl``), and policy entropy / clip fraction. Several runs overlay in one figure.
@@ -58,6 +58,70 @@ def read_scores(run_dir: str) -> list[tuple[int, list[float]]]:
         return [(int(r["step"]), r["scores"]) for r in map(json.loads, fh) if r.get("scores")]
 
 
+def _line(ax, series, key, color, label, **kw) -> bool:
+    if key in series:
+        ax.plot(*series[key], color=color, label=label, **kw)
+        return True
+    return False
+
+
+def _curve_panels(axes, series: dict, color: str, label: str) -> None:
+    """One run's curves on the five line panels."""
+    ax = axes[0, 0]
+    if _line(ax, series, "reward/score_mean", color, f"{label} train"):
+        if "reward/score_q05" in series and "reward/score_q95" in series:
+            xs, lo = series["reward/score_q05"]
+            _, hi = series["reward/score_q95"]
+            ax.fill_between(xs, lo, hi, color=color, alpha=0.15, linewidth=0)
+    if "val/score_mean" in series:
+        ax.plot(*series["val/score_mean"], "o--", color=color, label=f"{label} val", markersize=4)
+    if "val/gold_score_mean" in series:  # a validation-only gold reward (embedded task)
+        ax.plot(*series["val/gold_score_mean"], "s:", color=color, label=f"{label} val gold", markersize=4)
+    _line(axes[0, 1], series, "stability/kl", color, f"{label} KL / response")
+    _line(axes[0, 1], series, "stability/kl_k3", color, f"{label} k3", linestyle=":")
+    _line(axes[0, 2], series, "stability/perplexity", color, f"{label} policy")
+    _line(axes[0, 2], series, "stability/perplexity_ref", color, f"{label} reference", linestyle="--")
+    _line(axes[1, 0], series, "stability/response_length", color, f"{label} mean")
+    _line(axes[1, 0], series, "stability/response_length_max", color, f"{label} max", linestyle=":")
+    _line(axes[1, 2], series, "policy/entropy", color, f"{label} entropy")
+    _line(axes[1, 2], series, "policy/clipfrac", color, f"{label} clip fraction", linestyle="--")
+
+
+def _histogram_panel(ax, runs: list, labels: Sequence[str]) -> None:
+    """Reward histogram over time: one column of bins per logged step, runs side by side."""
+    import numpy as np
+
+    all_scores = [s for _, scores in runs for _, row in scores for s in row]
+    if not all_scores:
+        ax.text(0.5, 0.5, "no reward_scores.jsonl", ha="center", va="center", transform=ax.transAxes)
+        return
+    lo, hi = float(np.percentile(all_scores, 0.5)), float(np.percentile(all_scores, 99.5))
+    if hi <= lo:
+        hi = lo + 1.0
+    bins = np.linspace(lo, hi, 41)
+    images = []
+    for _, scores in runs:
+        if scores:
+            images.append(np.stack([np.histogram(np.clip(row, lo, hi), bins=bins)[0] for _, row in scores], 1))
+    grid = np.concatenate(images, 1) if len(images) > 1 else images[0]
+    ax.imshow(grid, aspect="auto", origin="lower", cmap="magma", extent=[0, grid.shape[1], lo, hi],
+              interpolation="nearest")  # fmt: skip
+    offset = 0
+    for (_, scores), label in zip(runs, labels):
+        if scores:
+            ax.axvline(offset, color="white", linewidth=0.8)
+            ax.text(offset + 0.5, hi, label, color="white", va="top", fontsize=8)
+            offset += len(scores)
+    ax.set_xlabel("logged RL step (runs side by side)")
+
+
+PANEL_TITLES = [
+    ("reward: train (band 5-95%), val, val gold", "score"), ("KL(policy || reference)", "nats / response"),
+    ("perplexity of responses", "perplexity"), ("response length", "tokens"),
+    ("reward histogram over time", "score"), ("policy entropy / clip fraction", ""),
+]  # fmt: skip
+
+
 def render(run_dirs: Sequence[str], out: str, labels: Sequence[str] | None = None, title: str | None = None) -> str:
     """Write the stability PNG for one or more runs; returns its path.
 
@@ -68,7 +132,6 @@ def render(run_dirs: Sequence[str], out: str, labels: Sequence[str] | None = Non
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     labels = list(labels) if labels else [os.path.basename(os.path.normpath(d)) for d in run_dirs]
     runs = []
@@ -77,68 +140,12 @@ def render(run_dirs: Sequence[str], out: str, labels: Sequence[str] | None = Non
         if path is None:
             raise FileNotFoundError(f"{d}: no metrics.csv (the report reads the CSV logger; run with logger=csv)")
         runs.append((read_series(path), read_scores(d)))
-
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-
-    def line(ax, series, key, color, label, **kw):
-        if key in series:
-            ax.plot(*series[key], color=color, label=label, **kw)
-            return True
-        return False
-
     for i, ((series, _), label) in enumerate(zip(runs, labels)):
-        c = colors[i % len(colors)]
-        ax = axes[0, 0]
-        if line(ax, series, "reward/score_mean", c, f"{label} train"):
-            if "reward/score_q05" in series and "reward/score_q95" in series:
-                xs, lo = series["reward/score_q05"]
-                _, hi = series["reward/score_q95"]
-                ax.fill_between(xs, lo, hi, color=c, alpha=0.15, linewidth=0)
-        if "val/score_mean" in series:
-            ax.plot(*series["val/score_mean"], "o--", color=c, label=f"{label} val", markersize=4)
-        if "val/gold_score_mean" in series:  # a validation-only gold reward (embedded task)
-            ax.plot(*series["val/gold_score_mean"], "s:", color=c, label=f"{label} val gold", markersize=4)
-        line(axes[0, 1], series, "stability/kl", c, f"{label} KL / response")
-        line(axes[0, 1], series, "stability/kl_k3", c, f"{label} k3", linestyle=":")
-        line(axes[0, 2], series, "stability/perplexity", c, f"{label} policy")
-        line(axes[0, 2], series, "stability/perplexity_ref", c, f"{label} reference", linestyle="--")
-        line(axes[1, 0], series, "stability/response_length", c, f"{label} mean")
-        line(axes[1, 0], series, "stability/response_length_max", c, f"{label} max", linestyle=":")
-        line(axes[1, 2], series, "policy/entropy", c, f"{label} entropy")
-        line(axes[1, 2], series, "policy/clipfrac", c, f"{label} clip fraction", linestyle="--")
-
-    # reward histogram over time: one column of bins per logged step, runs stacked side by side
-    ax = axes[1, 1]
-    all_scores = [s for _, scores in runs for _, row in scores for s in row]
-    if all_scores:
-        lo, hi = float(np.percentile(all_scores, 0.5)), float(np.percentile(all_scores, 99.5))
-        if hi <= lo:
-            hi = lo + 1.0
-        bins = np.linspace(lo, hi, 41)
-        images = []
-        for _, scores in runs:
-            if scores:
-                images.append(np.stack([np.histogram(np.clip(row, lo, hi), bins=bins)[0] for _, row in scores], 1))
-        grid = np.concatenate(images, 1) if len(images) > 1 else images[0]
-        ax.imshow(grid, aspect="auto", origin="lower", cmap="magma", extent=[0, grid.shape[1], lo, hi],
-                  interpolation="nearest")  # fmt: skip
-        offset = 0
-        for (_, scores), label in zip(runs, labels):
-            if scores:
-                ax.axvline(offset, color="white", linewidth=0.8)
-                ax.text(offset + 0.5, hi, label, color="white", va="top", fontsize=8)
-                offset += len(scores)
-        ax.set_xlabel("logged RL step (runs side by side)")
-    else:
-        ax.text(0.5, 0.5, "no reward_scores.jsonl", ha="center", va="center", transform=ax.transAxes)
-
-    titles = [
-        ("reward: train (band 5-95%), val, val gold", "score"), ("KL(policy || reference)", "nats / response"),
-        ("perplexity of responses", "perplexity"), ("response length", "tokens"),
-        ("reward histogram over time", "score"), ("policy entropy / clip fraction", ""),
-    ]  # fmt: skip
-    for ax, (t, ylabel) in zip(axes.flat, titles):
+        _curve_panels(axes, series, colors[i % len(colors)], label)
+    _histogram_panel(axes[1, 1], runs, labels)
+    for ax, (t, ylabel) in zip(axes.flat, PANEL_TITLES):
         ax.set_title(t)
         ax.set_ylabel(ylabel)
         if ax is not axes[1, 1]:

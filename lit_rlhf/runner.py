@@ -24,33 +24,51 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Plan:
-    """The validated pieces of a job (cheap: no weights, no data yet)."""
+    """The validated pieces of a job (cheap: no weights, no data yet).
+
+    A stage job has ``algo_cls`` (an :class:`~lit_rlhf.modules.base.RLHFModule`) with its config
+    and data; a pipeline job (``algo`` not chosen: ``python train.py`` runs ``pipeline=demo``) has
+    only ``pipeline``/``pipeline_cls``.
+    """
 
     model: ModelSpec
-    algo_cls: type
-    algo: Any
-    data_cls: type
-    data: Any
+    algo_cls: type | None = None
+    algo: Any = None
+    data_cls: type | None = None
+    data: Any = None
+    pipeline_cls: type | None = None
+    pipeline: Any = None
 
 
-def _get_class(node: Any, key: str) -> type:
-    from hydra.utils import get_class
+def get_class(node: Any, key: str) -> type:
+    """The class a config node's ``_target_`` names; a :class:`ConfigError` naming ``key`` if it
+    has none or it cannot be imported."""
+    from hydra.utils import get_class as hydra_get_class
 
     if not isinstance(node, DictConfig) or "_target_" not in node:
         raise ConfigError(key, "must be a mapping with a _target_ class")
     try:
-        return get_class(node._target_)
+        return hydra_get_class(node._target_)
     except Exception as err:
         raise ConfigError(f"{key}._target_", f"cannot import '{node._target_}': {err}") from None
 
 
 def plan(cfg: DictConfig) -> Plan:
     """Validate the model, algo and data configs into dataclasses; raise ConfigError on any problem."""
+    from lit_rlhf.modules.base import RLHFModule
+
     model = build_config(ModelSpec, cfg.model, "model")
-    algo_cls = _get_class(cfg.algo, "algo")
+    if cfg.get("algo") is None:
+        if cfg.get("pipeline") is None:
+            raise ConfigError("algo", "choose a stage (algo=sft, rm, ppo, …: the files in conf/algo) or a "
+                                      "pipeline (pipeline=demo, what `python train.py` runs by default)")  # fmt: skip
+        pipeline_cls = get_class(cfg.pipeline, "pipeline")
+        return Plan(model, pipeline_cls=pipeline_cls, pipeline=build_config(pipeline_cls.config_class, cfg.pipeline,
+                                                                              "pipeline"))  # fmt: skip
+    algo_cls = get_class(cfg.algo, "algo")
+    if not (isinstance(algo_cls, type) and issubclass(algo_cls, RLHFModule)):
+        raise ConfigError("algo._target_", f"{cfg.algo._target_} is not a lit_rlhf stage (an RLHFModule subclass)")
     algo = build_config(algo_cls.config_class, cfg.algo, "algo")
-    if getattr(algo_cls, "is_pipeline", False):  # e.g. the demo: its stages validate their own configs
-        return Plan(model, algo_cls, algo, type(None), None)
     kind = algo_cls.data_kind
     if cfg.get("data") is None or kind not in cfg.data:
         have = [k for k in (cfg.get("data") or {}) if isinstance(cfg.data[k], DictConfig) and "_target_" in cfg.data[k]]
@@ -59,14 +77,10 @@ def plan(cfg: DictConfig) -> Plan:
             f"the selected data config has no '{kind}' section, which {algo_cls.__name__} needs "
             f"(it has: {', '.join(have) or 'none'}); choose another data=… or add data.{kind}",
         )
-    data_cls = _get_class(cfg.data[kind], f"data.{kind}")
-    data = build_config(data_cls.config_class, cfg.data[kind], f"data.{kind}")
-    resolve_model_spec = getattr(algo_cls, "resolve_model_spec", None)
-    if resolve_model_spec is not None:  # e.g. PPO trains algo.policy_path, not model.name_or_path
-        model = resolve_model_spec(algo, model)
-    check_compatible = getattr(algo_cls, "check_compatible", None)
-    if check_compatible is not None:
-        check_compatible(algo, model)
+    data_cls = get_class(cfg.data[kind], f"data.{kind}")
+    data = algo_cls.resolve_data_config(algo, build_config(data_cls.config_class, cfg.data[kind], f"data.{kind}"))
+    model = algo_cls.resolve_model_spec(algo, model)
+    algo_cls.check_compatible(algo, model)
     return Plan(model, algo_cls, algo, data_cls, data)
 
 
@@ -81,7 +95,7 @@ def _resolve_auto_monitor(callbacks_cfg: Any, algo_cls: type) -> Any:
     with open_dict(callbacks_cfg):
         for node in callbacks_cfg.values():
             if isinstance(node, DictConfig) and node.get("monitor") == "auto":
-                metric, mode = getattr(algo_cls, "monitor", (None, "min"))
+                metric, mode = algo_cls.monitor
                 node.monitor, node.mode = metric, mode
     return callbacks_cfg
 
@@ -107,7 +121,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     """Run one job; returns the final ``trainer.callback_metrics`` as floats."""
     import lightning.pytorch as pl
     from hydra.utils import instantiate
+    from lightning.pytorch.callbacks import ProgressBar
 
+    from lit_rlhf.callbacks.progress import RLProgressBar
     from lit_rlhf.utils.instantiate import (
         finish_loggers,
         instantiate_callbacks,
@@ -123,10 +139,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
     except ImportError:  # pragma: no cover
         pass
     p = plan(cfg)
-    if getattr(p.algo_cls, "is_pipeline", False):
-        return p.algo_cls(p.algo).run(cfg)
+    if p.pipeline_cls is not None:
+        return p.pipeline_cls(p.pipeline).run(cfg)
     p, datamodule, module = build(cfg)
     callbacks = instantiate_callbacks(_resolve_auto_monitor(cfg.get("callbacks"), p.algo_cls))
+    if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(RLProgressBar())  # RL stages count iterations and optimizer steps, not epochs
     loggers = instantiate_loggers(cfg.get("logger"))
     strategy = instantiate_strategy(cfg.get("strategy"))
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy)
@@ -152,7 +170,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         finish_loggers(loggers)
     if trainer.is_global_zero:
         log.info("final metrics: %s", ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
-        export_dir = getattr(p.algo, "export_dir", None)
+        export_dir = p.algo.export_dir
         if export_dir and cfg.get("train", True):
             log.info("model saved (save_pretrained) to %s", export_dir)
     return metrics

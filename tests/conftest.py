@@ -15,6 +15,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+from lit_rlhf.utils.schemas import register  # noqa: E402
+
+register()  # the Hydra schemas every preset starts from (train.py does the same)
+
 
 @pytest.fixture(scope="session")
 def tokenizer():
@@ -24,7 +28,7 @@ def tokenizer():
     return build_tokenizer(ModelSpec(tiny=TinyLlamaConfig(), tokenizer="synthetic"))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_spec():
     from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
 
@@ -37,11 +41,12 @@ def tiny_spec():
 def compose(overrides: list[str], output_dir: Path | None = None):
     """conf/train.yaml composed like train.py would, with the Hydra runtime set for ${hydra:…}.
 
-    Without an ``algo=`` override the tests get ``algo=sft`` (a single stage), not train.yaml's
-    default ``algo=demo`` pipeline; tests of the pipeline say ``algo=demo``.
+    Without an ``algo=``/``experiment=`` override the tests get the tiny SFT recipe
+    (``experiment=sft_synthetic_tiny``), not train.yaml's default (the demo pipeline, which
+    runs when no algo is chosen); tests of the pipeline say ``pipeline=demo``.
     """
-    if not any(o.startswith(("algo=", "experiment=")) for o in overrides):  # experiments pick their own
-        overrides = ["algo=sft", *overrides]
+    if not any(o.startswith(("algo=", "experiment=", "pipeline=")) for o in overrides):  # experiments pick their own
+        overrides = ["experiment=sft_synthetic_tiny", *overrides]
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -85,9 +90,10 @@ def cfg_factory(tmp_path):
     return make
 
 
-@pytest.fixture
-def saved_models(tiny_spec, tokenizer, tmp_path):
-    """(policy dir, reward model dir): a random tiny policy and causal RM saved like the stages do."""
+@pytest.fixture(scope="session")
+def saved_models(tiny_spec, tokenizer, tmp_path_factory):
+    """(policy dir, reward model dir): a random tiny policy and causal RM saved like the stages do,
+    built once for the whole session (tests only read them)."""
     from tests.helpers.ppo import save_tiny_models
 
-    return save_tiny_models(tiny_spec, tokenizer, tmp_path)
+    return save_tiny_models(tiny_spec, tokenizer, tmp_path_factory.mktemp("tiny_models"))

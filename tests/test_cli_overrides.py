@@ -28,10 +28,25 @@ def test_unknown_algo_key_names_the_class_the_closest_key_and_the_allowed_ones()
     assert msg.startswith("algo.lrr: unknown key for SFTConfig. Did you mean 'lr'? Allowed keys: betas, eps,")
 
 
-def test_the_default_pipeline_says_to_choose_a_stage():
+def test_without_a_stage_algo_keys_say_to_choose_one():
+    """`python train.py` runs the demo pipeline (no algo chosen): algo.* keys need a stage."""
     msg = error("-m", "algo.lr=1e-3,3e-3", "trainer.max_steps=5")
-    assert msg.startswith("algo.lr: unknown key for DemoConfig (the default job, algo=demo, is the whole pipeline")
-    assert "e.g. algo=sft" in msg
+    assert msg.startswith("algo: no algo is chosen, so algo.* keys cannot be set: choose one with algo=")
+    assert "ppo_max" in msg and "sft" in msg and "runs the demo pipeline" in msg
+
+
+def test_keys_only_the_typed_configs_declare_are_known():
+    """Keys a preset YAML does not list exist through the schemas (lit_rlhf/utils/schemas.py):
+    no '+' needed, for algo, data and model keys alike."""
+    check_overrides(["algo=ppo", "algo.ppo_epochs=2", "algo.generation.top_k=5"], CONF)
+    check_overrides(["algo=rm", "data.preference.margin_field=rating", "data.preference.val_fraction=0.1"], CONF)
+    check_overrides(["algo=sft", "model.revision=main", "data.sft.max_samples=10"], CONF)
+    assert error("algo=ppo", "algo.ppo_epoch=2").startswith("algo.ppo_epoch: unknown key for PPOConfig. Did you mean 'ppo_epochs'?")
+
+
+def test_hydra_flags_are_not_overrides():
+    check_overrides(["--config-name", "train", "-cn", "train", "algo=sft", "algo.lr=1e-3"], CONF)
+    check_overrides(["--info", "defaults"], CONF)  # not a run: nothing to check
 
 
 def test_every_value_of_a_swept_choice_is_checked():

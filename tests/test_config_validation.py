@@ -62,8 +62,33 @@ def test_bad_values_name_the_key(values, expected):
 
 
 def test_sft_config_cross_field_checks():
-    with pytest.raises(ConfigError, match="algo.warmup_ratio: set either warmup_steps or warmup_ratio"):
-        build_config(SFTConfig, {"warmup_steps": 10, "warmup_ratio": 0.1}, "algo")
     with pytest.raises(ConfigError, match=r"algo.betas: each beta must be in \[0, 1\)"):
         build_config(SFTConfig, {"betas": [0.9, 1.5]}, "algo")
     assert build_config(SFTConfig, {"betas": [0.8, 0.9]}, "algo").betas == (0.8, 0.9)
+
+
+def test_warmup_steps_take_precedence_over_the_presets_ratio():
+    """The presets carry a warm-up ratio; setting warmup_steps must not conflict with it."""
+    from lit_rlhf.modules.sft import SFTModule
+
+    m = SFTModule(build_config(SFTConfig, {"warmup_steps": 10, "lr": 1.0}, "algo"))
+    assert m.config.warmup_ratio == 0.03  # the preset's ratio is still there ...
+    assert [m.lr_factor(s, 1000) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])  # ... the steps win
+
+
+def test_partial_nested_mapping_keeps_the_fields_own_defaults():
+    """algo.generation={max_new_tokens: 8} changes one key of PPO's rollout sampling, not the rest
+    (the nested class's neutral defaults would sample at T=1 without top-p)."""
+    from lit_rlhf.modules.configs import PPOConfig
+
+    gen = build_config(PPOConfig, {"reward_path": "/rm", "generation": {"max_new_tokens": 8}}, "algo").generation
+    assert (gen.max_new_tokens, gen.temperature, gen.top_p, gen.repetition_penalty) == (8, 0.8, 0.9, 1.1)
+
+
+def test_k1_in_the_loss_is_refused():
+    from lit_rlhf.modules.configs import PPOConfig
+
+    with pytest.raises(ConfigError, match="algo.kl_estimator: k1 in the loss has zero expected gradient"):
+        build_config(PPOConfig, {"reward_path": "/rm", "kl_coef": 0.1, "kl_placement": "loss"}, "algo")
+    assert build_config(PPOConfig, {"reward_path": "/rm", "kl_coef": 0.1, "kl_placement": "loss",
+                                    "kl_estimator": "k3"}, "algo").kl_estimator == "k3"  # fmt: skip

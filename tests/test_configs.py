@@ -1,7 +1,5 @@
 """Every option of every config group composes; the cheap parts instantiate; validation runs."""
 
-from pathlib import Path
-
 import pytest
 from omegaconf import OmegaConf
 
@@ -11,25 +9,20 @@ from lit_rlhf.utils.instantiate import instantiate_callbacks, instantiate_logger
 from tests.conftest import ROOT, compose
 
 CONF = ROOT / "conf"
-GROUPS = ["model", "algo", "data", "strategy", "trainer", "logger", "callbacks", "experiment", "hparams_search", "debug"]
+GROUPS = ["model", "algo", "pipeline", "data", "strategy", "trainer", "logger", "callbacks", "experiment",
+          "hparams_search", "debug"]  # fmt: skip
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
-# options that need user-supplied values: the first key is `???` (visibly missing) in the config
+RM = ["algo.reward_path=/models/rm"]
+# options that need user-supplied values: the first key is `???` (visibly missing) in the config,
+# or (RL presets) the reward, which the typed config requires
 NEEDS_USER_VALUE = {
     ("data", "sft_file"): ["data.sft.source=x.jsonl"],
-    **{("algo", a): ["algo.policy_path=/models/sft", "algo.reward_path=/models/rm"]
-       for a in ("ppo", "ppo_max", "ppo_moss_release")},
-    ("experiment", "ppo_max_hh_llama7b"): ["algo.policy_path=/models/sft", "algo.reward_path=/models/rm"],
-    ("experiment", "ppo_max_synthetic_tiny"): ["algo.policy_path=/models/sft"],
+    **{("algo", a): ["algo.policy_path=/models/sft", *RM] for a in ("ppo", "ppo_max", "ppo_moss_release")},
+    **{("experiment", e): ["algo.policy_path=/models/sft", *RM] for e in ("ppo_synthetic_tiny", "ppo_max_synthetic_tiny")},
+    ("experiment", "ppo_max_hh_llama7b"): RM,  # the policy defaults to model=llama7b
 }  # fmt: skip
-
-
-def test_every_group_has_options():
-    for g in GROUPS:
-        assert list((CONF / g).glob("*.yaml")), f"conf/{g} is empty"
-
-
 # an algo that can consume each data kind (data options without an `sft` section use these)
-ALGO_FOR_KIND = {"preference": ["algo=rm"], "prompt": ["algo=ppo", *NEEDS_USER_VALUE[("algo", "ppo")]]}
+ALGO_FOR_KIND = {"preference": ["algo=rm"], "prompt": ["algo=ppo", "algo.policy_path=/models/sft", *RM]}
 
 
 @pytest.mark.parametrize("group, option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
@@ -43,13 +36,14 @@ def test_option_composes_and_validates(group, option, tmp_path):
         values = NEEDS_USER_VALUE[(group, option)]
         key = values[0].split("=")[0]
         parent, leaf = key.rsplit(".", 1)
-        assert OmegaConf.is_missing(OmegaConf.select(cfg, parent), leaf)
-        with pytest.raises(ConfigError, match=rf"{key}: is required"):
-            plan(cfg)
+        # the first value left out: its key is named (the reward of an RL stage: reward_path or reward_fn)
+        message = r"algo.reward_path: set exactly one of algo.reward_path" if key == "algo.reward_path" else rf"{key}: is required"
+        with pytest.raises(ConfigError, match=message):
+            plan(compose([f"{group}={option}", *values[1:]], tmp_path))
         cfg = compose([f"{group}={option}", *values], tmp_path)
     p = plan(cfg)  # model, algo and data configs are typed and valid
-    if getattr(p.algo_cls, "is_pipeline", False):  # algo=demo: its stages are validated when they run
-        assert p.algo.stages == ["sft", "rm", "ppo", "ppo_max"]
+    if p.pipeline_cls is not None:  # pipeline=demo: its stages are validated when they run
+        assert p.pipeline.stages == ["sft", "rm", "ppo", "ppo_max"]
         return
     assert p.algo_cls.data_kind in cfg.data
     if group == "strategy":
@@ -133,14 +127,13 @@ def test_checkpoint_monitor_auto_follows_the_stage(algo, metric, mode, tmp_path)
 
 
 def test_ppo_presets_follow_the_algorithms_table(tmp_path):
-    """ALGORITHMS §3: ppo_max = ppo + switches; ppo_moss_release = what the released scripts run."""
-    required = ["algo.policy_path=/m/sft", "algo.reward_path=/m/rm"]
-    ppo = plan(compose(["algo=ppo", *required], tmp_path)).algo
-    pmax = plan(compose(["algo=ppo_max", *required], tmp_path)).algo
-    moss = plan(compose(["algo=ppo_moss_release", *required], tmp_path)).algo
+    """docs/algorithms.md §3: ppo_max = ppo + switches; ppo_moss_release = what the released scripts run."""
+    ppo = plan(compose(["algo=ppo", "model=llama7b", *RM], tmp_path)).algo
+    pmax = plan(compose(["algo=ppo_max", "model=llama7b", *RM], tmp_path)).algo
+    moss = plan(compose(["algo=ppo_moss_release", "model=llama7b", *RM], tmp_path)).algo
     assert (ppo.score_norm, ppo.score_clip, ppo.kl_coef, ppo.whiten_advantages, ppo.lam) == ("none", None, 0.0, True, 0.95)
     assert (pmax.score_norm, pmax.score_clip, pmax.kl_coef, pmax.kl_estimator) == ("normalize", 5.0, 0.05, "k1")
-    assert (pmax.whiten_advantages, pmax.lam, pmax.critic_warmup_steps > 0, pmax.warmup_ratio) == (False, 0.9, True, 0.1)
+    assert (pmax.whiten_advantages, pmax.lam, pmax.critic_warmup_steps, pmax.warmup_ratio) == (False, 0.9, 20, 0.1)
     assert (ppo.ptx_coef, pmax.ptx_coef > 0, ppo.adaptive_kl, pmax.adaptive_kl) == (0.0, True, False, False)  # ptx: on with a set
     assert (moss.score_norm, moss.kl_coef, moss.lam, moss.ptx_coef, moss.critic_warmup_steps) == ("scale", 0.01, 0.95, 0.0, 0)
     for a in (ppo, pmax, moss):
@@ -149,11 +142,71 @@ def test_ppo_presets_follow_the_algorithms_table(tmp_path):
         assert (g.temperature, g.top_p, g.repetition_penalty) == (0.8, 0.9, 1.1)
 
 
-def test_llama7b_ppo_max_deepspeed_composes(tmp_path):
-    cfg = compose(["model=llama7b", "algo=ppo_max", "strategy=deepspeed_stage_2",
-                   "algo.policy_path=/ckpt/sft-7b", "algo.reward_path=/ckpt/rm-7b"], tmp_path)  # fmt: skip
-    p = plan(cfg)
-    # PPO trains algo.policy_path; model=llama7b contributes dtype and memory switches
-    assert (p.model.name_or_path, p.model.dtype, p.model.gradient_checkpointing) == ("/ckpt/sft-7b", "bfloat16", True)
+def test_headline_7b_command_composes_the_7b_recipe(tmp_path):
+    """`python train.py model=llama7b algo=ppo_max strategy=deepspeed_stage_2 algo.reward_path=…` is the
+    whole command: the policy is the model group's Llama-2 7B, and the values are the paper's 7B recipe."""
+    cfg = compose(["model=llama7b", "algo=ppo_max", "strategy=deepspeed_stage_2", *RM], tmp_path)
+    p = plan(cfg)  # no algo.policy_path
+    a = p.algo
+    assert (a.lr, a.critic_lr, a.warmup_ratio, a.scheduler) == (5e-7, 1.65e-6, 0.1, "constant")
+    assert (a.rollout_batch_size, a.minibatch_size, a.ppo_epochs) == (32, 8, 1)  # rollout = 4 x minibatch
+    assert (a.generation.max_new_tokens, a.generation.temperature, a.generation.top_p) == (256, 0.8, 0.9)
+    assert p.data.batch_size == 32  # the prompt loader's batch IS the rollout batch
+    assert (p.model.name_or_path, p.model.dtype, p.model.gradient_checkpointing) == ("NousResearch/Llama-2-7b-hf",
+                                                                                      "bfloat16", True)  # fmt: skip
     assert cfg.strategy.config.zero_optimization.stage == 2 and cfg.trainer.precision == "bf16-mixed"
     assert type(instantiate_strategy(cfg.strategy)).__name__ == "DeepSpeedStrategy"
+    # an SFT export instead of the base model: the same recipe, trained from that folder
+    p = plan(compose(["model=llama7b", "algo=ppo_max", "algo.policy_path=/ckpt/sft-7b", *RM], tmp_path))
+    assert (p.model.name_or_path, p.model.dtype) == ("/ckpt/sft-7b", "bfloat16")
+
+
+@pytest.mark.parametrize("experiment, algo", [("ppo_synthetic_tiny", "ppo"), ("ppo_max_synthetic_tiny", "ppo_max")])
+def test_tiny_experiments_carry_the_demo_values(experiment, algo, tmp_path):
+    """The tiny model's values live in its experiments (the demo composes them), not in the presets."""
+    from hydra.core.hydra_config import HydraConfig
+
+    cfg = compose([f"experiment={experiment}", "algo.policy_path=/m/sft", *RM], tmp_path)
+    p = plan(cfg)
+    a = p.algo
+    assert HydraConfig.get().runtime.choices.algo == algo
+    assert (a.lr, a.critic_lr, a.rollout_batch_size, a.minibatch_size, a.generation.max_new_tokens) == (1e-4, 3e-4, 16, 4, 24)
+    assert (a.critic_warmup_steps, a.kl_coef) == ((2, 0.05) if algo == "ppo_max" else (0, 0.0))
+    assert a.gold_reward_fn["_target_"] == "lit_rlhf.data.synthetic.gold_reward_fn" and p.data.batch_size == 16
+    assert (cfg.trainer.max_steps, cfg.trainer.val_check_interval, cfg.validate_before_fit) == (800, 25, True)
+    sft = plan(compose(["experiment=sft_synthetic_tiny"], tmp_path)).algo
+    rm = plan(compose(["experiment=rm_synthetic_tiny"], tmp_path)).algo
+    assert (sft.lr, sft.weight_decay, rm.lr, rm.weight_decay) == (3e-3, 0.0, 1e-3, 0.0)
+
+
+@pytest.mark.parametrize("name", ["sft", "rm", "ppo", "ppo_max", "ppo_moss_release"])
+def test_presets_list_only_what_differs_from_the_typed_defaults(name):
+    """A preset's value equal to its dataclass default would be a second "default" of that key."""
+    import yaml
+
+    from lit_rlhf.utils.config import to_dict
+    from lit_rlhf.utils.schemas import schema_class
+
+    node = yaml.safe_load((CONF / "algo" / f"{name}.yaml").read_text())
+    base = to_dict(schema_class("ppo" if name.startswith("ppo") else name)())
+    parents = [d for d in node.get("defaults", []) if isinstance(d, str) and not d.startswith(("_", "/"))]
+    for parent in parents:  # ppo_max / ppo_moss_release: on top of ppo.yaml
+        base.update({k: v for k, v in yaml.safe_load((CONF / "algo" / f"{parent}.yaml").read_text()).items()
+                     if k != "defaults"})  # fmt: skip
+    for key, value in node.items():
+        if key in ("defaults", "_target_", "export_dir"):  # export_dir: an interpolation of the run dir
+            continue
+        assert key in base, f"{name}.yaml: {key} is not a config field"
+        assert value != base[key], f"{name}.yaml repeats {key}={value!r}, already the default"
+
+
+def test_rollout_batch_is_one_key(tmp_path):
+    ppo = ["algo=ppo", "algo.policy_path=/m/sft", *RM]
+    with pytest.raises(ConfigError, match=r"data.prompt.batch_size: the rollout batch of an RL stage is algo.rollout_batch_size \(32\)"):
+        plan(compose([*ppo, "data.prompt.batch_size=8"], tmp_path))
+    assert plan(compose([*ppo, "algo.rollout_batch_size=8"], tmp_path)).data.batch_size == 8
+
+
+def test_rl_from_an_untrained_tiny_model_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"algo.policy_path: is required here: the model group builds an untrained tiny"):
+        plan(compose(["algo=ppo", *RM], tmp_path))

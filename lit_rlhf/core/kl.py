@@ -1,4 +1,4 @@
-"""KL estimators and KL-coefficient controllers (ALGORITHMS §2).
+"""KL estimators and KL-coefficient controllers (docs/algorithms.md §2.3).
 
 With d_t = log π(y_t|·) − log π_ref(y_t|·) on sampled tokens (http://joschu.net/blog/kl-approx.html):
 k1 = d (unbiased, can be negative), k2 = ½d² (low variance, biased), k3 = e^{−d} + d − 1 (unbiased
@@ -13,21 +13,51 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lit_rlhf.core.masked import masked_sum
+
 Estimator = Literal["k1", "k2", "k3"]
 
 
 def kl_penalty(
-    logprobs: Tensor, ref_logprobs: Tensor, estimator: Estimator = "k1", clamp: float = 20.0, k3_max: float = 10.0
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    estimator: Estimator = "k1",
+    clamp: float | None = 20.0,
+    k3_max: float | None = 10.0,
 ) -> Tensor:
-    """Per-token KL estimate (B, T) from (B, T) log-probs of the sampled tokens."""
-    d = (logprobs - ref_logprobs).clamp(-clamp, clamp)
+    """Per-token KL estimate (B, T) from (B, T) log-probs of the sampled tokens.
+
+    ``clamp``/``k3_max`` None = no clamp (k3 still cannot overflow: d is then clamped to ±80,
+    where e^80 is finite in float32).
+    """
+    d = logprobs - ref_logprobs
+    d = d.clamp(-clamp, clamp) if clamp is not None else d
     if estimator == "k1":
         return d
     if estimator == "k2":
         return 0.5 * d.square()
     if estimator == "k3":
-        return (torch.exp(-d) + d - 1.0).clamp(max=k3_max)
+        k3 = torch.exp(-d.clamp(min=-80.0)) + d - 1.0
+        return k3.clamp(max=k3_max) if k3_max is not None else k3
     raise ValueError(f"unknown KL estimator {estimator!r}; use k1, k2 or k3")
+
+
+def sequence_kl(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    response_mask: Tensor,
+    estimator: Estimator = "k1",
+    clamp: float | None = 20.0,
+    k3_max: float | None = 10.0,
+) -> Tensor:
+    """(B,) KL estimate of each response: Σ_t over its tokens of :func:`kl_penalty`.
+
+    The one definition of a response's KL, used by the KL controller (clamped, as the penalty),
+    and by the monitors, validation and the demo table (``clamp=None`` for k1: the exact sum of
+    log-ratios of the sampled tokens, docs/algorithms.md §4). Padded positions never enter the
+    sum, whatever they hold.
+    """
+    return masked_sum(kl_penalty(logprobs, ref_logprobs, estimator, clamp, k3_max), response_mask, dim=1)
 
 
 class FixedKLController:

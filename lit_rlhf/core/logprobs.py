@@ -1,4 +1,4 @@
-"""Log-probabilities of chosen tokens, and teacher-forced NLL (ALGORITHMS §2 notation)."""
+"""Log-probabilities of chosen tokens, and teacher-forced NLL (docs/algorithms.md §2 notation)."""
 
 from __future__ import annotations
 

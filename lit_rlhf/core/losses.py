@@ -1,6 +1,6 @@
-"""Losses; each returns ``(loss, stats)`` with stats detached (STYLE rule 9).
+"""Losses; each returns ``(loss, stats)`` with stats detached (docs/architecture.md "Conventions").
 
-Reward model (ALGORITHMS §1), PPO policy / value / entropy / ptx terms (§2), and the token
+Reward model (docs/algorithms.md §1), PPO policy / value / entropy / ptx terms (§2), and the token
 aggregation shared with GRPO (§6).
 """
 
@@ -119,7 +119,7 @@ def pairwise_rm_loss(
     margin: Tensor | None = None,
     center_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Bradley–Terry loss of a reward model on preference pairs (ALGORITHMS §1).
+    """Bradley–Terry loss of a reward model on preference pairs (docs/algorithms.md §1).
 
     loss = mean[−logsigmoid(r_w − r_l − margin)] + center_coef · mean[(r_w + r_l)²]
 
@@ -156,7 +156,7 @@ def pairwise_rm_loss(
 def entropy_loss(
     entropy: Tensor, response_mask: Tensor, coef: float, target: float | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Entropy regularizer to ADD to the loss (ALGORITHMS §2).
+    """Entropy regularizer to ADD to the loss (docs/algorithms.md §2).
 
     Plain bonus (default): −coef · token-mean H. With ``target`` (MOSS-RLHF's form, fragile):
     coef · |token-mean H − target|, pulling the entropy towards the target from either side.

@@ -1,4 +1,4 @@
-"""Masked reductions over (B, T) tensors; masks are 1 = keep (STYLE rule 3).
+"""Masked reductions over (B, T) tensors; masks are 1 = keep (docs/architecture.md "Conventions").
 
 Cross-rank statistics take an ``all_reduce`` callable that sums a tensor over processes in
 place (``lit_rlhf.utils.distributed.all_reduce_sum``); the default is a no-op (one process), so
@@ -42,12 +42,12 @@ def masked_moments(x: Tensor, mask: Tensor, all_reduce: AllReduce = no_all_reduc
     Two all-reduces (count+sum, then the centred sum of squares) instead of Σx² − n·μ², which
     loses precision when the mean is large relative to the spread.
     """
-    m = mask.to(torch.float32)
+    keep = mask.bool()
     xf = x.float()
-    stats = torch.stack([m.sum(), (xf * m).sum()])
+    stats = torch.stack([keep.sum().float(), masked_sum(xf, keep)])
     all_reduce(stats)
     count, mean = stats[0], stats[1] / stats[0].clamp(min=1)
-    sq = (((xf - mean) ** 2) * m).sum()
+    sq = masked_sum((xf - mean) ** 2, keep)  # `where`, not `* mask`: inf/NaN padding must not leak in
     all_reduce(sq)
     var = sq / (count - 1).clamp(min=1)
     return mean, var, count
@@ -72,7 +72,16 @@ def masked_whiten(
     out = (x.float() - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return (out * mask.to(out.dtype)).to(x.dtype)
+    return torch.where(mask.bool(), out, torch.zeros((), dtype=out.dtype, device=out.device)).to(x.dtype)
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """(B, T) position ids that count real tokens: 0 at each row's first real token, so a
+    left-padded row is positioned exactly as it would be alone (pad positions get 0).
+
+    Naive equivalent: per row, ``[max(0, sum(row[: t + 1]) - 1) for t in range(T)]``.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def last_token_index(mask: Tensor) -> Tensor:

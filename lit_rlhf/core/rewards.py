@@ -1,4 +1,4 @@
-"""Turning reward-model scores into per-token rewards (ALGORITHMS §2 "Reward shaping")."""
+"""Turning reward-model scores into per-token rewards (docs/algorithms.md §2 "Reward shaping")."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def reparameterize_scores(
 ) -> Tensor:
     """Score scaling r/σ_run or normalization (r − μ_run)/σ_run, then clipping to ±clip.
 
-    The running moments are updated with this batch BEFORE it is transformed (ALGORITHMS §2).
+    The running moments are updated with this batch BEFORE it is transformed (docs/algorithms.md §2).
     """
     moments.update(scores, all_reduce)
     if mode == "scale":
@@ -41,7 +41,7 @@ def shape_rewards(scores: Tensor, kl: Tensor, response_mask: Tensor, beta: float
     """R_t = −β·kl_t on every response token; the score is added ON the last response token.
 
     The last token is the EOS (or the final token of a truncated response): inside the loss
-    mask, not one past it (DeepSpeed-Chat's off-by-one, ALGORITHMS §2).
+    mask, not one past it (DeepSpeed-Chat's off-by-one, docs/algorithms.md §2).
 
     Args:
         scores: (B,) sequence scores.

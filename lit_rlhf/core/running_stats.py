@@ -1,4 +1,4 @@
-"""Running mean/std of a stream of values across batches and ranks (reward scaling, ALGORITHMS §2)."""
+"""Running mean/std of a stream of values across batches and ranks (reward scaling, docs/algorithms.md §2)."""
 
 from __future__ import annotations
 

@@ -15,22 +15,35 @@ from torch import Tensor
 
 @dataclass
 class Rollout:
-    """One batch of generated responses and everything scored on them (no grad)."""
+    """One batch of generated responses and everything scored on them (no grad).
+
+    ``lit_rlhf.rollout.collect.generate_and_score`` fills a field for every model it is given;
+    a field is None only when the algorithm has no such model (``values`` without a critic,
+    ``ref_logprobs`` without a reference). An RL module's ``collect`` returns its rollouts with
+    every field it uses filled (:meth:`require`).
+    """
 
     prompt_ids: Tensor  # (B, P) left-padded prompt tokens
     prompt_mask: Tensor  # (B, P) 1 = real prompt token
     response_ids: Tensor  # (B, R) generated tokens, right-padded after EOS
     response_mask: Tensor  # (B, R) 1 = response token (up to and including the first EOS)
     ended: Tensor  # (B,) bool: the response contains an EOS (False = truncated at max_new_tokens)
-    logprobs: Tensor  # (B, R) log π_old(y_t | x, y_<t) at rollout time
-    ref_logprobs: Tensor  # (B, R) log π_ref(y_t | x, y_<t)
-    values: Tensor  # (B, R) V_old(s_t), the critic before this update
-    scores: Tensor  # (B,) raw reward score r(x, y) (reward model or callable), before reparameterization
+    logprobs: Tensor | None = None  # (B, R) log π_old(y_t | x, y_<t) at rollout time
+    ref_logprobs: Tensor | None = None  # (B, R) log π_ref(y_t | x, y_<t); None = no reference model
+    values: Tensor | None = None  # (B, R) V_old(s_t), the critic before this update; None = no critic
+    scores: Tensor | None = None  # (B,) raw reward score r(x, y) (reward model or callable), before reparameterization
     rewards: Tensor | None = None  # (B, R) shaped per-token reward (score on the last token, −β·kl)
-    advantages: Tensor | None = None  # (B, R) GAE advantages (whitened if configured)
+    advantages: Tensor | None = None  # (B, R) advantages (whitened if configured)
     returns: Tensor | None = None  # (B, R) critic targets G_t = A_t + V_t
     prompts_text: list[str] = field(default_factory=list)  # decoded prompts (for samples tables)
     responses_text: list[str] = field(default_factory=list)  # decoded responses
+
+    def require(self, *names: str) -> "Rollout":
+        """This rollout, after checking that the named fields are filled (a programming error otherwise)."""
+        missing = [n for n in names if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"rollout is missing {missing}: the collecting module did not compute them")
+        return self
 
     @property
     def input_ids(self) -> Tensor:

@@ -40,13 +40,16 @@ class PromptDataConfig:
     train_split: str = "train"
     train_rows: str | None = None
     val_rows: str | None = None
-    """Rows of ``source`` evaluated in validation (greedy rollouts); None = no validation."""
+    """Rows of ``source`` whose prompts are sampled in validation (with ``algo.generation``); None = none."""
     template: str = "plain"
     max_prompt_length: int = field(default=64, metadata={"ge": 1})
     """Longer prompts lose tokens from the left (a leading BOS is kept); counted in the log."""
-    batch_size: int = field(default=16, metadata={"ge": 1})
-    """Prompts per RL iteration (the rollout batch, per process)."""
+    batch_size: int | None = field(default=None, metadata={"ge": 1})
+    """Prompts per training batch = the rollout batch per process. In train.py runs it is the RL
+    stage's ``algo.rollout_batch_size`` (set by the runner; leave it None); set it when using the
+    data module on its own."""
     eval_batch_size: int | None = field(default=None, metadata={"ge": 1})
+    """Validation prompts per batch; None = batch_size."""
     num_workers: int = field(default=0, metadata={"ge": 0})
     seed: int = 0
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -166,6 +169,8 @@ class PromptDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> Any:
         assert self.train_set is not None, "setup() first"
         c = self.config
+        if c.batch_size is None:
+            raise ValueError("PromptDataModule needs batch_size (in train.py runs: algo.rollout_batch_size)")
         prompts = self._prompt_loader(self.train_set, True, c.batch_size)
         if self.ptx is None:
             return prompts
@@ -181,4 +186,4 @@ class PromptDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> Any:
         if not self.val_set:
             return []
-        return self._prompt_loader(self.val_set, False, self.config.eval_batch_size or self.config.batch_size)
+        return self._prompt_loader(self.val_set, False, self.config.eval_batch_size or self.config.batch_size or 16)

@@ -25,9 +25,9 @@ log = logging.getLogger(__name__)
 class SFTDataConfig:
     """Where SFT pairs come from and how they are batched (``data.sft.*``)."""
 
-    source: str = "synthetic"
+    source: str | None = "synthetic"
     """"synthetic" (the embedded task), a .jsonl/.jsonl.gz/.json/.parquet file, a
-    ``save_to_disk`` folder, or a hub dataset name."""
+    ``save_to_disk`` folder, or a hub dataset name (required: None is refused)."""
     val_source: str | None = None
     """Validation file/dataset; None = ``val_split`` of ``source`` or a ``val_fraction`` split."""
     train_split: str = "train"
@@ -60,6 +60,8 @@ class SFTDataConfig:
     """Embedded task: held-out pairs to generate (a separate random stream)."""
 
     def validate(self) -> None:
+        check(self.source is not None, "source", "is required: a .jsonl/.json/.parquet file, a save_to_disk "
+                                                 "folder or a hub dataset name, e.g. data.sft.source=/path/train.jsonl")  # fmt: skip
         check(self.template in TEMPLATES, "template", f"must be one of {list(TEMPLATES)}, got {self.template!r}")
 
 

@@ -1,4 +1,4 @@
-"""The chat template shared by SFT, RM and PPO (ALGORITHMS §1: one template for every stage).
+"""The chat template shared by SFT, RM and PPO (docs/algorithms.md §1: one template for every stage).
 
 A template turns a raw prompt into the text the model sees, and says what goes in front of a
 response. Stages tokenize the formatted prompt (with the tokenizer's special tokens, e.g. BOS)

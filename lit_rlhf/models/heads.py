@@ -1,6 +1,6 @@
 """Pooling of per-token hidden states into one vector per sequence, and the scalar head.
 
-The reward is read at the LAST non-pad token (ALGORITHMS §1: an EOS is appended to every
+The reward is read at the LAST non-pad token (docs/algorithms.md §1: an EOS is appended to every
 response, so for a causal LM that token has attended to the whole prompt + response).
 Index helpers work for left- and right-padded batches alike: they look at the mask, never at
 the pad id.

@@ -16,9 +16,9 @@ import json
 import os
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
+from lit_rlhf.core.masked import position_ids_from_mask
 from lit_rlhf.models.heads import Pooling, ScalarHead, pool
 
 FORMAT = "lit_rlhf.reward_model"
@@ -52,7 +52,7 @@ class RewardModel(nn.Module):
         kwargs: dict[str, Any] = {}
         if self.kind == "causal_lm":
             # positions count real tokens only, so left- and right-padded rows score the same
-            kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            kwargs["position_ids"] = position_ids_from_mask(attention_mask)
         out = self.trunk(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         return out.last_hidden_state
 

@@ -2,7 +2,7 @@
 
 A spec names either a Hugging Face model (hub id or local directory, ``name_or_path``) or a
 tiny Llama built from a config (``tiny``), plus its tokenizer, dtype and memory switches.
-Modules receive specs and build weights late, in ``configure_model()`` (DESIGN §2).
+Modules receive specs and build weights late, in ``configure_model()`` (docs/architecture.md).
 """
 
 from __future__ import annotations

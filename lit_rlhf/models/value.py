@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import copy
 
-import torch
 from torch import Tensor, nn
 
+from lit_rlhf.core.masked import position_ids_from_mask
 from lit_rlhf.models.heads import ScalarHead
 
 
@@ -36,7 +36,7 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """(B, T) ids and mask → (B, T) float32 values (positions follow the mask)."""
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        position_ids = position_ids_from_mask(attention_mask)
         hidden = self.backbone.base_model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         ).last_hidden_state

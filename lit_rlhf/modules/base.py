@@ -26,9 +26,33 @@ class RLHFModule(pl.LightningModule):
     Lightning calls under the strategy's init context (sharded init for DeepSpeed/FSDP) and
     which must stay idempotent. Hyper-parameters saved in checkpoints are the two small dicts
     (config, model spec), so ``load_from_checkpoint`` rebuilds the module from them.
+
+    What the runner asks of every stage (lit_rlhf/runner.py; docs/architecture.md "Interfaces"):
+
+    * ``config_class`` — the dataclass of its ``algo.*`` keys;
+    * ``data_kind`` — the section of the ``data`` group it reads (``data.sft``, ``data.prompt`` …);
+    * ``monitor`` — (metric, mode) that ``callbacks.model_checkpoint.monitor=auto`` selects;
+    * :meth:`resolve_model_spec`, :meth:`resolve_data_config`, :meth:`check_compatible` —
+      cross-group rules applied before anything is built (defaults: no change, no check).
     """
 
     config_class: type = OptimConfig
+    data_kind: str = "sft"
+    monitor: tuple[str | None, str] = (None, "min")
+
+    @classmethod
+    def resolve_model_spec(cls, config: Any, spec: ModelSpec) -> ModelSpec:
+        """The model to build, given the ``model`` group's spec (e.g. PPO trains ``algo.policy_path``)."""
+        return spec
+
+    @classmethod
+    def resolve_data_config(cls, config: Any, data: Any) -> Any:
+        """The data config to build, given the stage's config (e.g. the rollout batch size)."""
+        return data
+
+    @classmethod
+    def check_compatible(cls, config: Any, spec: ModelSpec) -> None:
+        """Raise ``ConfigError`` when the stage's config and the model cannot work together."""
 
     def __init__(
         self,
@@ -56,7 +80,7 @@ class RLHFModule(pl.LightningModule):
         return self.tokenizer
 
     def log_stats(self, prefix: str, stats: Mapping[str, Any], **kwargs: Any) -> None:
-        """Log ``{prefix}/{name}`` for every stat (DESIGN §5 namespaced names)."""
+        """Log ``{prefix}/{name}`` for every stat (namespaced names, docs/metrics.md)."""
         self.log_dict({f"{prefix}/{k}": v for k, v in stats.items()}, **kwargs)
 
     # ------------------------------------------------------- optimizer/schedule

@@ -1,4 +1,9 @@
-"""Typed, validated configs of every stage (``algo.*`` keys); defaults documented per field.
+"""Typed, validated configs of every stage (``algo.*`` keys); each field's default and meaning.
+
+The dataclass defaults ARE the presets' base values: they are registered as Hydra schemas
+(lit_rlhf/utils/schemas.py), so ``conf/algo/*.yaml`` lists only what differs from them and
+``--cfg job`` shows every key. Defaults are the published recipes for real LMs (7B scale,
+docs/algorithms.md §3); values for the tiny embedded-task model live in conf/experiment/*_tiny.yaml.
 
 Built by ``lit_rlhf.utils.config.build_config``: a typo'd key, a wrong type or an out-of-range
 value fails at start naming the key (``algo.lr: must be > 0, got -1.0``), before any model is built.
@@ -18,33 +23,39 @@ class OptimConfig:
     """AdamW + warm-up + decay schedule, shared by every trainable stage."""
 
     lr: float = field(default=1e-4, metadata={"gt": 0.0})
+    """Peak learning rate (after warm-up)."""
     weight_decay: float = field(default=0.0, metadata={"ge": 0.0})
+    """AdamW decoupled weight decay, on weight matrices only (never norms or biases)."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (β1, β2)."""
     eps: float = field(default=1e-8, metadata={"gt": 0.0})
+    """AdamW ε."""
     optimizer: Literal["adamw", "cpu_adam"] = "adamw"
     """"cpu_adam" = DeepSpeedCPUAdam, required by ZeRO optimizer offload."""
     scheduler: Literal["constant", "linear", "cosine"] = "cosine"
     """Decay after warm-up, down to ``min_lr_ratio × lr`` at the last step."""
     warmup_steps: int = field(default=0, metadata={"ge": 0})
-    """Linear warm-up optimizer steps (exclusive with warmup_ratio)."""
+    """Linear warm-up optimizer steps; > 0 takes precedence over warmup_ratio (as in transformers)."""
     warmup_ratio: float = field(default=0.0, metadata={"ge": 0.0, "le": 1.0})
-    """Warm-up as a fraction of all optimizer steps (exclusive with warmup_steps)."""
+    """Warm-up as a fraction of all optimizer steps (when warmup_steps is 0)."""
     min_lr_ratio: float = field(default=0.1, metadata={"ge": 0.0, "le": 1.0})
+    """Final lr as a fraction of ``lr`` (linear/cosine schedules)."""
 
     def validate(self) -> None:
-        check(
-            not (self.warmup_steps and self.warmup_ratio),
-            "warmup_ratio",
-            "set either warmup_steps or warmup_ratio, not both",
-        )
         check(all(0.0 <= b < 1.0 for b in self.betas), "betas", f"each beta must be in [0, 1), got {self.betas}")
 
 
 @dataclass
 class SFTConfig(OptimConfig):
-    """Supervised fine-tuning: token-mean NLL of the response tokens (prompt masked out)."""
+    """Supervised fine-tuning: token-mean NLL of the response tokens (prompt masked out).
+    Defaults: the Llama-2 SFT recipe (lr 2e-5, cosine, weight decay 0.1; Touvron et al. 2023 §3.1)."""
 
-    lr: float = field(default=3e-3, metadata={"gt": 0.0})
+    lr: float = field(default=2e-5, metadata={"gt": 0.0})
+    """Peak learning rate."""
+    weight_decay: float = field(default=0.1, metadata={"ge": 0.0})
+    """AdamW weight decay on weight matrices."""
+    warmup_ratio: float = field(default=0.03, metadata={"ge": 0.0, "le": 1.0})
+    """Warm-up as a fraction of all optimizer steps."""
     export_dir: str | None = None
     """Where the trained model and tokenizer are saved with ``save_pretrained`` at the end of
     fit (later stages load it by path); None = no export."""
@@ -52,9 +63,15 @@ class SFTConfig(OptimConfig):
 
 @dataclass
 class RMConfig(OptimConfig):
-    """Pairwise reward model (ALGORITHMS §1): Bradley–Terry + optional LM and centering terms."""
+    """Pairwise reward model (docs/algorithms.md §1): Bradley–Terry + optional LM and centering terms.
+    Defaults: the Llama-2 reward-model recipe (lr 1e-5, 3% warm-up, cosine to 10%, weight decay 0.1)."""
 
-    lr: float = field(default=1e-3, metadata={"gt": 0.0})
+    lr: float = field(default=1e-5, metadata={"gt": 0.0})
+    """Peak learning rate."""
+    weight_decay: float = field(default=0.1, metadata={"ge": 0.0})
+    """AdamW weight decay on weight matrices."""
+    warmup_ratio: float = field(default=0.03, metadata={"ge": 0.0, "le": 1.0})
+    """Warm-up as a fraction of all optimizer steps."""
     beta_rm: float = field(default=0.0, metadata={"ge": 0.0})
     """Weight of the LM loss on the chosen response (MOSS-RLHF uses 1; needs a causal LM backbone)."""
     center_coef: float = field(default=0.0, metadata={"ge": 0.0})
@@ -69,97 +86,132 @@ class RMConfig(OptimConfig):
     """Export the best checkpoint by validation accuracy (when checkpointing monitors it), not the last."""
 
 
-@dataclass
-class PPOConfig(OptimConfig):
-    """PPO / PPO-max for language models (ALGORITHMS §2–§3). Every switch is a key; presets in
-    conf/algo/{ppo,ppo_max,ppo_moss_release}.yaml only set values."""
+def _rollout_generation() -> GenerationConfig:
+    # docs/algorithms.md §3: T 0.8, top-p 0.9, repetition penalty 1.1; 256 new tokens (7B recipe)
+    return GenerationConfig(max_new_tokens=256, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
 
-    # ---- models
-    policy_path: str = ""
-    """The SFT model (``save_pretrained`` folder or hub id): actor init AND frozen reference."""
+
+@dataclass
+class RLConfig(OptimConfig):
+    """What every RL stage shares (PPO now, GRPO next): models, reward, rollout, KL, export."""
+
+    policy_path: str | None = None
+    """The SFT model to train (``save_pretrained`` folder or hub id): actor init AND frozen
+    reference. None = the ``model`` group's model (``model=llama7b`` names it)."""
     reward_path: str | None = None
-    """A saved reward model (algo=rm's export_dir): frozen scorer and, by default, critic init."""
+    """A saved reward model (algo=rm's export_dir): the frozen scorer (and, for PPO, the critic init)."""
     reward_fn: dict | None = None
     """Instead of a reward model: ``{_target_: factory}`` returning ``fn(prompts, responses, ended)
     -> list[float]``, e.g. ``lit_rlhf.data.synthetic.gold_reward_fn`` (the embedded gold reward)."""
     gold_reward_fn: dict | None = None
     """Optional second reward evaluated in validation only (``val/gold_score_mean``), never trained
     on: e.g. the embedded task's gold reward, to watch the proxy being over-optimized."""
+    reward_max_length: int = field(default=1024, metadata={"ge": 8})
+    """Max tokens when a reward model with its own tokenizer re-tokenizes prompt + response."""
+    rollout_batch_size: int = field(default=32, metadata={"ge": 1})
+    """Prompts sampled per RL iteration and process (the rollout buffer; sets the prompt loader's batch)."""
+    generation: GenerationConfig = field(default_factory=_rollout_generation)
+    """Sampling settings of the rollouts (validation samples with them too)."""
+    logprobs_at_sampling_temperature: bool = False
+    """False: log-probs at temperature 1 (docs/algorithms.md §2.1); True: logits / sampling temperature."""
+    kl_coef: float = field(default=0.0, metadata={"ge": 0.0})
+    """β of the KL(π‖π_ref) term; 0 = none (the reference is still scored for the stability metrics)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """Per-token KL estimator (docs/algorithms.md §2.3)."""
+    export_dir: str | None = None
+    """``save_pretrained`` folder of the final policy."""
+
+    def validate(self) -> None:
+        super().validate()
+        check(
+            (self.reward_path is None) != (self.reward_fn is None),
+            "reward_path",
+            "set exactly one of algo.reward_path (a saved reward model) and algo.reward_fn (a {_target_: …} callable)",
+        )
+        for key in ("reward_fn", "gold_reward_fn"):
+            value = getattr(self, key)
+            check(value is None or "_target_" in value, key, "must be a mapping with a _target_ (a factory "
+                                                             "returning the reward callable)")  # fmt: skip
+
+
+@dataclass
+class PPOConfig(RLConfig):
+    """PPO / PPO-max for language models (docs/algorithms.md §2–§3). Every switch is a key; the
+    defaults are vanilla PPO with the 7B recipe; conf/algo/{ppo_max,ppo_moss_release}.yaml set values."""
+
+    # ---- models
     critic_path: str | None = None
     """Critic init; None = reward_path when it is a causal-LM reward model, else policy_path (fresh head)."""
-    reward_max_length: int = field(default=512, metadata={"ge": 8})
-    """Max tokens when a reward model with its own tokenizer re-tokenizes prompt + response."""
     # ---- optimization
     lr: float = field(default=5e-7, metadata={"gt": 0.0})
-    """Actor learning rate."""
+    """Actor learning rate (MOSS-RLHF 7B: 5e-7)."""
     critic_lr: float = field(default=1.65e-6, metadata={"gt": 0.0})
+    """Critic learning rate (MOSS-RLHF 7B: 1.65e-6); same warm-up/decay schedule as the actor's."""
+    scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """lr after warm-up (PPO recipes keep it constant)."""
     ppo_epochs: int = field(default=1, metadata={"ge": 1})
-    minibatch_size: int = field(default=4, metadata={"ge": 1})
-    """Rollouts per minibatch update (the rollout batch is data.prompt.batch_size)."""
+    """Passes over the rollout buffer per RL iteration."""
+    minibatch_size: int = field(default=8, metadata={"ge": 1})
+    """Rollouts per optimizer step (rollout_batch_size / minibatch_size steps per epoch; recipe: 4)."""
     max_grad_norm: float | None = field(default=1.0, metadata={"gt": 0.0})
     """Global grad-norm clip over actor and critic (DeepSpeed strategies clip in their config)."""
     fuse_first_forward: bool = True
     """With 1 epoch over 1 minibatch (and no dropout), take log π_old and V_old from the first
     training forward instead of separate rollout passes: exact, and two forwards cheaper."""
     critic_warmup_steps: int = field(default=0, metadata={"ge": 0})
-    """First N RL iterations update only the critic (actor frozen)."""
-    # ---- rollout
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    logprobs_at_sampling_temperature: bool = False
-    """False: log-probs at temperature 1 (ALGORITHMS §2); True: divide logits by the sampling temperature."""
+    """First N RL iterations update only the critic (actor lr 0)."""
     # ---- reward shaping
     score_norm: Literal["none", "scale", "normalize"] = "none"
     """Score reparameterization with running moments: r/σ (scale) or (r − μ)/σ (normalize)."""
     score_clip: float | None = field(default=None, metadata={"gt": 0.0})
-    """Clip the (reparameterized) score to ±δ."""
+    """Clip the (reparameterized) score to ±δ; None = no clip."""
     missing_eos_penalty: float | None = field(default=None, metadata={"ge": 0.0})
-    """Subtract this from the score of responses truncated without EOS."""
-    kl_coef: float = field(default=0.0, metadata={"ge": 0.0})
-    """β; 0 = no KL term (the reference is still scored for the stability metrics)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """Subtract this from the score of responses truncated without EOS; None = no penalty."""
     kl_placement: Literal["reward", "loss"] = "reward"
-    """In the per-token reward (−β·kl_t, default) or in the policy loss (β · token-mean kl)."""
+    """In the per-token reward (−β·kl_t, default) or in the policy loss (β · token-mean kl; k2/k3 only)."""
     adaptive_kl: bool = False
     """Ziegler's adaptive β towards kl_target (sequence KL) over kl_horizon samples."""
     kl_target: float = field(default=6.0, metadata={"gt": 0.0})
+    """Adaptive β: target sequence KL (nats per response)."""
     kl_horizon: int = field(default=10000, metadata={"ge": 1})
+    """Adaptive β: samples over which β moves by at most ±20%."""
     # ---- advantages
     gamma: float = field(default=1.0, metadata={"ge": 0.0, "le": 1.0})
+    """Discount γ of GAE."""
     lam: float = field(default=0.95, metadata={"ge": 0.0, "le": 1.0})
+    """GAE λ (bias/variance trade-off of the advantage)."""
     whiten_advantages: bool = True
     """Whiten advantages over the whole rollout buffer (all ranks) before the minibatches."""
     advantage_clip: float | None = field(default=None, metadata={"gt": 0.0})
+    """Clip advantages to ±a after whitening; None = no clip."""
     # ---- losses
     clip_eps_low: float = field(default=0.2, metadata={"gt": 0.0, "lt": 1.0})
+    """Policy ratio clip below: ρ ≥ 1 − ε_low."""
     clip_eps_high: float = field(default=0.2, metadata={"gt": 0.0})
+    """Policy ratio clip above: ρ ≤ 1 + ε_high (> ε_low = clip-higher)."""
     dual_clip: float | None = field(default=None, metadata={"gt": 1.0})
+    """Dual-clip constant c > 1 for negative advantages (Ye et al. 2020); None = off."""
     value_clip: float | None = field(default=0.2, metadata={"gt": 0.0})
+    """Value clip ε_v around the rollout-time values; None = unclipped value loss."""
     vf_coef: float = field(default=1.0, metadata={"ge": 0.0})
+    """Weight of the value loss in the summed actor + critic loss."""
     entropy_coef: float = field(default=0.0, metadata={"ge": 0.0})
     """Entropy bonus −c·H (0 = off)."""
     entropy_target: float | None = field(default=None, metadata={"ge": 0.0})
     """MOSS-RLHF's form instead of the bonus: c·|H − target| (fragile; off by default)."""
     ptx_coef: float = field(default=0.0, metadata={"ge": 0.0})
     """PPO-ptx: weight of the LM loss on ``data.prompt.ptx_source`` batches (0 = off)."""
-    export_dir: str | None = None
-    """``save_pretrained`` folder of the final actor."""
 
     def validate(self) -> None:
         super().validate()
-        check(bool(self.policy_path), "policy_path", "required: the SFT model folder (algo=sft's export_dir) or a hub id")
-        check(
-            (self.reward_path is None) != (self.reward_fn is None),
-            "reward_path",
-            "set exactly one of algo.reward_path (a saved reward model) and algo.reward_fn (a {_target_: …} callable)",
-        )
         check(
             self.clip_eps_high >= self.clip_eps_low,
             "clip_eps_high",
             f"must be >= algo.clip_eps_low ({self.clip_eps_low}), got {self.clip_eps_high}",
         )
-        for key in ("reward_fn", "gold_reward_fn"):
-            check(
-                getattr(self, key) is None or "_target_" in getattr(self, key),
-                key,
-                "must be a mapping with a _target_ (a factory returning the reward callable)",
-            )
+        check(
+            not (self.kl_placement == "loss" and self.kl_estimator == "k1" and self.kl_coef > 0),
+            "kl_estimator",
+            "k1 in the loss has zero expected gradient on-policy (it does not pull towards the "
+            "reference): use k2 or k3 with algo.kl_placement=loss, or kl_placement=reward",
+        )

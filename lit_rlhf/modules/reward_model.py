@@ -1,4 +1,4 @@
-"""``RewardModelModule``: a pairwise (Bradley–Terry) reward model (ALGORITHMS §1).
+"""``RewardModelModule``: a pairwise (Bradley–Terry) reward model (docs/algorithms.md §1).
 
 loss = mean[−logsigmoid(r_w − r_l − margin)] + β_rm · NLL(y_w | x) + c · mean[(r_w + r_l)²]
 
@@ -194,19 +194,10 @@ class RewardModelModule(RLHFModule):
         """Score histograms on loggers that have them (W&B, TensorBoard); CSV has none."""
         if self.trainer.sanity_checking or not self.trainer.is_global_zero:
             return
-        for lg in self.loggers:
-            name = type(lg).__name__
-            if name == "WandbLogger":
-                import wandb
+        from lit_rlhf.utils.loggers import log_histogram
 
-                lg.experiment.log({
-                    f"{prefix}/score_chosen_hist": wandb.Histogram(chosen.cpu().numpy()),
-                    f"{prefix}/score_rejected_hist": wandb.Histogram(rejected.cpu().numpy()),
-                    "trainer/global_step": self.global_step,
-                })  # fmt: skip
-            elif name == "TensorBoardLogger":
-                lg.experiment.add_histogram(f"{prefix}/score_chosen", chosen, self.global_step)
-                lg.experiment.add_histogram(f"{prefix}/score_rejected", rejected, self.global_step)
+        log_histogram(self.loggers, f"{prefix}/score_chosen_hist", chosen, self.global_step)
+        log_histogram(self.loggers, f"{prefix}/score_rejected_hist", rejected, self.global_step)
 
     def on_validation_epoch_end(self) -> None:
         self._log_epoch("val", self.val_metrics)
@@ -246,7 +237,7 @@ class RewardModelModule(RLHFModule):
             merged = get_fp32_state_dict_from_zero_checkpoint(path)
             state = {k.removeprefix("_forward_module."): v for k, v in merged.items()}
         else:
-            state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+            state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
         live = {f"reward_model.{k}": v for k, v in self.reward_model.state_dict().items()}
         missing = sorted(set(live) - set(state))
         if missing:

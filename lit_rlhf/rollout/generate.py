@@ -9,10 +9,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lit_rlhf.core.masked import position_ids_from_mask
+
 
 @dataclass
 class GenerationConfig:
-    """Sampling settings of the rollout (ALGORITHMS §3: T 0.8, top-p 0.9, rep. pen. 1.1 for PPO)."""
+    """Sampling settings of the rollout (docs/algorithms.md §3: T 0.8, top-p 0.9, rep. pen. 1.1 for PPO)."""
 
     max_new_tokens: int = field(default=32, metadata={"ge": 1})
     temperature: float = field(default=1.0, metadata={"gt": 0.0})
@@ -126,6 +128,41 @@ def _all_ranks_done(done: bool, device: torch.device) -> bool:
     return flag.item() == 0
 
 
+def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int,
+            pad_id: int) -> list[Tensor]:  # fmt: skip
+    """The decoding loop of :func:`sample`: prefill, then one token per forward; (B,) tokens per step."""
+    b, device = prompt_ids.shape[0], prompt_ids.device
+    mask = prompt_mask.long()
+    positions = position_ids_from_mask(mask)
+    cache = _preallocated_cache(model, prompt_ids.shape[1] + gen.max_new_tokens)
+    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, cache=cache,
+                use_cache=True, logits_to_keep=1)  # fmt: skip
+    logits = out.logits[:, -1].float()
+    next_pos = positions[:, -1:] + 1
+    seen = None
+    if gen.repetition_penalty != 1.0:
+        seen = torch.zeros(b, logits.shape[-1], dtype=torch.bool, device=device)
+        seen.scatter_(1, prompt_ids.masked_fill(mask == 0, 0), mask.bool())
+    finished = torch.zeros(b, dtype=torch.bool, device=device)
+    tokens = []
+    for step in range(gen.max_new_tokens):
+        scores = process_logits(logits, seen, gen)
+        nxt = torch.multinomial(scores.softmax(-1), 1).squeeze(-1) if gen.do_sample else scores.argmax(-1)
+        nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
+        tokens.append(nxt)
+        finished |= nxt == eos_id
+        if seen is not None:
+            seen.scatter_(1, nxt[:, None], True)
+        if step == gen.max_new_tokens - 1 or _all_ranks_done(bool(finished.all()), device):
+            break
+        mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=device)], 1)
+        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos, cache=out.cache,
+                    use_cache=True)  # fmt: skip
+        logits = out.logits[:, -1].float()
+        next_pos = next_pos + 1
+    return tokens
+
+
 @torch.no_grad()
 def sample(
     model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int, pad_id: int
@@ -136,8 +173,9 @@ def sample(
     ``model.generate``: the same distribution — repetition penalty, temperature, top-k, top-p in
     transformers' order (:func:`process_logits`) — without generate's per-step machinery (where
     Python overhead dominates, on small models) and with a KV cache allocated once
-    (:func:`_preallocated_cache`) instead of concatenated at every step (``bench/``: 0.96–1.42×
-    ``generate``'s tokens/s across runs on a noisy 2-core VM). Position ids count real tokens, so a left-padded prompt generates exactly as it would alone. Naive equivalent:
+    (:func:`_preallocated_cache`) instead of concatenated at every step (``make bench`` compares
+    it with ``generate``; the README has the figures). Position ids count real tokens, so a
+    left-padded prompt generates exactly as it would alone. Naive equivalent:
     ``model.generate(..., do_sample=…, temperature=…, top_k=…, top_p=…, repetition_penalty=…)``
     (tests compare greedy outputs token for token).
 
@@ -150,38 +188,7 @@ def sample(
     was_training = model.training
     model.eval()
     try:
-        b, device = prompt_ids.shape[0], prompt_ids.device
-        mask = prompt_mask.long()
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = _preallocated_cache(model, prompt_ids.shape[1] + gen.max_new_tokens)
-        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, cache=cache,
-                    use_cache=True, logits_to_keep=1)  # fmt: skip
-        logits = out.logits[:, -1].float()
-        next_pos = positions[:, -1:] + 1
-        seen = None
-        if gen.repetition_penalty != 1.0:
-            seen = torch.zeros(b, logits.shape[-1], dtype=torch.bool, device=device)
-            seen.scatter_(1, prompt_ids.masked_fill(mask == 0, 0), mask.bool())
-        finished = torch.zeros(b, dtype=torch.bool, device=device)
-        tokens = []
-        for step in range(gen.max_new_tokens):
-            scores = process_logits(logits, seen, gen)
-            if gen.do_sample:
-                nxt = torch.multinomial(scores.softmax(-1), 1).squeeze(-1)
-            else:
-                nxt = scores.argmax(-1)
-            nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
-            tokens.append(nxt)
-            finished |= nxt == eos_id
-            if seen is not None:
-                seen.scatter_(1, nxt[:, None], True)
-            if step == gen.max_new_tokens - 1 or _all_ranks_done(bool(finished.all()), device):
-                break
-            mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=device)], 1)
-            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos, cache=out.cache,
-                        use_cache=True)  # fmt: skip
-            logits = out.logits[:, -1].float()
-            next_pos = next_pos + 1
+        tokens = _decode(model, prompt_ids, prompt_mask, gen, eos_id, pad_id)
     finally:
         model.train(was_training)
     response_ids = torch.stack(tokens, 1)

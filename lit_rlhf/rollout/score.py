@@ -14,11 +14,7 @@ import torch
 from torch import Tensor
 
 from lit_rlhf.core.logprobs import entropy_from_logits, logprobs_from_logits
-
-
-def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
-    """(B, T): 0 at each row's first real token, counting real tokens (left padding safe)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+from lit_rlhf.core.masked import position_ids_from_mask
 
 
 def _takes_logits_to_keep(model: Any) -> bool:
@@ -51,7 +47,7 @@ def response_logprobs(
     """(B, R) log π(y_t | x, y_<t) of the response tokens (and (B, R) entropies if asked).
 
     ``temperature`` divides the logits first (1.0 = the model's own distribution, the default
-    in ALGORITHMS §2; the sampling temperature is the alternative).
+    in docs/algorithms.md §2; the sampling temperature is the alternative).
     """
     logits = response_logits(model, input_ids, attention_mask, prompt_width)
     if temperature != 1.0:
@@ -74,7 +70,7 @@ def response_values(critic: Any, input_ids: Tensor, attention_mask: Tensor, prom
 def append_eos_to_truncated(input_ids: Tensor, attention_mask: Tensor, ended: Tensor, eos_id: int,
                             pad_id: int) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(B, T) right-padded sequences → the same with an EOS after every response that has none
-    (ALGORITHMS §1: the reward model reads x + y + EOS; it was never trained on anything else).
+    (docs/algorithms.md §1: the reward model reads x + y + EOS; it was never trained on anything else).
 
     A truncated response ran to the last column, so one extra column holds its EOS; rows that
     ended keep theirs and get a pad there. Without truncated rows the inputs come back as they are.

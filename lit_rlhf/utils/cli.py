@@ -7,6 +7,8 @@ check composes the config with the command line's group choices only (``algo=…
 turns an unknown key into the same :class:`ConfigError` the typed configs raise:
 ``algo.lrr: unknown key for SFTConfig. Did you mean 'lr'? Allowed keys: …``.
 
+Every typed key is in the composed config (the presets start from the typed configs' schemas,
+lit_rlhf/utils/schemas.py), so a key is known exactly when its dataclass has the field.
 Anything it cannot judge (a parse error, ``+``/``++``/``~`` overrides, ``hydra.*`` keys, list
 indices) is left to Hydra, which reports it as before.
 """
@@ -23,13 +25,27 @@ from lit_rlhf.utils.config import ConfigError
 _MAX_COMBINATIONS = 16
 
 
-def _cli_overrides(argv: list[str]) -> list[str] | None:
-    try:
-        from hydra._internal.utils import get_args_parser
+# Hydra's flags that take a value (``--cfg job``, ``-cn train`` …): their values are not overrides
+_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                     "--config-dir", "-cd", "--experimental-rerun"}  # fmt: skip
+# flags after which Hydra does something else than a run (help, completion, info): nothing to check
+_FLAGS_NO_RUN = {"--help", "-h", "--hydra-help", "--version", "--shell-completion", "-sc", "--info", "-i"}
 
-        return list(get_args_parser().parse_args(argv).overrides)
-    except (Exception, SystemExit):  # --help, a bad flag: Hydra's own parser reports it
-        return None
+
+def _cli_overrides(argv: list[str]) -> list[str] | None:
+    """The ``key=value`` overrides of a ``train.py`` command line (Hydra's flags skipped); None
+    when the command does not run a job (``--help``, ``--info`` …)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in _FLAGS_NO_RUN or arg.split("=")[0] in _FLAGS_NO_RUN:
+            return None
+        elif arg in _FLAGS_WITH_VALUE:
+            skip = True
+        elif not arg.startswith("-"):
+            out.append(arg)
+    return out
 
 
 def _missing_key(cfg: Any, dotted: str) -> tuple[str, str, list[str]] | None:
@@ -48,19 +64,24 @@ def _missing_key(cfg: Any, dotted: str) -> tuple[str, str, list[str]] | None:
     return None
 
 
-def _unknown_key_error(cfg: Any, parent: str, part: str, keys: list[str]) -> ConfigError:
+def _options(config_dir: Path, group: str) -> list[str]:
+    return sorted(p.stem for p in (config_dir / group).glob("*.yaml"))
+
+
+def _unknown_key_error(cfg: Any, parent: str, part: str, keys: list[str], config_dir: Path) -> ConfigError:
+    if not parent and (config_dir / part).is_dir():  # a group left unchosen, e.g. algo.lr=… with no stage
+        return ConfigError(part, f"no {part} is chosen, so {part}.* keys cannot be set: choose one with "
+                                 f"{part}={'|'.join(_options(config_dir, part))} (`python train.py` alone runs "
+                                 "the demo pipeline)")  # fmt: skip
     key = f"{parent}.{part}" if parent else part
     close = difflib.get_close_matches(part, keys, n=1)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     owner = ""
     if parent == "algo":
-        from lit_rlhf.runner import _get_class
+        from lit_rlhf.runner import get_class
 
         try:
-            algo_cls = _get_class(cfg.algo, "algo")
-            owner = f" for {algo_cls.config_class.__name__}"
-            if getattr(algo_cls, "is_pipeline", False):
-                owner += " (the default job, algo=demo, is the whole pipeline: choose a stage to set its keys, e.g. algo=sft)"
+            owner = f" for {get_class(cfg.algo, 'algo').config_class.__name__}"
         except Exception:  # an unknown _target_: the runner reports it later
             pass
     allowed = ", ".join(sorted(k for k in keys if not k.startswith("_")))
@@ -110,4 +131,4 @@ def check_overrides(argv: list[str], config_dir: str | Path, config_name: str = 
         for key in keys:
             missing = _missing_key(cfg, key)
             if missing is not None:
-                raise _unknown_key_error(cfg, *missing)
+                raise _unknown_key_error(cfg, *missing, config_dir)

@@ -156,6 +156,11 @@ def build_config(cls: type[T], values: Mapping[str, Any] | None, prefix: str = "
             raise ConfigError(
                 key, f"unknown key for {cls.__name__}.{hint} Allowed keys: {', '.join(sorted(fields))}"
             )
+        default = _default_of(fields[name])
+        if dataclasses.is_dataclass(default) and isinstance(value, Mapping):
+            # a partial nested mapping overrides the field's OWN default (e.g. PPO's rollout
+            # sampling settings), not the nested class's defaults: as the Hydra schema merge does
+            value = {**to_dict(default), **value}
         coerced = _coerce(value, hints[name], key)
         _check_range(coerced, fields[name].metadata, key)
         kwargs[name] = coerced
@@ -170,6 +175,14 @@ def build_config(cls: type[T], values: Mapping[str, Any] | None, prefix: str = "
         except ConfigError as err:
             raise err.under(prefix) from None
     return obj
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
 
 
 def to_dict(obj: Any) -> Any:

@@ -75,7 +75,9 @@ def finish_loggers(loggers: list[Any]) -> None:
             lg.finalize("success")
         except Exception as err:  # a failing logger must not hide the run's result
             log.warning("could not finalize logger %s: %s", type(lg).__name__, err)
-    if any(type(lg).__name__ == "WandbLogger" for lg in loggers):
+    from lit_rlhf.utils.loggers import wandb_loggers
+
+    if wandb_loggers(loggers):
         import wandb
 
         if wandb.run is not None:

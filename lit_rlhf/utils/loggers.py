@@ -33,3 +33,26 @@ def wandb_logger(save_dir: str, offline: bool | None = None, **kwargs: Any) -> A
         offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not wandb_api_key_available()
     os.makedirs(save_dir, exist_ok=True)
     return WandbLogger(save_dir=save_dir, offline=offline, mode="offline" if offline else "online", **kwargs)
+
+
+def wandb_loggers(loggers: Any) -> list[Any]:
+    """The ``WandbLogger``s among ``loggers``."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    return [lg for lg in loggers if isinstance(lg, WandbLogger)]
+
+
+def log_histogram(loggers: Any, name: str, values: Any, step: int, step_key: str = "trainer/global_step") -> None:
+    """A histogram of ``values`` (1-D tensor) under ``name`` on every logger that draws them:
+    W&B (in a row with ``step_key`` = ``step``, the step its panel plots against) and
+    TensorBoard (at ``step``). CSV has none."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    values = values.detach().float().cpu()
+    for lg in wandb_loggers(loggers):
+        import wandb
+
+        lg.experiment.log({name: wandb.Histogram(values.numpy()), step_key: step})
+    for lg in loggers:
+        if isinstance(lg, TensorBoardLogger):
+            lg.experiment.add_histogram(name, values, step)

@@ -93,22 +93,41 @@ def test_signals_can_be_switched_off():
 
 
 class FakeModule(torch.nn.Module):
+    """The RL module interface the alarm uses (lit_rlhf/modules/rl.py), on one parameter."""
+
     def __init__(self):
         super().__init__()
+        from lit_rlhf.core.kl import FixedKLController
+        from lit_rlhf.core.running_stats import RunningMoments
+
         self.w = torch.nn.Parameter(torch.zeros(2))
-        self.kl_ctl = types.SimpleNamespace(value=0.05)
+        self.kl_ctl = FixedKLController(0.05)
+        self.reward_moments = RunningMoments()
+        self.rl_iteration = 0
         self.logged = {}
 
     def log(self, name, value, **kw):
         self.logged[name] = value
 
+    def scale_kl_coef(self, factor, floor=1e-3):
+        old = self.kl_ctl.value
+        self.kl_ctl.value = max(old, floor) * factor
+        return old, self.kl_ctl.value
+
+    def rl_state_dict(self):
+        return {"iteration": self.rl_iteration, "kl_ctl": self.kl_ctl.state_dict(),
+                "reward_moments": self.reward_moments.state_dict()}  # fmt: skip
+
+    def load_rl_state_dict(self, state):
+        self.rl_iteration = state["iteration"]
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.reward_moments.load_state_dict(state["reward_moments"])
+
 
 def fake_trainer(module, tmp_path):
     opt = torch.optim.SGD(module.parameters(), lr=1.0)
-    t = types.SimpleNamespace(
-        callback_metrics={}, should_stop=False, optimizers=[opt], default_root_dir=str(tmp_path),
-        fit_loop=types.SimpleNamespace(epoch_loop=types.SimpleNamespace(_batches_that_stepped=0)), saved=[],
-    )  # fmt: skip
+    t = types.SimpleNamespace(callback_metrics={}, should_stop=False, optimizers=[opt], default_root_dir=str(tmp_path),
+                              saved=[])  # fmt: skip
     t.save_checkpoint = lambda path: (t.saved.append(path), open(path, "w").close())
     return t
 
@@ -122,7 +141,7 @@ def drive(alarm, trainer, module, values, before_step=None):
         if before_step:
             before_step(i)
         trainer.callback_metrics = {k: torch.tensor(v) for k, v in m.items()}
-        trainer.fit_loop.epoch_loop._batches_that_stepped = i
+        module.rl_iteration = i
         alarm.on_train_batch_end(trainer, module, {"rollout": object()}, None, i)
         if trainer.should_stop:
             return i
@@ -180,10 +199,7 @@ def test_bad_action():
 def test_rollback_never_snapshots_an_iteration_that_waits_out_patience(tmp_path):
     """patience=2: iteration 5 is already alarming (the trigger comes at 6); the state to return
     to is iteration 4's, and the running reward statistics come back with the weights."""
-    from lit_rlhf.core.running_stats import RunningMoments
-
     module = FakeModule()
-    module.reward_moments = RunningMoments()
     alarm = CollapseAlarm(action="rollback", kl_max=5.0, patience=2, snapshot_every=1, min_signals=1)
     trainer = fake_trainer(module, tmp_path)
 

@@ -1,4 +1,4 @@
-"""Monitors on hand-built rollouts: exact values, padding and truncation, DESIGN §5 names."""
+"""Monitors on hand-built rollouts: exact values, padding and truncation, docs/metrics.md names."""
 
 import json
 import math
@@ -9,8 +9,8 @@ import torch
 from lit_rlhf.callbacks import KLMonitor, PerplexityMonitor, ResponseLengthMonitor, RewardStatsMonitor
 from lit_rlhf.core.types import Rollout
 
-# DESIGN §5: the canonical names the monitors own
-DESIGN_NAMES = {
+# docs/metrics.md: the canonical names the monitors own
+METRIC_NAMES = {
     "stability/kl", "stability/kl_per_token", "stability/perplexity", "stability/perplexity_ref",
     "stability/response_length", "stability/response_length_max", "stability/truncation_rate",
     "reward/score_mean", "reward/score_std",
@@ -99,7 +99,7 @@ def test_names_match_design():
     names = set()
     for m in (KLMonitor(), PerplexityMonitor(), ResponseLengthMonitor(), RewardStatsMonitor()):
         names |= set(run(m, R1))
-    assert DESIGN_NAMES <= names
+    assert METRIC_NAMES <= names
     assert all(n.split("/")[0] in ("stability", "reward") for n in names)
 
 
@@ -120,7 +120,7 @@ def test_monitors_in_a_ppo_fit(tmp_path, tokenizer, saved_models):
                          callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
                          limit_val_batches=0, log_every_n_steps=1, default_root_dir=tmp_path)  # fmt: skip
     trainer.fit(module, data(tokenizer))
-    assert DESIGN_NAMES <= set(trainer.callback_metrics)
+    assert METRIC_NAMES <= set(trainer.callback_metrics)
     assert {"rl/iteration", "reward/score_mean", "stability/kl", "stability/response_length"} <= set(trainer.progress_bar_metrics)
     lines = [json.loads(x) for x in (tmp_path / "reward_scores.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and all(len(x["scores"]) == 8 for x in lines)  # 4 iterations x 8 rollouts

@@ -44,3 +44,17 @@ def test_lambda_one_gamma_one_returns_are_reward_to_go():
     rewards = torch.tensor([[1.0, 2.0, 3.0]])
     _, ret = gae(rewards, torch.tensor([[0.3, -0.2, 0.7]]), torch.ones(1, 3), 1.0, 1.0)
     torch.testing.assert_close(ret, torch.tensor([[6.0, 5.0, 3.0]]))
+
+
+def test_non_finite_padding_never_reaches_real_tokens():
+    """inf/NaN at padded positions (garbage a forward can leave there) must not poison the row:
+    `where`, not `* mask` (inf·0 = NaN)."""
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    rewards = torch.tensor([[0.0, 1.0, float("inf"), float("nan")], [0.0, 0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.25, float("nan"), float("-inf")], [0.1, 0.2, 0.3, 0.4]])
+    adv, ret = gae(rewards, values, mask, 1.0, 0.5)
+    assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
+    clean_adv, clean_ret = gae(torch.where(mask.bool(), rewards, 0.0), torch.where(mask.bool(), values, 0.0), mask, 1.0, 0.5)
+    torch.testing.assert_close(adv, clean_adv)
+    torch.testing.assert_close(ret, clean_ret)
+    torch.testing.assert_close(adv[0, :2], torch.tensor([0.125, 0.75]))  # the hand-computed row above

@@ -47,3 +47,18 @@ def test_fixed_and_adaptive_controllers():
     b = AdaptiveKLController(1.0, 6.0, 10000)
     b.load_state_dict(a.state_dict())
     assert b.value == a.value
+
+
+def test_sequence_kl_sums_the_estimator_over_each_response():
+    from lit_rlhf.core.kl import sequence_kl
+
+    lp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.5, -0.5]])
+    ref = torch.tensor([[-1.5, -1.0, float("nan")], [-0.5, -30.5, -0.5]])  # NaN at a padded position
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    # row 0: d = 0.5, -1.0 -> k1 sum -0.5; row 1: d = 0, 30, 0 -> 30 unclamped, 20 clamped
+    torch.testing.assert_close(sequence_kl(lp, ref, mask, clamp=None), torch.tensor([-0.5, 30.0]))
+    torch.testing.assert_close(sequence_kl(lp, ref, mask), torch.tensor([-0.5, 20.0]))
+    k3 = sequence_kl(lp, ref, mask, "k3")
+    torch.testing.assert_close(k3, torch.tensor([math.exp(-0.5) + 0.5 - 1 + math.exp(1) - 2, 10.0]))
+    wild = sequence_kl(torch.tensor([[-100.0]]), torch.tensor([[0.0]]), torch.ones(1, 1), "k3", clamp=None, k3_max=None)
+    assert torch.isfinite(wild).all() and wild.item() > 1e30  # e^80 + …: huge, but no inf

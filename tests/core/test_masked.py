@@ -58,3 +58,21 @@ def test_token_indices_left_and_right():
     left = torch.tensor([[0, 1, 1], [0, 0, 1]])
     assert last_token_index(right).tolist() == [1, 2] and last_token_index(left).tolist() == [2, 2]
     assert first_token_index(right).tolist() == [0, 0] and first_token_index(left).tolist() == [1, 2]
+
+
+def test_non_finite_padding_is_ignored_by_moments_and_whitening():
+    x = torch.tensor([[1.0, 2.0, float("inf")], [3.0, float("nan"), float("-inf")]])
+    m = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    mean, var, n = masked_moments(x, m)
+    assert (n.item(), mean.item(), var.item()) == (3.0, 2.0, 1.0)  # statistics of 1, 2, 3
+    w = masked_whiten(x, m)
+    assert torch.isfinite(w).all()
+    torch.testing.assert_close(w, torch.tensor([[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]), atol=1e-6, rtol=0)
+
+
+def test_position_ids_count_real_tokens():
+    from lit_rlhf.core.masked import position_ids_from_mask
+
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 1, 1, 1, 1]])
+    naive = [[max(0, sum(row[: t + 1]) - 1) for t in range(5)] for row in mask.tolist()]
+    assert position_ids_from_mask(mask).tolist() == naive == [[0, 0, 0, 1, 2], [0, 1, 2, 2, 2], [0, 0, 1, 2, 3]]

@@ -26,7 +26,7 @@ def save_tiny_models(tiny_spec, tokenizer, tmp_path):
 
 def make(saved_models, tokenizer, **kw):
     policy, rm = saved_models
-    args = dict(policy_path=policy, reward_path=rm, lr=1e-3, critic_lr=1e-3, minibatch_size=4,
+    args = dict(policy_path=policy, reward_path=rm, lr=1e-3, critic_lr=1e-3, rollout_batch_size=8, minibatch_size=4,
                 generation={"max_new_tokens": 8})  # fmt: skip
     args.update(kw)
     if "reward_fn" in kw:
@@ -37,6 +37,7 @@ def make(saved_models, tokenizer, **kw):
 
 
 def data(tokenizer, batch_size=8, **kw):
+    """Prompts of the embedded task; batch_size must be the module's algo.rollout_batch_size (8 in make())."""
     dm = PromptDataModule(n_train=64, n_val=8, batch_size=batch_size, **kw).connect(tokenizer)
     return dm
 

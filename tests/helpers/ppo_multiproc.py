@@ -68,7 +68,7 @@ def main() -> None:
     torch.set_num_threads(1)
     policy, rm = os.path.join(args.models, "policy"), os.path.join(args.models, "rm")
     cfg = build_config(PPOConfig, {
-        "policy_path": policy, "reward_path": rm, "lr": 1e-3, "critic_lr": 1e-3, "minibatch_size": 4,
+        "policy_path": policy, "reward_path": rm, "lr": 1e-3, "critic_lr": 1e-3, "rollout_batch_size": 8, "minibatch_size": 4,
         "score_norm": "normalize", "kl_coef": 0.05, "generation": {"max_new_tokens": 8},
         "adaptive_kl": True, "kl_target": 0.01, "kl_horizon": 100, "whiten_advantages": True, "advantage_clip": None,
     }, "algo")  # fmt: skip

@@ -54,15 +54,56 @@ def test_critic_warmup_freezes_the_actor(saved_models, tokenizer):
 
 
 def test_callable_reward_and_fresh_critic_head(saved_models, tokenizer):
+    """With a callable reward there is no reward model to start the critic from: the critic is a
+    separate copy of the POLICY's trunk with a new scalar head (docs/algorithms.md §2.8)."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_rlhf.models.heads import ScalarHead
+
+    torch.manual_seed(0)
     m = make(saved_models, tokenizer, reward_fn={"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"})
+    m.configure_model()
+    assert "reward" not in m.frozen
+    policy = AutoModelForCausalLM.from_pretrained(saved_models[0]).state_dict()
+    trunk = m.critic.backbone.state_dict()
+    assert trunk.keys() == policy.keys() and all(torch.equal(trunk[k], policy[k]) for k in policy)
+    assert isinstance(m.critic.head, ScalarHead) and float(m.critic.head.proj.bias) == 0.0
+    assert 0 < float(m.critic.head.proj.weight.std()) < 1.0  # fresh 1/sqrt(H+1) init, not a trained RM head
+    actor_ptrs = {p.data_ptr() for p in m.actor.parameters()}
+    assert not any(p.data_ptr() in actor_ptrs for p in m.critic.parameters())  # a copy, not shared
+    head0 = m.critic.head.proj.weight.detach().clone()
     trainer = fit(m, data(tokenizer), max_steps=2)
-    assert "reward" not in m.frozen and trainer.callback_metrics["reward/normalized_mean"] <= 1.0  # gold ≤ 1
+    assert trainer.callback_metrics["reward/normalized_mean"] <= 1.0  # the gold reward is ≤ 1
+    assert not torch.equal(m.critic.head.proj.weight, head0)  # the fresh head trains
 
 
-def test_ptx_term_is_used(saved_models, tokenizer):
-    m = make(saved_models, tokenizer, ptx_coef=0.5)
-    trainer = fit(m, data(tokenizer, ptx_source="synthetic", ptx_batch_size=8), max_steps=2)
-    assert math.isfinite(float(trainer.callback_metrics["ptx/loss"]))
+def test_ptx_term_adds_its_weighted_gradient_to_the_actor(saved_models, tokenizer):
+    """PPO-ptx: with ptx_coef c the actor's gradient is the PPO gradient + c × the LM loss's gradient
+    on the ptx batch (computed separately), and the critic's is unchanged."""
+    m = make(saved_models, tokenizer, ptx_coef=0.5, minibatch_size=8, fuse_first_forward=False)
+    m.configure_model()
+    dm = data(tokenizer, ptx_source="synthetic", ptx_batch_size=4)
+    dm.setup("fit")
+    batch, _, _ = next(iter(dm.train_dataloader()))  # a CombinedLoader: (batch, batch_idx, dataloader_idx)
+    torch.manual_seed(0)
+    rollout = m.collect(batch["prompts"])
+    m.compute_advantages(rollout)
+
+    def grads(fn):
+        m.zero_grad()
+        fn().backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    with_ptx = grads(lambda: m.minibatch_loss(rollout, m.policy_forward(rollout), False, batch["ptx"])[0])
+    without = grads(lambda: m.minibatch_loss(rollout, m.policy_forward(rollout), False, None)[0])
+    lm_only = grads(lambda: m.ptx_term(batch["ptx"])[0])
+    assert lm_only and any(g.abs().sum() > 0 for g in lm_only.values())
+    for name, g in with_ptx.items():
+        expected = without[name] + 0.5 * lm_only[name] if name in lm_only else without[name]
+        torch.testing.assert_close(g, expected, atol=1e-6, rtol=1e-5, msg=name)
+    assert all(n.startswith("actor.") for n in lm_only)  # the critic gets nothing from the ptx term
+    stats = m.minibatch_loss(rollout, m.policy_forward(rollout), False, batch["ptx"])[1]
+    assert float(stats["ptx/loss"]) == pytest.approx(float(m.ptx_term(batch["ptx"])[0]), rel=1e-5)
 
 
 def test_ptx_data_without_a_coefficient_is_reported(saved_models, tokenizer, caplog):
@@ -76,7 +117,7 @@ def test_ptx_data_without_a_coefficient_is_reported(saved_models, tokenizer, cap
 
 
 def test_perf_metrics_are_logged_with_design_names(saved_models, tokenizer):
-    """DESIGN §5 perf/* names; tokens/s over samples/s is the iteration's mean response length."""
+    """docs/metrics.md perf/* names; tokens/s over samples/s is the iteration's mean response length."""
     outputs = []
 
     class Keep(pl.Callback):
@@ -99,7 +140,7 @@ def test_checkpoint_holds_rl_state_and_resumes(saved_models, tokenizer, tmp_path
     trainer.fit(m, data(tokenizer))
     trainer.save_checkpoint(tmp_path / "ppo.ckpt")
     ckpt = torch.load(tmp_path / "ppo.ckpt", weights_only=False)
-    state = ckpt["lit_rlhf_ppo"]
+    state = ckpt["lit_rlhf_rl"]
     assert state["iteration"] == 2 and state["reward_moments"]["count"] == 16
     assert state["kl_ctl"]["value"] == pytest.approx(m.kl_ctl.value) and m.kl_ctl.value != 0.1
     assert all(k.startswith(("actor.", "critic.")) for k in ckpt["state_dict"])
@@ -123,15 +164,15 @@ def test_export_actor(saved_models, tokenizer, tmp_path):
 @pytest.mark.slow
 @pytest.mark.integration
 def test_ppo_max_raises_the_gold_reward(tmp_path):
-    """SFT on the embedded task, then algo=ppo_max (the preset as configured in conf/) with the
-    gold reward as the reward: mean gold reward on held-out prompts rises by ≥ 0.5 σ of SFT's."""
+    """SFT on the embedded task, then PPO-max as the tiny experiment configures it, with the gold
+    reward as the reward: mean gold reward on held-out prompts rises by ≥ 0.5 σ of SFT's."""
     from lit_rlhf.runner import build, run
     from tests.conftest import compose
 
     run(compose(["trainer.accelerator=cpu", "logger=none", "callbacks=none", "trainer.enable_progress_bar=false",
                  "data.sft.n_train=8000", "data.batch_size=32", "trainer.max_epochs=2"], tmp_path / "sft"))  # fmt: skip
     cfg = compose(
-        ["algo=ppo_max", f"algo.policy_path={tmp_path / 'sft' / 'policy'}",
+        ["experiment=ppo_max_synthetic_tiny", f"algo.policy_path={tmp_path / 'sft' / 'policy'}", "algo.reward_path=null",
          "algo.reward_fn={_target_:lit_rlhf.data.synthetic.gold_reward_fn}", "data.prompt.n_val=128",
          "data.prompt.eval_batch_size=64", "trainer.accelerator=cpu", "trainer.max_steps=400", "logger=none",
          "callbacks=none", "trainer.enable_progress_bar=false", "trainer.check_val_every_n_epoch=100"],
@@ -193,16 +234,16 @@ def test_rollout_runs_in_inference_mode_unless_parameters_are_sharded(saved_mode
     m.configure_model()
     dm = data(tokenizer)
     dm.setup("fit")
-    import lit_rlhf.modules.ppo as ppo
+    import lit_rlhf.rollout.collect as collect
 
-    seen, real_sample = [], ppo.sample
-    monkeypatch.setattr(ppo, "sample", lambda *a, **k: seen.append(torch.is_inference_mode_enabled()) or real_sample(*a, **k))
+    seen, real_sample = [], collect.sample
+    monkeypatch.setattr(collect, "sample", lambda *a, **k: seen.append(torch.is_inference_mode_enabled()) or real_sample(*a, **k))
     rollout = m.collect(next(iter(dm.train_dataloader())))
     assert seen == [True]
     tensors = [getattr(rollout, f.name) for f in fields(rollout) if isinstance(getattr(rollout, f.name), torch.Tensor)]
     assert tensors and not any(t.is_inference() for t in tensors)
-    logprobs, _, values = m.forward_train(rollout)  # token ids enter autograd (embedding saves them)
-    (logprobs.sum() + values.sum()).backward()
+    fwd = m.policy_forward(rollout)  # token ids enter autograd (embedding saves them)
+    (fwd.logprobs.sum() + fwd.values.sum()).backward()
     assert m.actor.get_input_embeddings().weight.grad is not None
     for strategy, inference in ((SingleDeviceStrategy("cpu"), True), (DDPStrategy(), True),
                                 (DeepSpeedStrategy(stage=2), True), (DeepSpeedStrategy(stage=3), False),
@@ -213,7 +254,7 @@ def test_rollout_runs_in_inference_mode_unless_parameters_are_sharded(saved_mode
 
 
 def test_critic_starts_as_a_trainable_copy_of_the_reward_model(saved_models, tokenizer):
-    """ALGORITHMS §2: the critic is initialized from the RM (trunk AND head), as a separate copy:
+    """docs/algorithms.md §2: the critic is initialized from the RM (trunk AND head), as a separate copy:
     its values at the last token are the RM's scores, and training it leaves the frozen RM alone."""
     from lit_rlhf.models.reward import load_reward_model
 

@@ -101,8 +101,8 @@ def test_tiny_rm_reaches_90_percent_of_the_gold_ceiling(tmp_path):
     from tests.conftest import compose
 
     cfg = compose(
-        ["algo=rm", "test=true", "trainer.accelerator=cpu", "logger=none", "trainer.enable_progress_bar=false",
-         "trainer.max_epochs=2", "data.preference.n_train=6000", "data.preference.n_test=1000", "data.batch_size=32"],
+        ["experiment=rm_synthetic_tiny", "trainer.accelerator=cpu", "logger=none", "trainer.enable_progress_bar=false",
+         "data.preference.n_train=6000", "data.preference.n_test=1000", "data.batch_size=32"],
         tmp_path,
     )  # fmt: skip
     metrics = run(cfg)

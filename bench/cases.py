@@ -1,0 +1,359 @@
+"""The benchmark cases (bench/run.py runs each in its own process): PPO and RM steps of lit_rlhf and
+TRL, the naive floor of a PPO step, generation. Each returns a dict of measurements."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import resource
+import statistics
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRL_DIR = ROOT / "bench" / ".trl"
+TRL_VERSION = "1.12.0"
+
+
+def shapes(smoke: bool) -> dict:
+    if smoke:
+        return dict(hidden=32, layers=1, heads=2, inter=64, batch=4, new_tokens=8, warmup=1, steps=1)
+    return dict(hidden=256, layers=4, heads=4, inter=512, batch=16, new_tokens=64, warmup=2, steps=6)
+
+
+# --------------------------------------------------------------------------- setup
+def build_models(out: Path, s: dict) -> None:
+    """Random tiny models on disk: ours (policy, reward model) and TRL's (*ForSequenceClassification)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    from lit_rlhf.data.synthetic import build_tokenizer
+    from lit_rlhf.models.reward import RewardModel
+
+    tok = build_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                      num_attention_heads=s["heads"], intermediate_size=s["inter"], max_position_embeddings=256,
+                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      num_labels=1, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(cfg)
+    policy.save_pretrained(out / "policy")
+    tok.save_pretrained(out / "policy")
+    rm = RewardModel(LlamaForCausalLM(cfg), "causal_lm", "last")
+    rm.save_pretrained(str(out / "rm"))
+    tok.save_pretrained(out / "rm")
+    LlamaForSequenceClassification(cfg).save_pretrained(out / "trl_rm")
+    (out / "params.json").write_text(json.dumps({"policy_params": sum(p.numel() for p in policy.parameters())}))
+
+
+def prompts(tok, n: int) -> list[list[int]]:
+    from lit_rlhf.data.synthetic import SyntheticTask
+
+    return [tok(r["prompt"])["input_ids"] for r in SyntheticTask().prompts(n, "test")]
+
+
+def timed(fn, warmup: int, steps: int) -> float:
+    """Median seconds of ``steps`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    durations = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        durations.append(time.perf_counter() - t0)
+    return statistics.median(durations)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+# --------------------------------------------------------------------------- cases
+def case_floor(models: Path, s: dict) -> dict:
+    """Each essential part of a PPO step alone: generate, four no-grad scoring forwards, the actor and
+    critic train forward/backward (+ optimizer step). Their sum is the naive floor."""
+    import torch
+
+    from lit_rlhf.data.collate import pad
+    from lit_rlhf.models.builders import build_causal_lm, build_tokenizer, freeze
+    from lit_rlhf.models.reward import load_reward_model
+    from lit_rlhf.models.spec import ModelSpec
+    from lit_rlhf.models.value import ValueModel
+    from lit_rlhf.rollout.generate import GenerationConfig, sample
+    from lit_rlhf.rollout.score import response_logprobs, response_values
+
+    spec = ModelSpec(name_or_path=str(models / "policy"))
+    tok = build_tokenizer(spec)
+    actor, ref = build_causal_lm(spec, tok), freeze(build_causal_lm(spec, tok))
+    rm = freeze(load_reward_model(str(models / "rm")))
+    critic = ValueModel.from_reward_model(load_reward_model(str(models / "rm")))
+    ids, mask = pad(prompts(tok, s["batch"]), tok.pad_token_id, "left")
+    gen = GenerationConfig(max_new_tokens=s["new_tokens"], temperature=0.7)
+    state = {}
+
+    def generate():
+        torch.manual_seed(0)
+        r, m, _ = sample(actor, ids, mask, gen, tok.eos_token_id, tok.pad_token_id)
+        state["full"], state["mask"] = torch.cat([ids, r], 1), torch.cat([mask, m], 1)
+
+    generate()
+    width = ids.shape[1]
+
+    @torch.no_grad()
+    def score4():
+        response_logprobs(actor, state["full"], state["mask"], width)
+        response_logprobs(ref, state["full"], state["mask"], width)
+        response_values(critic, state["full"], state["mask"], width)
+        rm(state["full"], state["mask"])
+
+    params = [p for p in list(actor.parameters()) + list(critic.parameters()) if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-6)
+
+    def train():
+        lp, _ = response_logprobs(actor, state["full"], state["mask"], width, with_entropy=True)
+        v = response_values(critic, state["full"], state["mask"], width)
+        loss = -lp.mean() + v.pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+
+    t_gen = timed(generate, s["warmup"], s["steps"])
+    t_score = timed(score4, s["warmup"], s["steps"])
+    t_train = timed(train, s["warmup"], s["steps"])
+    return {"generate_s": t_gen, "score_forwards_s": t_score, "train_fwd_bwd_s": t_train,
+            "floor_s": t_gen + t_score + t_train}  # fmt: skip
+
+
+def case_generate_bare(models: Path, s: dict) -> dict:
+    """Bare ``model.generate`` with the KV cache (the reference for generation speed)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lit_rlhf.data.collate import pad
+    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.models.spec import ModelSpec
+
+    tok = build_tokenizer(ModelSpec(name_or_path=str(models / "policy")))
+    model = AutoModelForCausalLM.from_pretrained(models / "policy").eval()
+    ids, mask = pad(prompts(tok, s["batch"]), tok.pad_token_id, "left")
+
+    @torch.no_grad()
+    def go():
+        torch.manual_seed(0)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=s["new_tokens"], min_new_tokens=s["new_tokens"],
+                       do_sample=True, temperature=0.7, top_k=0, top_p=1.0, pad_token_id=tok.pad_token_id, use_cache=True)  # fmt: skip
+
+    t = timed(go, s["warmup"], s["steps"])
+    return {"step_s": t, "tokens_per_s": s["batch"] * s["new_tokens"] / t}
+
+
+def case_generate_ours(models: Path, s: dict) -> dict:
+    import torch
+
+    from lit_rlhf.data.collate import pad
+    from lit_rlhf.models.builders import build_causal_lm, build_tokenizer
+    from lit_rlhf.models.spec import ModelSpec
+    from lit_rlhf.rollout.generate import GenerationConfig, sample
+
+    spec = ModelSpec(name_or_path=str(models / "policy"))
+    tok = build_tokenizer(spec)
+    model = build_causal_lm(spec, tok)
+    ids, mask = pad(prompts(tok, s["batch"]), tok.pad_token_id, "left")
+    gen = GenerationConfig(max_new_tokens=s["new_tokens"], temperature=0.7)
+    tokens = []
+
+    def go():
+        torch.manual_seed(0)
+        _, m, _ = sample(model, ids, mask, gen, tok.eos_token_id, tok.pad_token_id)
+        tokens.append(int(m.sum()))
+
+    t = timed(go, s["warmup"], s["steps"])
+    return {"step_s": t, "tokens_per_s": s["batch"] * s["new_tokens"] / t, "response_tokens_mean": statistics.mean(tokens)}
+
+
+def _step_timer():
+    import lightning.pytorch as pl
+
+    class StepTimer(pl.Callback):
+        def __init__(self):
+            self.times = []
+
+        def on_train_batch_end(self, *args):
+            self.times.append(time.perf_counter())
+
+    return StepTimer()
+
+
+def case_ppo_ours(models: Path, s: dict) -> dict:
+    """A lit_rlhf ``ppo_max`` iteration (1 epoch, 1 minibatch) through Lightning's Trainer."""
+    import lightning.pytorch as pl
+    import yaml
+
+    from lit_rlhf.data.prompts import PromptDataModule
+    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.models.spec import ModelSpec
+    from lit_rlhf.modules.configs import PPOConfig
+    from lit_rlhf.modules.ppo import PPOModule
+    from lit_rlhf.utils.config import build_config
+
+    values = {}
+    for name in ("ppo", "ppo_max"):
+        values.update({k: v for k, v in yaml.safe_load((ROOT / "conf" / "algo" / f"{name}.yaml").read_text()).items()
+                       if not k.startswith("_") and k != "defaults"})  # fmt: skip
+    values.update(policy_path=str(models / "policy"), reward_path=str(models / "rm"), export_dir=None,
+                  rollout_batch_size=s["batch"], minibatch_size=s["batch"], ppo_epochs=1, critic_warmup_steps=0, lr=1e-6,
+                  critic_lr=1e-6,
+                  generation={"max_new_tokens": s["new_tokens"], "temperature": 0.7, "top_p": 1.0, "top_k": 0,
+                              "repetition_penalty": 1.0})  # fmt: skip
+    cfg = build_config(PPOConfig, values, "algo")
+    spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=str(models / "policy")))
+    tok = build_tokenizer(spec)
+    module = PPOModule(cfg, model=spec, tokenizer=tok)
+    data = PromptDataModule(n_train=s["batch"] * 50, n_val=0, batch_size=s["batch"]).connect(tok)
+    timer = _step_timer()
+    n = s["warmup"] + s["steps"]
+    trainer = pl.Trainer(max_steps=n, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, callbacks=[timer], limit_val_batches=0, num_sanity_val_steps=0)  # fmt: skip
+    t_start = time.perf_counter()
+    trainer.fit(module, data)
+    stamps = [t_start] + timer.times
+    durations = [b - a for a, b in zip(stamps, stamps[1:])][s["warmup"]:]
+    t = statistics.median(durations)
+    return {"step_s": t, "samples_per_s": s["batch"] / t, "fused_first_forward": module.fused_first_forward(s["batch"])}
+
+
+def _trl_path() -> None:
+    if not (TRL_DIR / "trl").is_dir():
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(TRL_DIR),
+                        f"trl=={TRL_VERSION}"], check=True)  # fmt: skip
+    sys.path.insert(0, str(TRL_DIR))
+
+
+def case_ppo_trl(models: Path, s: dict) -> dict:
+    """TRL 1.12.0 ``trl.experimental.ppo.PPOTrainer``, same models and shapes, timed per update."""
+    _trl_path()
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.models.spec import ModelSpec
+
+    tok = build_tokenizer(ModelSpec(name_or_path=str(models / "policy")))
+    tok.padding_side = "left"
+    policy = AutoModelForCausalLM.from_pretrained(models / "policy")
+    ref = AutoModelForCausalLM.from_pretrained(models / "policy")
+    rm = AutoModelForSequenceClassification.from_pretrained(models / "trl_rm", num_labels=1)
+    vm = AutoModelForSequenceClassification.from_pretrained(models / "trl_rm", num_labels=1)
+    ds = Dataset.from_dict({"input_ids": prompts(tok, s["batch"] * 4)})
+    times = []
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter())
+
+    n = s["warmup"] + s["steps"]
+    args = PPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=s["batch"], num_mini_batches=1,
+                     num_ppo_epochs=1, total_episodes=s["batch"] * n, response_length=s["new_tokens"],
+                     local_rollout_forward_batch_size=s["batch"], stop_token=None, report_to=[],
+                     num_sample_generations=0, save_strategy="no", logging_steps=10_000, use_cpu=True,
+                     temperature=0.7, learning_rate=1e-6, disable_tqdm=True,
+                     bf16=False, gradient_checkpointing=False)  # fp32 like ours (TRL defaults: bf16 + checkpointing)  # fmt: skip
+    trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=rm,
+                         value_model=vm, train_dataset=ds, callbacks=[Timer()])  # fmt: skip
+    t_start = time.perf_counter()
+    torch.manual_seed(0)
+    trainer.train()
+    stamps = [t_start] + times
+    durations = [b - a for a, b in zip(stamps, stamps[1:])][s["warmup"]:]
+    t = statistics.median(durations)
+    return {"step_s": t, "samples_per_s": s["batch"] / t}
+
+
+def _pairs(n: int) -> list[dict]:
+    from lit_rlhf.data.synthetic import SyntheticTask
+
+    return SyntheticTask().preference_pairs(n, "test")
+
+
+def case_rm_ours(models: Path, s: dict) -> dict:
+    """One reward-model optimizer step on ``batch`` pairs (chosen + rejected in one forward)."""
+    import torch
+
+    from lit_rlhf.data.collate import collate_preference, encode_pair
+    from lit_rlhf.data.templates import get_template
+    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.models.spec import ModelSpec
+    from lit_rlhf.modules.reward_model import RewardModelModule
+
+    spec = ModelSpec(name_or_path=str(models / "policy"))
+    tok = build_tokenizer(spec)
+    module = RewardModelModule(model=spec, tokenizer=tok, lr=1e-5)
+    module.configure_model()
+    t = get_template("plain")
+    batch = collate_preference([(encode_pair(tok, p["prompt"], p["chosen"], t, 128),
+                                 encode_pair(tok, p["prompt"], p["rejected"], t, 128), None) for p in _pairs(s["batch"])],
+                               tok.pad_token_id)  # fmt: skip
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-5)
+    from lit_rlhf.core.losses import pairwise_rm_loss
+
+    def step():
+        c, r, _ = module._scores(batch)
+        loss, _ = pairwise_rm_loss(c, r, batch["margin"])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    tm = timed(step, s["warmup"], s["steps"])
+    return {"step_s": tm, "pairs_per_s": s["batch"] / tm}
+
+
+def case_rm_trl(models: Path, s: dict) -> dict:
+    """TRL ``RewardTrainer`` on the same pairs, timed per optimizer step."""
+    _trl_path()
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, TrainerCallback
+    from trl import RewardConfig, RewardTrainer
+
+    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.models.spec import ModelSpec
+
+    tok = build_tokenizer(ModelSpec(name_or_path=str(models / "policy")))
+    model = AutoModelForSequenceClassification.from_pretrained(models / "trl_rm", num_labels=1)
+    n = s["warmup"] + s["steps"]
+    rows = _pairs(s["batch"]) * n
+    ds = Dataset.from_dict({"chosen": [r["prompt"] + " " + r["chosen"] for r in rows],
+                            "rejected": [r["prompt"] + " " + r["rejected"] for r in rows]})  # fmt: skip
+    times = []
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter())
+
+    args = RewardConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=s["batch"], max_steps=n,
+                        report_to=[], save_strategy="no", logging_steps=10_000, use_cpu=True, learning_rate=1e-5,
+                        disable_tqdm=True, max_length=128, dataloader_drop_last=True,
+                        bf16=False, gradient_checkpointing=False)  # fp32 like ours (TRL defaults: bf16 + checkpointing)  # fmt: skip
+    trainer = RewardTrainer(model=model, args=args, processing_class=tok, train_dataset=ds, callbacks=[Timer()])
+    t_start = time.perf_counter()
+    trainer.train()
+    stamps = [t_start] + times
+    durations = [b - a for a, b in zip(stamps, stamps[1:])][s["warmup"]:]
+    t = statistics.median(durations)
+    return {"step_s": t, "pairs_per_s": s["batch"] / t}
+
+
+CASES = {
+    "generate_bare": case_generate_bare,
+    "generate_ours": case_generate_ours,
+    "floor": case_floor,
+    "ppo_ours": case_ppo_ours,
+    "ppo_trl": case_ppo_trl,
+    "rm_ours": case_rm_ours,
+    "rm_trl": case_rm_trl,
+}
+TRL_CASES = {"ppo_trl", "rm_trl"}

@@ -1,0 +1,254 @@
+"""``RLModule``: what every RL stage shares, and the public interface callbacks use.
+
+An RL stage (PPO now, GRPO next) runs one RL iteration per ``training_step`` under manual
+optimization: collect a scored rollout from a batch of prompts (lit_rlhf/rollout/collect.py),
+compute advantages, update, and return ``{"rollout", "stats"}`` for the monitor callbacks
+(docs/architecture.md "One RL iteration"). This base class holds the rest: the frozen
+reference and reward models, validation rollouts, the iteration counter, the KL coefficient,
+the RL state kept in checkpoints, and the export of the policy.
+
+Callbacks (the collapse alarm, the monitors, the progress bar) talk to an RL stage only
+through this interface, never through private attributes:
+
+* :attr:`rl_iteration` — RL iterations completed (the x-axis of every RL panel);
+* :attr:`kl_coef`, :meth:`scale_kl_coef` — read / raise β;
+* :meth:`rl_state_dict`, :meth:`load_rl_state_dict` — the non-parameter state a snapshot or a
+  checkpoint must hold (iteration, KL controller, and whatever a subclass adds);
+* :meth:`updates_per_iteration` — optimizer steps one iteration performs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lit_rlhf.core.kl import FixedKLController, sequence_kl
+from lit_rlhf.core.types import Rollout
+from lit_rlhf.models.spec import ModelSpec
+from lit_rlhf.modules.base import RLHFModule
+from lit_rlhf.modules.configs import RLConfig
+from lit_rlhf.rollout.collect import generate_and_score
+from lit_rlhf.utils.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class RLModule(RLHFModule):
+    """Base of the RL stages: policy ``self.actor``, frozen models in ``self.frozen`` (a plain
+    dict: neither optimized nor checkpointed; they reload from their paths)."""
+
+    config_class = RLConfig
+    data_kind = "prompt"
+    monitor = ("val/score_mean", "max")
+    checkpoint_key = "lit_rlhf_rl"
+
+    def __init__(self, config: Any = None, model: Any = None, tokenizer: Any = None, **kwargs: Any) -> None:
+        super().__init__(config, model, tokenizer, **kwargs)
+        self.automatic_optimization = False
+        self.actor: nn.Module | None = None
+        self.frozen: dict[str, nn.Module] = {}
+        self.scorer: Any = None
+        self.gold_scorer: Any = None
+        self.kl_ctl = FixedKLController(self.config.kl_coef)
+        self.iteration = 0
+
+    # ------------------------------------------------------- public interface
+    @property
+    def rl_iteration(self) -> int:
+        """RL iterations completed (checkpointed)."""
+        return self.iteration
+
+    @property
+    def kl_coef(self) -> float:
+        """The current β."""
+        return self.kl_ctl.value
+
+    def scale_kl_coef(self, factor: float, floor: float = 1e-3) -> tuple[float, float]:
+        """β ← max(β, floor) · factor (β = 0 could not be raised by a factor); returns (old, new)."""
+        old = self.kl_ctl.value
+        self.kl_ctl.value = max(old, floor) * factor
+        return old, self.kl_ctl.value
+
+    def rl_state_dict(self) -> dict[str, Any]:
+        """Non-parameter training state; subclasses add theirs (e.g. PPO's running reward moments)."""
+        return {"iteration": self.iteration, "kl_ctl": self.kl_ctl.state_dict()}
+
+    def load_rl_state_dict(self, state: dict[str, Any]) -> None:
+        self.iteration = int(state["iteration"])
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+
+    def updates_per_iteration(self, batch_size: int | None = None) -> int:
+        """Optimizer steps of one RL iteration (1 unless a subclass does more)."""
+        return 1
+
+    # ------------------------------------------------------------ runner hooks
+    @classmethod
+    def resolve_model_spec(cls, config: RLConfig, spec: ModelSpec) -> ModelSpec:
+        """The policy is ``algo.policy_path`` when set, else the ``model`` group's model; ``model=…``
+        always contributes dtype and memory switches."""
+        if config.policy_path is not None:
+            return spec.at_path(config.policy_path)
+        if spec.tiny is not None:
+            raise ConfigError("algo.policy_path", "is required here: the model group builds an untrained tiny model "
+                                                  "(model.tiny), and RL starts from a trained policy; set it to an SFT "
+                                                  "export, e.g. <run>/sft/policy of the demo")  # fmt: skip
+        return spec
+
+    @classmethod
+    def resolve_data_config(cls, config: RLConfig, data: Any) -> Any:
+        """The prompt loader's batch is the rollout batch, ``algo.rollout_batch_size`` (one value, one key)."""
+        if data.batch_size is None:
+            return replace(data, batch_size=config.rollout_batch_size)
+        if data.batch_size != config.rollout_batch_size:
+            raise ConfigError(
+                "data.prompt.batch_size",
+                f"the rollout batch of an RL stage is algo.rollout_batch_size ({config.rollout_batch_size}); "
+                f"remove data.prompt.batch_size={data.batch_size} or set algo.rollout_batch_size instead",
+            )
+        return data
+
+    # ------------------------------------------------------------------ models
+    def build_policy_and_reference(self) -> None:
+        """``self.actor`` (trainable) and ``self.frozen["reference"]`` from the same weights."""
+        from lit_rlhf.models.builders import build_causal_lm, freeze
+
+        tok = self.ensure_tokenizer()
+        self.actor = build_causal_lm(self.model_spec, tok).train()
+        self.frozen["reference"] = freeze(build_causal_lm(self.model_spec, tok))
+
+    def build_rewards(self) -> None:
+        """``self.scorer`` from ``reward_path`` (a frozen reward model) or ``reward_fn``, and the
+        validation-only ``self.gold_scorer``."""
+        from hydra.utils import instantiate
+
+        from lit_rlhf.models.builders import build_tokenizer, freeze, resolve_path
+        from lit_rlhf.models.reward import load_reward_model
+        from lit_rlhf.rollout.score import CallableScorer, ModelScorer
+
+        c: RLConfig = self.config
+        if c.reward_path is not None:
+            path = resolve_path(c.reward_path)
+            rm = freeze(load_reward_model(path, dtype=self.model_spec.dtype))
+            self.frozen["reward"] = rm
+            rm_tok = build_tokenizer(ModelSpec(name_or_path=path, kind=rm.kind))
+            self.scorer = ModelScorer(rm, rm_tok, self.ensure_tokenizer(), None, c.reward_max_length)
+        else:
+            self.scorer = CallableScorer(instantiate(c.reward_fn))
+        if c.gold_reward_fn is not None:
+            self.gold_scorer = CallableScorer(instantiate(c.gold_reward_fn))
+
+    def exportable_model(self) -> nn.Module:
+        return self.actor
+
+    def on_fit_start(self) -> None:
+        from lit_rlhf.data.prompts import PromptDataModule
+
+        dm = self.trainer.datamodule
+        if isinstance(dm, PromptDataModule) and dm.config.batch_size != self.config.rollout_batch_size:
+            # the step budget, the lr schedule and the progress bar count with rollout_batch_size
+            raise ValueError(f"the prompt loader's batch ({dm.config.batch_size}) is not algo.rollout_batch_size "
+                             f"({self.config.rollout_batch_size}): build the data module with that batch size")  # fmt: skip
+        for m in self.frozen.values():
+            m.to(self.device)
+        self._set_scorer_template()
+
+    def on_validation_start(self) -> None:
+        if self.trainer.state.fn == "validate":  # trainer.validate() before fit: no on_fit_start
+            self.on_fit_start()
+
+    def _set_scorer_template(self) -> None:
+        from lit_rlhf.data.templates import get_template
+        from lit_rlhf.rollout.score import ModelScorer
+
+        if isinstance(self.scorer, ModelScorer) and self.scorer.template is None:
+            dm = self.trainer.datamodule
+            self.scorer.template = get_template(dm.config.template if dm is not None else "plain")
+
+    # ------------------------------------------------------------------ rollout
+    def rollout_grad_mode(self) -> Any:
+        """``torch.inference_mode()`` for generation and the frozen models' forwards (no autograd
+        bookkeeping at all: faster decoding than ``no_grad``), except where parameters are
+        sharded and gathered inside forwards (DeepSpeed ZeRO-3, FSDP, other strategies): there,
+        ``no_grad``."""
+        if self._trainer is None:
+            return torch.inference_mode()
+        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
+        strategy = self.trainer.strategy
+        if isinstance(strategy, DeepSpeedStrategy):
+            stage = (strategy.config or {}).get("zero_optimization", {}).get("stage", 0)
+            return torch.no_grad() if stage >= 3 else torch.inference_mode()
+        if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+            return torch.inference_mode()
+        return torch.no_grad()
+
+    def logprob_temperature(self) -> float:
+        c: RLConfig = self.config
+        return c.generation.temperature if c.logprobs_at_sampling_temperature else 1.0
+
+    def evaluation_rollout(self, batch: dict[str, Any]) -> Rollout:
+        """One sampled response per prompt, scored by the policy, the reference and the reward."""
+        with self.rollout_grad_mode():
+            rollout = generate_and_score(
+                self.actor, batch, self.tokenizer, self.config.generation, reference=self.frozen.get("reference"),
+                scorer=self.scorer, logprob_temperature=self.logprob_temperature(),
+            )  # fmt: skip
+        return rollout.normal_tensors()
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        rollout = self.evaluation_rollout(batch)
+        n = rollout.scores.shape[0]
+        self.log("val/score_mean", rollout.scores.mean(), batch_size=n, sync_dist=True, prog_bar=True)
+        if rollout.ref_logprobs is not None:
+            kl = sequence_kl(rollout.logprobs, rollout.ref_logprobs, rollout.response_mask, clamp=None)
+            self.log("val/kl", kl.mean(), batch_size=n, sync_dist=True)
+        self.log("val/response_length", rollout.response_lengths.float().mean(), batch_size=n, sync_dist=True)
+        if self.gold_scorer is not None:
+            gold = self.gold_scorer(rollout.input_ids, rollout.attention_mask, rollout.prompts_text,
+                                    rollout.responses_text, rollout.ended)  # fmt: skip
+            self.log("val/gold_score_mean", gold.mean(), batch_size=n, sync_dist=True)
+
+    # ------------------------------------------------------------ iterations
+    def max_steps_reached(self) -> bool:
+        max_steps = self.trainer.max_steps
+        return max_steps is not None and max_steps >= 0 and self.global_step >= max_steps
+
+    def end_iteration(self, rollout: Rollout, stats: dict[str, Tensor], started: float, collected: float) -> dict[str, Any]:
+        """Count the iteration, log its statistics and timings, and return the step output the
+        monitor callbacks read (raw score statistics, KL, perplexity and length are theirs)."""
+        self.iteration += 1
+        now = time.perf_counter()
+        n = rollout.response_mask.shape[0]
+        stats = {
+            **stats,
+            "kl_ctl/beta": torch.tensor(self.kl_ctl.value),
+            "perf/rollout_s": torch.tensor(collected - started),
+            "perf/train_s": torch.tensor(now - collected),
+            "perf/samples_per_s": torch.tensor(n / max(now - started, 1e-9)),
+            # generated response tokens (EOS included) per second of the whole iteration
+            "perf/tokens_per_s": rollout.response_mask.sum().float().cpu() / max(now - started, 1e-9),
+            "rl/iteration": torch.tensor(float(self.iteration)),
+        }
+        self.log_dict({k: v.float() for k, v in stats.items() if k != "rl/iteration"}, batch_size=n)
+        self.log("rl/iteration", stats["rl/iteration"], prog_bar=True, batch_size=n)
+        return {"rollout": rollout, "stats": stats}
+
+    # ------------------------------------------------------------------ state
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[self.checkpoint_key] = self.rl_state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get(self.checkpoint_key)
+        if state is None:
+            raise KeyError(f"not a {type(self).__name__} checkpoint: no '{self.checkpoint_key}' state "
+                           "(iteration, KL controller, running statistics)")  # fmt: skip
+        self.load_rl_state_dict(state)
+
+    def on_fit_end(self) -> None:
+        if self.config.export_dir:
+            self.export(self.config.export_dir)

@@ -1,0 +1,93 @@
+"""From prompts to a scored :class:`~lit_rlhf.core.types.Rollout`: the ONE rollout path.
+
+PPO's training iterations, every RL stage's validation and the demo's final evaluation call
+:func:`generate_and_score` (docs/architecture.md "One rollout path"). It samples responses with
+the KV cache, decodes them, and runs one forward per model it is given, in the caller's grad
+mode (``torch.inference_mode`` in PPO's rollout, docs/algorithms.md §2.1).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from lit_rlhf.core.types import Rollout
+from lit_rlhf.rollout.generate import GenerationConfig, sample
+from lit_rlhf.rollout.score import response_logprobs, response_values
+
+Scorer = Callable[[Tensor, Tensor, list, list, Tensor], Tensor]
+
+
+def decode_responses(tokenizer: Any, response_ids: Tensor, response_mask: Tensor, ended: Tensor) -> list[str]:
+    """Response texts without their final EOS. Other special tokens stay visible: a policy that
+    emits ``<bos>`` mid-text must not be scored as fluent text."""
+    out = []
+    for ids, n, e in zip(response_ids.tolist(), response_mask.sum(-1).tolist(), ended.tolist()):
+        out.append(tokenizer.decode(ids[: n - 1 if e else n], skip_special_tokens=False).strip())
+    return out
+
+
+def _eval_forward(model: Any, fn: Callable[[], Tensor]) -> Tensor:
+    """``fn()`` with ``model`` in eval mode (no dropout), its mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        return fn()
+    finally:
+        model.train(was_training)
+
+
+def generate_and_score(
+    policy: Any,
+    batch: Mapping[str, Any],
+    tokenizer: Any,
+    gen: GenerationConfig,
+    *,
+    reference: Any = None,
+    critic: Any = None,
+    scorer: Scorer | None = None,
+    policy_logprobs: bool = True,
+    logprob_temperature: float = 1.0,
+) -> Rollout:
+    """Sample one response per prompt and score it with each model given.
+
+    Args:
+        policy: the ``*ForCausalLM`` that samples (and, with ``policy_logprobs``, is scored).
+        batch: ``prompt_ids`` (B, P) left-padded, ``prompt_mask`` (B, P), ``prompts`` (B raw strings).
+        tokenizer: the policy's tokenizer (EOS/pad ids, decoding).
+        gen: sampling settings.
+        reference: frozen reference → ``ref_logprobs``; critic → ``values``; scorer → ``scores``
+            (a :class:`~lit_rlhf.rollout.score.ModelScorer` or ``CallableScorer``); None = not computed.
+        policy_logprobs: False leaves ``logprobs`` to the caller (PPO's fused first forward).
+        logprob_temperature: divide logits by this before the log-softmax (1.0 = the model's own).
+    Returns:
+        the :class:`Rollout`; fields of models not given are None, ``rewards``/``advantages``/``returns`` too.
+    """
+    prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+    response_ids, response_mask, ended = sample(
+        policy, prompt_ids, prompt_mask, gen, tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
+    ids = torch.cat([prompt_ids, response_ids], 1)
+    mask = torch.cat([prompt_mask, response_mask], 1)
+    width = prompt_ids.shape[1]
+
+    def logprobs_of(model: Any) -> Tensor:
+        return _eval_forward(model, lambda: response_logprobs(model, ids, mask, width, logprob_temperature)[0])
+
+    texts = decode_responses(tokenizer, response_ids, response_mask, ended)
+    prompts = list(batch["prompts"])
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        ended=ended,
+        logprobs=logprobs_of(policy) if policy_logprobs else None,
+        ref_logprobs=logprobs_of(reference) if reference is not None else None,
+        values=_eval_forward(critic, lambda: response_values(critic, ids, mask, width)) if critic is not None else None,
+        scores=scorer(ids, mask, prompts, texts, ended) if scorer is not None else None,
+        prompts_text=prompts,
+        responses_text=texts,
+    )

@@ -1,0 +1,62 @@
+"""Every typed config's defaults as a Hydra schema, so YAML presets list only what differs.
+
+``register()`` stores ``to_dict(Config())`` of each dataclass in Hydra's ConfigStore under the
+group ``schema`` (``schema/ppo``, ``schema/prompt_data`` …). A preset starts from one:
+
+    defaults:
+      - /schema/ppo@_here_     # every PPOConfig field at its dataclass default
+      - _self_
+    _target_: lit_rlhf.modules.ppo.PPOModule
+
+so the dataclass default is the ONE default of a key (docs/configs.md), ``--cfg job`` shows
+every key, and ``algo.ppo_epochs=2`` works on the command line without ``+``. The nodes are
+plain dicts (OmegaConf cannot type ``Literal`` or ``dict | None``); types, ranges and unknown
+keys are checked by ``build_config`` when the job starts.
+
+It also registers the ``lit_rlhf_job`` resolver that names a run's log folder
+(``task_name``): the chosen stage (``algo``), else the pipeline. Call ``register()`` before
+composing (train.py and tests/conftest.py do).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from lit_rlhf.utils.config import to_dict
+
+SCHEMAS = {
+    "sft": "lit_rlhf.modules.configs:SFTConfig",
+    "rm": "lit_rlhf.modules.configs:RMConfig",
+    "ppo": "lit_rlhf.modules.configs:PPOConfig",
+    "pipeline": "lit_rlhf.pipeline:DemoConfig",
+    "model": "lit_rlhf.models.spec:ModelSpec",
+    "sft_data": "lit_rlhf.data.sft:SFTDataConfig",
+    "preference_data": "lit_rlhf.data.preference:PreferenceDataConfig",
+    "prompt_data": "lit_rlhf.data.prompts:PromptDataConfig",
+}
+_registered = False
+
+
+def schema_class(name: str) -> type:
+    module, cls = SCHEMAS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def job_name(algo: str | None, pipeline: str | None) -> str:
+    """``task_name`` of a run: the stage (``algo`` choice), else the pipeline (e.g. "demo")."""
+    return algo if algo not in (None, "None") else (pipeline if pipeline not in (None, "None") else "run")
+
+
+def register() -> None:
+    """Store every schema in Hydra's ConfigStore (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("lit_rlhf_job", job_name, replace=True)
+    store = ConfigStore.instance()
+    for name in SCHEMAS:
+        store.store(group="schema", name=name, node=to_dict(schema_class(name)()))
+    _registered = True
