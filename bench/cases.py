@@ -284,7 +284,7 @@ def case_rm_ours(models: Path, s: dict) -> dict:
     """One reward-model optimizer step on ``batch`` pairs (chosen + rejected in one forward)."""
     import torch
 
-    from lit_rlhf.data.collate import collate_preference, encode_pair
+    from lit_rlhf.data.collate import EncodedPreference, collate_preference, encode_pair
     from lit_rlhf.data.templates import get_template
     from lit_rlhf.models.builders import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
@@ -295,9 +295,9 @@ def case_rm_ours(models: Path, s: dict) -> dict:
     module = RewardModelModule(model=spec, tokenizer=tok, lr=1e-5)
     module.configure_model()
     t = get_template("plain")
-    batch = collate_preference([(encode_pair(tok, p["prompt"], p["chosen"], t, 128),
-                                 encode_pair(tok, p["prompt"], p["rejected"], t, 128), None) for p in _pairs(s["batch"])],
-                               tok.pad_token_id)  # fmt: skip
+    batch = collate_preference([EncodedPreference(encode_pair(tok, p["prompt"], p["chosen"], t, 128),
+                                                  encode_pair(tok, p["prompt"], p["rejected"], t, 128))
+                                for p in _pairs(s["batch"])], tok.pad_token_id)  # fmt: skip
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-5)
     from lit_rlhf.core.losses import pairwise_rm_loss
 

@@ -20,6 +20,8 @@ NEEDS_USER_VALUE = {
     **{("algo", a): ["algo.policy_path=/models/sft", *RM] for a in ("ppo", "ppo_max", "ppo_moss_release")},
     **{("experiment", e): ["algo.policy_path=/models/sft", *RM] for e in ("ppo_synthetic_tiny", "ppo_max_synthetic_tiny")},
     ("experiment", "ppo_max_hh_llama7b"): RM,  # the policy defaults to model=llama7b
+    **{("algo", a): ["algo.policy_path=/models/sft"] for a in ("dpo", "ipo", "cdpo")},
+    ("experiment", "dpo_synthetic_tiny"): ["algo.policy_path=/models/sft"],
 }  # fmt: skip
 # an algo that can consume each data kind (data options without an `sft` section use these)
 ALGO_FOR_KIND = {"preference": ["algo=rm"], "prompt": ["algo=ppo", "algo.policy_path=/models/sft", *RM]}
@@ -179,7 +181,7 @@ def test_tiny_experiments_carry_the_demo_values(experiment, algo, tmp_path):
     assert (sft.lr, sft.weight_decay, rm.lr, rm.weight_decay) == (3e-3, 0.0, 1e-3, 0.0)
 
 
-@pytest.mark.parametrize("name", ["sft", "rm", "ppo", "ppo_max", "ppo_moss_release"])
+@pytest.mark.parametrize("name", ["sft", "rm", "ppo", "ppo_max", "ppo_moss_release", "dpo", "ipo", "cdpo"])
 def test_presets_list_only_what_differs_from_the_typed_defaults(name):
     """A preset's value equal to its dataclass default would be a second "default" of that key."""
     import yaml
@@ -188,7 +190,7 @@ def test_presets_list_only_what_differs_from_the_typed_defaults(name):
     from lit_rlhf.utils.schemas import schema_class
 
     node = yaml.safe_load((CONF / "algo" / f"{name}.yaml").read_text())
-    base = to_dict(schema_class("ppo" if name.startswith("ppo") else name)())
+    base = to_dict(schema_class({"ppo_max": "ppo", "ppo_moss_release": "ppo", "ipo": "dpo", "cdpo": "dpo"}.get(name, name))())
     parents = [d for d in node.get("defaults", []) if isinstance(d, str) and not d.startswith(("_", "/"))]
     for parent in parents:  # ppo_max / ppo_moss_release: on top of ppo.yaml
         base.update({k: v for k, v in yaml.safe_load((CONF / "algo" / f"{parent}.yaml").read_text()).items()

@@ -176,14 +176,16 @@ def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models):
 @pytest.mark.slow
 @pytest.mark.integration
 def test_ppo_max_cli_on_the_embedded_task(tmp_path):
-    """`python train.py algo=ppo_max algo.policy_path=… algo.reward_path=…` runs on saved stage outputs."""
+    """`python train.py experiment=ppo_max_synthetic_tiny algo.policy_path=… algo.reward_path=…` runs on
+    saved stage outputs (the tiny experiment: the algo=ppo_max preset samples 256 tokens for 7B)."""
     run(compose(["trainer.accelerator=cpu", "logger=none", "trainer.enable_progress_bar=false", "trainer.max_steps=20",
                  "model.tiny.hidden_size=32", "model.tiny.num_attention_heads=2"], tmp_path / "sft"))  # fmt: skip
     run(compose(["algo=rm", "trainer.accelerator=cpu", "logger=none", "trainer.enable_progress_bar=false",
                  "trainer.max_steps=20", "model.tiny.hidden_size=32", "model.tiny.num_attention_heads=2"],
                 tmp_path / "rm"))  # fmt: skip
-    out = cli("algo=ppo_max", f"algo.policy_path={tmp_path / 'sft' / 'policy'}",
+    out = cli("experiment=ppo_max_synthetic_tiny", f"algo.policy_path={tmp_path / 'sft' / 'policy'}",
               f"algo.reward_path={tmp_path / 'rm' / 'reward_model'}", "trainer.max_steps=12", "trainer.log_every_n_steps=1",
+              "validate_before_fit=false", "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=1",
               "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'ppo'}")  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "ppo" / "csv" / "metrics.csv")

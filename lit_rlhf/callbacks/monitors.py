@@ -39,7 +39,11 @@ def _rollout(outputs: Any) -> Any:
 
 
 class RolloutMonitor(pl.Callback):
-    """Base class: ``update`` per RL iteration, ``compute`` + log + reset every ``every_n_steps``."""
+    """Base class: ``update`` per RL iteration, ``compute`` + log + reset every ``every_n_steps``.
+
+    Rollouts a stage returns from ``validation_step`` (DPO's drift samples) are aggregated over the
+    whole validation epoch, in their own metric state, and logged once at its end.
+    """
 
     prog_bar: tuple[str, ...] = ()
 
@@ -47,7 +51,8 @@ class RolloutMonitor(pl.Callback):
         if every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1")
         self.every_n_steps = every_n_steps
-        self.metrics: nn.ModuleDict | None = None
+        self.metrics: nn.ModuleDict | None = None  # the state update()/compute() work on
+        self._states: dict[str, nn.ModuleDict] = {}
         self._seen = 0
 
     # subclasses -----------------------------------------------------------
@@ -61,23 +66,41 @@ class RolloutMonitor(pl.Callback):
         raise NotImplementedError
 
     # lightning -------------------------------------------------------------
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.metrics = nn.ModuleDict(self.build()).to(pl_module.device)
+    def _use(self, phase: str, device: Any) -> None:
+        if phase not in self._states:
+            self._states[phase] = nn.ModuleDict(self.build())
+        self.metrics = self._states[phase].to(device)
+
+    def _compute_and_reset(self) -> dict[str, Tensor]:
+        values = self.compute()
+        with torch.inference_mode(False):  # fresh states must be normal tensors (validation runs in inference mode)
+            for m in self.metrics.values():
+                m.reset()
+        return values
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         rollout = _rollout(outputs)
         if rollout is None:
             return
-        if self.metrics is None:  # setup() not called (callback used outside Trainer.fit)
-            self.metrics = nn.ModuleDict(self.build())
-        self.metrics.to(rollout.response_mask.device)
+        self._use("train", rollout.response_mask.device)
         self.update(rollout)
         self._seen += 1
         if self._seen % self.every_n_steps == 0:
-            values = self.compute()
-            for m in self.metrics.values():
-                m.reset()
-            self.log_values(trainer, pl_module, values)
+            self.log_values(trainer, pl_module, self._compute_and_reset())
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        rollout = _rollout(outputs)
+        if rollout is not None:
+            self._use("val", rollout.response_mask.device)
+            self.update(rollout)
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        state = self._states.get("val")
+        if state is None or not any(m.update_count for m in state.values()):
+            return
+        self._use("val", pl_module.device)
+        for name, value in self._compute_and_reset().items():
+            pl_module.log(name, value.float(), on_step=False, on_epoch=True, sync_dist=False)
 
     def log_values(self, trainer, pl_module, values: dict[str, Tensor]) -> None:
         for name, value in values.items():
@@ -179,9 +202,12 @@ class RewardStatsMonitor(RolloutMonitor):
         return {"scores": CatMetric()}
 
     def update(self, rollout: Any) -> None:
-        self.metrics["scores"].update(rollout.scores.detach().float())
+        if rollout.scores is not None:  # (DPO's drift samples have no reward)
+            self.metrics["scores"].update(rollout.scores.detach().float())
 
     def compute(self) -> dict[str, Tensor]:
+        if self.metrics["scores"].update_count == 0:
+            return {}
         s = self.metrics["scores"].compute().flatten().float()
         q = torch.quantile(s, torch.tensor(QUANTILES, device=s.device))
         out = {"reward/score_mean": s.mean(), "reward/score_std": s.std(unbiased=False)}
@@ -192,7 +218,7 @@ class RewardStatsMonitor(RolloutMonitor):
 
     def log_values(self, trainer, pl_module, values: dict[str, Tensor]) -> None:
         super().log_values(trainer, pl_module, values)
-        if not trainer.is_global_zero:
+        if not values or not trainer.is_global_zero:
             return
         scores = self._last_scores.cpu()
         step = pl_module.rl_iteration

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lit_rlhf.core.masked import masked_sum
+
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_size: int = 8) -> Tensor:
     """log softmax(logits)[labels] without materialising the full (B, T, V) log-softmax.
@@ -58,3 +60,14 @@ def entropy_from_logits(logits: Tensor, chunk_size: int = 8) -> Tensor:
         z = logits[start : start + chunk_size].float()
         out[start : start + chunk_size] = torch.logsumexp(z, -1) - (z.softmax(-1) * z).sum(-1)
     return out
+
+
+def sequence_logprobs(logits: Tensor, input_ids: Tensor, response_mask: Tensor) -> Tensor:
+    """(B,) log p(response | prompt) = Σ_t over response tokens of log p(token_t | tokens_<t).
+
+    Args:
+        logits: (B, T, V) from a causal LM over ``input_ids`` (B, T).
+        response_mask: (B, T) 1 = response token (EOS included).
+    Naive equivalent: per row, ``sum(log_softmax(logits[t - 1])[ids[t]] for t in response positions)``.
+    """
+    return masked_sum(shifted_token_logprobs(logits, input_ids), response_mask, dim=1)

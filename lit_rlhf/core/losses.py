@@ -1,7 +1,7 @@
 """Losses; each returns ``(loss, stats)`` with stats detached (docs/architecture.md "Conventions").
 
-Reward model (docs/algorithms.md §1), PPO policy / value / entropy / ptx terms (§2), and the token
-aggregation shared with GRPO (§6).
+Reward model (docs/algorithms.md §1), PPO policy / value / entropy / ptx terms (§2), the DPO
+family (§5), and the token aggregation shared with GRPO (§6).
 """
 
 from __future__ import annotations
@@ -178,3 +178,45 @@ def ptx_loss(logprobs: Tensor, loss_mask: Tensor) -> tuple[Tensor, dict[str, Ten
     """
     loss = -masked_mean(logprobs, loss_mask)
     return loss, {"loss": loss.detach()}
+
+
+def dpo_loss(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    beta: float,
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPO family losses on sequence log-probs of the response tokens (docs/algorithms.md §5).
+
+    With u = (log π(y_w|x) − log π_ref(y_w|x)) − (log π(y_l|x) − log π_ref(y_l|x)) per pair:
+
+    * sigmoid (DPO, Rafailov et al. 2023, Eq. 7): −log σ(β·u); with label smoothing s (cDPO,
+      Mitchell 2023, Eq. 3): −(1 − s)·log σ(β·u) − s·log σ(−β·u);
+    * ipo (Azar et al. 2023, Eq. 17): (u − 1/(2β))².
+
+    Args:
+        chosen_logps, rejected_logps: (B,) log π_θ of y_w and y_l (summed over response tokens).
+        ref_chosen_logps, ref_rejected_logps: (B,) the same under the frozen reference.
+    Returns:
+        loss (mean over pairs), stats {"loss", "chosen_rewards" (B,), "rejected_rewards" (B,)}
+        with the implicit rewards β·(log π − log π_ref) per pair.
+    """
+    chosen_logratio = chosen_logps - ref_chosen_logps
+    rejected_logratio = rejected_logps - ref_rejected_logps
+    u = chosen_logratio - rejected_logratio
+    if loss_type == "sigmoid":
+        losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * u) - label_smoothing * F.logsigmoid(-beta * u)
+    elif loss_type == "ipo":
+        losses = (u - 1.0 / (2.0 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown DPO loss {loss_type!r}; use sigmoid or ipo")
+    loss = losses.mean()
+    stats = {
+        "loss": loss.detach(),
+        "chosen_rewards": (beta * chosen_logratio).detach(),
+        "rejected_rewards": (beta * rejected_logratio).detach(),
+    }
+    return loss, stats

@@ -26,6 +26,24 @@ class EncodedPair:
     response_cut: int = 0
     """Response tokens removed from the right (only when the response alone does not fit)."""
 
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass(frozen=True)
+class EncodedPreference:
+    """One preference pair, tokenized: both responses after the same prompt."""
+
+    chosen: EncodedPair
+    rejected: EncodedPair
+    margin: float | None = None
+    """Per-pair margin of the reward-model loss (None = 0)."""
+    index: int = 0
+    """Position of the pair in its split (batches carry it as ``pair_index``)."""
+    prompt: str = ""
+    """The raw prompt text (drift sampling decodes nothing back)."""
+
 
 def encode_pair(
     tokenizer: Any,
@@ -121,17 +139,28 @@ def encode_encoder_pair(
     return EncodedPair([cls_id] + p + [sep_id], r + [sep_id], prompt_cut, response_cut)
 
 
-def collate_preference(
-    pairs: Sequence[tuple[EncodedPair, EncodedPair, float | None]], pad_id: int
-) -> dict[str, torch.Tensor]:
+def collate_preference(pairs: Sequence[EncodedPreference], pad_id: int) -> dict[str, Any]:
     """Chosen and rejected sequences stacked into one right-padded batch (one forward pass).
 
     Returns:
         input_ids, attention_mask, response_mask: (2B, T), rows [0, B) chosen, [B, 2B) rejected;
-        margin: (B,) float (0 where a pair has none).
+        margin: (B,) float (0 where a pair has none); pair_index: (B,) long, each pair's position in
+        its split; prompts: the B raw prompts.
     """
-    chosen = [c for c, _, _ in pairs]
-    rejected = [r for _, r, _ in pairs]
-    batch = collate_sft(chosen + rejected, pad_id)
-    batch["margin"] = torch.tensor([m or 0.0 for _, _, m in pairs], dtype=torch.float32)
+    batch: dict[str, Any] = collate_sft([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_id)
+    batch["margin"] = torch.tensor([p.margin or 0.0 for p in pairs], dtype=torch.float32)
+    batch["pair_index"] = torch.tensor([p.index for p in pairs], dtype=torch.long)
+    batch["prompts"] = [p.prompt for p in pairs]
     return batch
+
+
+def prompts_of_pairs(batch: dict[str, Any], pad_id: int, limit: int | None = None) -> dict[str, Any]:
+    """The prompts of a preference batch (its chosen rows' non-response tokens), left-padded for
+    generation: ``prompt_ids`` (B, P), ``prompt_mask`` (B, P), ``prompts`` (B strings)."""
+    b = batch["pair_index"].shape[0] if limit is None else min(limit, batch["pair_index"].shape[0])
+    ids, mask, resp = batch["input_ids"][:b], batch["attention_mask"][:b], batch["response_mask"][:b]
+    keep = mask.bool() & ~resp.bool()
+    seqs = [row[k].tolist() for row, k in zip(ids.cpu(), keep.cpu())]
+    prompt_ids, prompt_mask = pad(seqs, pad_id, "left")
+    return {"prompt_ids": prompt_ids.to(ids.device), "prompt_mask": prompt_mask.to(ids.device),
+            "prompts": list(batch["prompts"][:b])}  # fmt: skip

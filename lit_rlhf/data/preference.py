@@ -27,7 +27,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
-from lit_rlhf.data.collate import EncodedPair, collate_preference, encode_encoder_pair, encode_pair
+from lit_rlhf.data.collate import EncodedPreference, collate_preference, encode_encoder_pair, encode_pair
 from lit_rlhf.data.io import DataError, Row, is_file_source, iter_rows, parse_rows, ranges_overlap, require_str, select_rows
 from lit_rlhf.data.sampler import LengthGroupedSampler
 from lit_rlhf.data.synthetic import SyntheticTask, TaskConfig
@@ -123,11 +123,15 @@ class PreferenceDataConfig:
     hub_data_dir: str | None = None
     """Subset folder of a hub dataset (``harmless-base`` of ``Anthropic/hh-rlhf``)."""
     format: Literal["auto", "hh", "question", "generic"] = "auto"
+    """Row layout; auto = detected from the first row's keys (hh, question, generic)."""
     train_split: str = "train"
+    """Split name for folder/hub sources."""
     train_rows: str | None = None
     """1-based inclusive line/row range of the training pairs, e.g. "1-2000"; None = all."""
     val_source: str | None = None
+    """Validation file/dataset; None = a split, row range or val_fraction of ``source``."""
     val_split: str | None = None
+    """Split of ``source`` used for validation (folder/hub sources)."""
     val_rows: str | None = None
     """Row range of ``source`` for validation (instead of a ``val_fraction`` carve-out)."""
     val_fraction: float = field(default=0.05, metadata={"ge": 0.0, "lt": 1.0})
@@ -135,7 +139,9 @@ class PreferenceDataConfig:
     test_source: str | None = None
     """Held-out pairs for ``test=true``; None = ``source`` when test_split or test_rows is set."""
     test_split: str | None = None
+    """Split of ``source`` (or test_source) used by test=true."""
     test_rows: str | None = None
+    """1-based inclusive row range of ``source`` held out for test=true; must not overlap train_rows."""
     margin_field: str | None = None
     """Column with a per-pair rating (Llama-2 margin); None = margin 0."""
     margin_scale: Literal["llama2_small", "llama2_large", "raw"] = "llama2_small"
@@ -143,20 +149,31 @@ class PreferenceDataConfig:
     template: str = "plain"
     """Chat template (data/templates.py); "dialogue" for HH-RLHF prompts that end in "Assistant:"."""
     max_length: int = field(default=512, metadata={"ge": 8})
+    """Prompt + response tokens per sequence; longer pairs lose prompt tokens from the left (counted)."""
     on_identical: Literal["skip", "error"] = "skip"
+    """Pairs whose chosen and rejected responses are identical: skip them (counted) or fail."""
     on_empty: Literal["skip", "error"] = "skip"
+    """Pairs with an empty (whitespace-only) response: skip them (counted) or fail."""
     batch_size: int = field(default=16, metadata={"ge": 1})
     """Pairs per batch (2 × sequences)."""
     eval_batch_size: int | None = field(default=None, metadata={"ge": 1})
+    """Pairs per validation/test batch; None = batch_size."""
     group_by_length: bool = True
     """Batch pairs of similar length (much less padding); order stays random across batches."""
     num_workers: int = field(default=0, metadata={"ge": 0})
+    """DataLoader worker processes (0 = load in the main process)."""
     seed: int = 0
+    """Shuffling, length grouping and validation-split seed."""
     max_samples: int | None = field(default=None, metadata={"ge": 1})
+    """Use at most this many training pairs (quick runs); None = all."""
     task: TaskConfig = field(default_factory=TaskConfig)
+    """Embedded task settings (source=synthetic only)."""
     n_train: int = field(default=10000, metadata={"ge": 1})
+    """Embedded task: training pairs to generate."""
     n_val: int = field(default=500, metadata={"ge": 1})
+    """Embedded task: validation pairs (a separate random stream)."""
     n_test: int = field(default=1000, metadata={"ge": 1})
+    """Embedded task: held-out pairs for test=true."""
 
     def validate(self) -> None:
         check(self.template in TEMPLATES, "template", f"must be one of {list(TEMPLATES)}, got {self.template!r}")
@@ -271,17 +288,18 @@ class PreferenceDataModule(pl.LightningDataModule):
             self.gold_accuracy[split] = sum(p.gold[0] > p.gold[1] for p in out[split]) / max(1, n)
         return out
 
-    def _encode(self, pairs: list[PreferencePair], split: str) -> list[tuple[EncodedPair, EncodedPair, float | None]]:
+    def _encode(self, pairs: list[PreferencePair], split: str) -> list[EncodedPreference]:
         c = self.config
         template = get_template(c.template)
         if self.kind == "encoder":
             enc = functools.partial(encode_encoder_pair, self.tokenizer, template=template, max_length=c.max_length)
         else:
             enc = functools.partial(encode_pair, self.tokenizer, template=template, max_length=c.max_length)
-        out = [(enc(p.prompt, p.chosen), enc(p.prompt, p.rejected), p.margin) for p in pairs]
+        out = [EncodedPreference(enc(p.prompt, p.chosen), enc(p.prompt, p.rejected), p.margin, i, p.prompt)
+               for i, p in enumerate(pairs)]  # fmt: skip
         self.stats[f"{split}_pairs"] = len(out)
-        self.stats[f"{split}_prompts_cut"] = sum(a.prompt_cut > 0 or b.prompt_cut > 0 for a, b, _ in out)
-        self.stats[f"{split}_responses_cut"] = sum(a.response_cut > 0 or b.response_cut > 0 for a, b, _ in out)
+        self.stats[f"{split}_prompts_cut"] = sum(e.chosen.prompt_cut > 0 or e.rejected.prompt_cut > 0 for e in out)
+        self.stats[f"{split}_responses_cut"] = sum(e.chosen.response_cut > 0 or e.rejected.response_cut > 0 for e in out)
         return out
 
     def setup(self, stage: str | None = None) -> None:
@@ -313,17 +331,21 @@ class PreferenceDataModule(pl.LightningDataModule):
             )  # fmt: skip
 
     # -------------------------------------------------------------- dataloaders
-    def _loader(self, split: str, train: bool) -> DataLoader | list:
+    def ordered_dataloader(self, split: str, batch_size: int | None = None) -> DataLoader | list:
+        """Every pair of ``split`` once, in order (no shuffling, no length grouping): e.g. to
+        precompute per-pair quantities (DPO's reference log-probs), keyed by ``pair_index``."""
+        return self._loader(split, train=False, batch_size=batch_size)
+
+    def _loader(self, split: str, train: bool, batch_size: int | None = None) -> DataLoader | list:
         assert self.splits is not None, "setup() first"
         data = self.splits.get(split) or []
         if not data:
             return []
         c = self.config
-        size = c.batch_size if train else (c.eval_batch_size or c.batch_size)
+        size = batch_size or (c.batch_size if train else (c.eval_batch_size or c.batch_size))
         collate = functools.partial(collate_preference, pad_id=self.tokenizer.pad_token_id)
         if train and c.group_by_length:
-            lengths = [max(len(a.prompt_ids) + len(a.response_ids), len(b.prompt_ids) + len(b.response_ids))
-                       for a, b, _ in data]  # fmt: skip
+            lengths = [max(e.chosen.length, e.rejected.length) for e in data]
             sampler = LengthGroupedSampler(lengths, size, seed=c.seed)
             return DataLoader(data, batch_size=size, sampler=sampler, num_workers=c.num_workers, collate_fn=collate)
         import torch

@@ -37,7 +37,9 @@ class SFTDataConfig:
     val_fraction: float = field(default=0.05, metadata={"ge": 0.0, "lt": 1.0})
     """Fraction of the training rows held out for validation when no validation source is set."""
     prompt_field: str = "prompt"
+    """Column holding the prompt."""
     response_field: str = "response"
+    """Column holding the response (the target)."""
     template: str = "plain"
     """Chat template name (data/templates.py), the same for SFT, RM and PPO."""
     max_length: int = field(default=128, metadata={"ge": 2})
@@ -45,9 +47,11 @@ class SFTDataConfig:
     on_empty: Literal["skip", "error"] = "skip"
     """Rows with an empty (whitespace-only) response: skip them (counted) or fail."""
     batch_size: int = field(default=32, metadata={"ge": 1})
+    """Pairs per training batch (per process)."""
     eval_batch_size: int | None = field(default=None, metadata={"ge": 1})
     """None = batch_size."""
     num_workers: int = field(default=0, metadata={"ge": 0})
+    """DataLoader worker processes (0 = load in the main process)."""
     seed: int = 0
     """Shuffling and validation-split seed."""
     max_samples: int | None = field(default=None, metadata={"ge": 1})

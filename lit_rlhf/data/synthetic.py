@@ -228,6 +228,7 @@ class TaskConfig:
     """Sizes and seeds of the embedded task's data (the language has its own config)."""
 
     language: LanguageConfig = field(default_factory=LanguageConfig)
+    """Structure of the hidden language (its own seed)."""
     seed: int = 1234
     """Seed of the data (disjoint streams per split and kind)."""
     max_prompt_words: int = field(default=3, metadata={"ge": 1})

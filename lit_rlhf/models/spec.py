@@ -18,15 +18,23 @@ class TinyLlamaConfig:
     """A small ``LlamaConfig`` for tests and the CPU demo (vocabulary from the tokenizer)."""
 
     hidden_size: int = field(default=128, metadata={"ge": 8})
+    """Width of the residual stream."""
     num_hidden_layers: int = field(default=2, metadata={"ge": 1})
+    """Decoder blocks."""
     num_attention_heads: int = field(default=4, metadata={"ge": 1})
+    """Attention heads (must divide hidden_size)."""
     num_key_value_heads: int | None = None
     """None = num_attention_heads (no grouped-query attention)."""
     intermediate_size: int = field(default=256, metadata={"ge": 1})
+    """Width of the MLP."""
     max_position_embeddings: int = field(default=256, metadata={"ge": 8})
+    """Longest sequence (prompt + response) in tokens."""
     tie_word_embeddings: bool = True
+    """Share the input embedding and the LM head."""
     rope_theta: float = field(default=10000.0, metadata={"gt": 0})
+    """RoPE base frequency."""
     initializer_range: float = field(default=0.02, metadata={"gt": 0})
+    """Std of the random initial weights."""
 
     def validate(self) -> None:
         check(
@@ -62,6 +70,7 @@ class ModelSpec:
     trust_remote_code: bool = False
     """Run model code shipped with a hub repository; off unless you opt in."""
     gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (memory for time); applied to every trained model."""
     attn_implementation: str | None = None
     """"sdpa", "eager", "flash_attention_2", …; None = the transformers default."""
     revision: str | None = None

@@ -129,6 +129,11 @@ class RLHFModule(pl.LightningModule):
         return max(1, int(steps))
 
     # ------------------------------------------------------------------ export
+    def on_fit_end(self) -> None:
+        """Export the trained model to ``algo.export_dir`` (when set) at the end of every fit."""
+        if self.config.export_dir:
+            self.export(self.config.export_dir)
+
     def exportable_model(self) -> torch.nn.Module:
         """The Hugging Face model that :meth:`export` saves."""
         raise NotImplementedError
@@ -162,6 +167,21 @@ class RLHFModule(pl.LightningModule):
             if module is model:
                 return f"{name}." if name else ""
         raise ValueError("the exported model is not a submodule of this LightningModule")
+
+
+def policy_spec(policy_path: str | None, spec: ModelSpec) -> ModelSpec:
+    """The model a preference / RL stage trains: ``policy_path`` (an SFT export) when set, else the
+    ``model`` group's model, whose dtype and memory switches apply either way. An untrained tiny
+    model (``model.tiny``) is refused: these stages start from a trained policy."""
+    from lit_rlhf.utils.config import ConfigError
+
+    if policy_path is not None:
+        return spec.at_path(policy_path)
+    if spec.tiny is not None:
+        raise ConfigError("algo.policy_path", "is required here: the model group builds an untrained tiny model "
+                                              "(model.tiny), and this stage starts from a trained policy; set it to "
+                                              "an SFT export, e.g. <run>/sft/policy of the demo")  # fmt: skip
+    return spec
 
 
 def save_pretrained_atomic(model: Any, tokenizer: Any, directory: str, state_dict: dict | None = None) -> None:

@@ -215,3 +215,48 @@ class PPOConfig(RLConfig):
             "k1 in the loss has zero expected gradient on-policy (it does not pull towards the "
             "reference): use k2 or k3 with algo.kl_placement=loss, or kl_placement=reward",
         )
+
+
+@dataclass
+class DPOConfig(OptimConfig):
+    """Direct preference optimization and its variants (docs/algorithms.md §5): DPO (sigmoid),
+    cDPO (label smoothing), IPO. Defaults: the DPO paper's recipe (β 0.1, lr 1e-6 after a
+    150-step linear warm-up, constant; Rafailov et al. 2023 App. B)."""
+
+    policy_path: str | None = None
+    """The SFT model to train (``save_pretrained`` folder or hub id). None = the ``model`` group's model."""
+    reference_path: str | None = None
+    """The frozen reference π_ref; None = the policy's starting weights (the usual choice)."""
+    beta: float = field(default=0.1, metadata={"gt": 0.0})
+    """β: strength of the implicit KL constraint (sigmoid) / the target margin 1/(2β) (IPO)."""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid = DPO (and cDPO with label_smoothing > 0); ipo = IPO's squared loss."""
+    label_smoothing: float = field(default=0.0, metadata={"ge": 0.0, "lt": 0.5})
+    """cDPO: the assumed probability that a preference label is flipped (0 = plain DPO)."""
+    precompute_ref_logprobs: bool = False
+    """Score every pair with the reference once before training (cached next to the run) and keep
+    no reference model in memory while training (it is loaded again only to measure drift)."""
+    ref_cache: str | None = None
+    """File of the precomputed reference log-probs; None = <run dir>/ref_logprobs.pt. Reused when
+    its fingerprint (reference, tokenized pairs) matches."""
+    lr: float = field(default=1e-6, metadata={"gt": 0.0})
+    """Peak learning rate."""
+    scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """lr after warm-up."""
+    warmup_steps: int = field(default=150, metadata={"ge": 0})
+    """Linear warm-up optimizer steps."""
+    drift_prompts: int = field(default=64, metadata={"ge": 0})
+    """Held-out prompts (from the validation pairs) sampled at every validation to measure drift:
+    stability/kl to the reference, perplexity, response length (0 = off)."""
+    generation: GenerationConfig = field(default_factory=_rollout_generation)
+    """Sampling settings of the drift measurement."""
+    export_dir: str | None = None
+    """``save_pretrained`` folder of the trained policy."""
+
+    def validate(self) -> None:
+        super().validate()
+        check(
+            self.loss_type == "sigmoid" or self.label_smoothing == 0.0,
+            "label_smoothing",
+            f"applies to the sigmoid (DPO) loss only; got loss_type={self.loss_type!r}",
+        )

@@ -83,8 +83,9 @@ class PreferenceMetrics(nn.Module):
         }
 
     def reset(self) -> None:
-        for m in self.children():
-            m.reset()
+        with torch.inference_mode(False):  # fresh states must be normal tensors (validation runs in inference mode)
+            for m in self.children():
+                m.reset()
 
 
 class RewardModelModule(RLHFModule):

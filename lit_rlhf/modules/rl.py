@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from lit_rlhf.core.kl import FixedKLController, sequence_kl
 from lit_rlhf.core.types import Rollout
 from lit_rlhf.models.spec import ModelSpec
-from lit_rlhf.modules.base import RLHFModule
+from lit_rlhf.modules.base import RLHFModule, policy_spec
 from lit_rlhf.modules.configs import RLConfig
 from lit_rlhf.rollout.collect import generate_and_score
 from lit_rlhf.utils.config import ConfigError
@@ -91,13 +91,7 @@ class RLModule(RLHFModule):
     def resolve_model_spec(cls, config: RLConfig, spec: ModelSpec) -> ModelSpec:
         """The policy is ``algo.policy_path`` when set, else the ``model`` group's model; ``model=…``
         always contributes dtype and memory switches."""
-        if config.policy_path is not None:
-            return spec.at_path(config.policy_path)
-        if spec.tiny is not None:
-            raise ConfigError("algo.policy_path", "is required here: the model group builds an untrained tiny model "
-                                                  "(model.tiny), and RL starts from a trained policy; set it to an SFT "
-                                                  "export, e.g. <run>/sft/policy of the demo")  # fmt: skip
-        return spec
+        return policy_spec(config.policy_path, spec)
 
     @classmethod
     def resolve_data_config(cls, config: RLConfig, data: Any) -> Any:
@@ -248,7 +242,3 @@ class RLModule(RLHFModule):
             raise KeyError(f"not a {type(self).__name__} checkpoint: no '{self.checkpoint_key}' state "
                            "(iteration, KL controller, running statistics)")  # fmt: skip
         self.load_rl_state_dict(state)
-
-    def on_fit_end(self) -> None:
-        if self.config.export_dir:
-            self.export(self.config.export_dir)

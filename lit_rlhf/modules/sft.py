@@ -75,7 +75,3 @@ class SFTModule(RLHFModule):
             self.log("val/perplexity_ratio", mean_nll.exp() / floor)
         self.val_nll.reset()
         self.val_tokens.reset()
-
-    def on_fit_end(self) -> None:
-        if self.config.export_dir:
-            self.export(self.config.export_dir)

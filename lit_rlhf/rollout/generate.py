@@ -17,11 +17,15 @@ class GenerationConfig:
     """Sampling settings of the rollout (docs/algorithms.md §3: T 0.8, top-p 0.9, rep. pen. 1.1 for PPO)."""
 
     max_new_tokens: int = field(default=32, metadata={"ge": 1})
+    """Longest response in tokens (EOS included); a response without EOS by then is truncated."""
     temperature: float = field(default=1.0, metadata={"gt": 0.0})
+    """Logits are divided by it before sampling (< 1 sharper, > 1 flatter)."""
     top_p: float = field(default=1.0, metadata={"gt": 0.0, "le": 1.0})
+    """Nucleus sampling: keep the most likely tokens holding this much probability (1.0 = off)."""
     top_k: int = field(default=0, metadata={"ge": 0})
     """0 = no top-k filter."""
     repetition_penalty: float = field(default=1.0, metadata={"gt": 0.0})
+    """CTRL penalty on tokens already in the prompt or response (1.0 = off)."""
     do_sample: bool = True
     """False = greedy (evaluation)."""
 

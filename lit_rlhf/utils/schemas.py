@@ -28,6 +28,7 @@ SCHEMAS = {
     "sft": "lit_rlhf.modules.configs:SFTConfig",
     "rm": "lit_rlhf.modules.configs:RMConfig",
     "ppo": "lit_rlhf.modules.configs:PPOConfig",
+    "dpo": "lit_rlhf.modules.configs:DPOConfig",
     "pipeline": "lit_rlhf.pipeline:DemoConfig",
     "model": "lit_rlhf.models.spec:ModelSpec",
     "sft_data": "lit_rlhf.data.sft:SFTDataConfig",

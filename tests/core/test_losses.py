@@ -181,3 +181,49 @@ def test_ptx_loss_is_token_mean_nll():
     m = torch.tensor([[1, 1, 0], [1, 0, 0]])
     loss, _ = ptx_loss(lp, m)
     assert loss.item() == pytest.approx((math.log(2) + math.log(4) + math.log(2)) / 3)
+
+
+def _naive_dpo(pc, pr, rc, rr, beta, kind, s=0.0):
+    """Per pair, in plain Python floats (docs/algorithms.md §5)."""
+    out = []
+    for a, b, c, d in zip(pc, pr, rc, rr):
+        u = (a - c) - (b - d)
+        logsig = lambda z: -math.log1p(math.exp(-z))  # noqa: E731
+        if kind == "sigmoid":
+            out.append(-(1 - s) * logsig(beta * u) - s * logsig(-beta * u))
+        else:
+            out.append((u - 1 / (2 * beta)) ** 2)
+    return sum(out) / len(out)
+
+
+def test_dpo_losses_hand_values():
+    from lit_rlhf.core.losses import dpo_loss
+
+    # u = (-1 - -2) - (-3 - -2.5) = 1.5; β = 0.5 → β·u = 0.75
+    args = [torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.5])]
+    loss, stats = dpo_loss(*args, beta=0.5)
+    assert loss.item() == pytest.approx(math.log1p(math.exp(-0.75)))
+    assert (stats["chosen_rewards"].item(), stats["rejected_rewards"].item()) == pytest.approx((0.5, -0.25))
+    cdpo, _ = dpo_loss(*args, beta=0.5, label_smoothing=0.2)
+    assert cdpo.item() == pytest.approx(0.8 * math.log1p(math.exp(-0.75)) + 0.2 * math.log1p(math.exp(0.75)))
+    ipo, _ = dpo_loss(*args, beta=0.5, loss_type="ipo")
+    assert ipo.item() == pytest.approx((1.5 - 1.0) ** 2)  # (u - 1/(2β))², 1/(2·0.5) = 1
+
+
+@pytest.mark.parametrize("kind, s", [("sigmoid", 0.0), ("sigmoid", 0.3), ("ipo", 0.0)])
+def test_dpo_losses_match_the_naive_formula(kind, s):
+    from lit_rlhf.core.losses import dpo_loss
+
+    g = torch.Generator().manual_seed(0)
+    pc, pr, rc, rr = (torch.randn(16, generator=g, dtype=torch.float64) * 5 - 20 for _ in range(4))
+    loss, _ = dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type=kind, label_smoothing=s)
+    assert loss.item() == pytest.approx(_naive_dpo(pc.tolist(), pr.tolist(), rc.tolist(), rr.tolist(), 0.1, kind, s))
+
+
+def test_dpo_gradient_pushes_chosen_up_and_rejected_down():
+    from lit_rlhf.core.losses import dpo_loss
+
+    pc, pr = torch.tensor([-5.0], requires_grad=True), torch.tensor([-5.0], requires_grad=True)
+    loss, _ = dpo_loss(pc, pr, torch.tensor([-5.0]), torch.tensor([-5.0]), beta=0.1)
+    loss.backward()
+    assert pc.grad.item() == pytest.approx(-0.05) and pr.grad.item() == pytest.approx(0.05)  # ±β·σ(0) = ±0.05
