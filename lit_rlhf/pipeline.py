@@ -1,10 +1,10 @@
-"""The main job: SFT → reward model → PPO (β = 0) and PPO-max on the embedded task, then a table.
+"""The main job: SFT → reward model → PPO (β = 0), PPO-max and DPO on the embedded task, then a table.
 
 ``python train.py`` (no ``algo`` chosen: the ``pipeline`` group's default, ``pipeline=demo``) runs
 every stage as an ordinary job of its own (``runner.run`` on the stage's composed config), each
 in ``<run dir>/<stage>/``; stages hand
 artifacts to each other by path, so any stage can be rerun alone with the command it logs. At the
-end the three policies (SFT, PPO, PPO-max) are sampled on held-out prompts and compared on the
+end the policies (SFT, PPO, PPO-max, DPO) are sampled on held-out prompts and compared on the
 gold reward, the proxy (RM) reward, KL to the SFT model, perplexity and length (``summary.md``,
 ``summary.json``), and ``stability.png`` overlays both RL runs' stability panels.
 
@@ -28,8 +28,9 @@ from lit_rlhf.utils.config import check
 
 log = logging.getLogger(__name__)
 
-STAGES = ("sft", "rm", "ppo", "ppo_max")
-EXPORTS = {"sft": "policy", "rm": "reward_model", "ppo": "actor", "ppo_max": "actor"}
+STAGES = ("sft", "rm", "ppo", "ppo_max", "dpo")
+EXPORTS = {"sft": "policy", "rm": "reward_model", "ppo": "actor", "ppo_max": "actor", "dpo": "policy"}
+LABELS = {"ppo": "PPO (β=0)", "ppo_max": "PPO-max", "dpo": "DPO"}  # the table's row of each trained policy
 
 
 @dataclass
@@ -48,6 +49,8 @@ class DemoConfig:
     """Overrides composing the vanilla PPO stage."""
     ppo_max: list[str] = field(default_factory=lambda: ["algo=ppo_max"])
     """Overrides composing the PPO-max stage."""
+    dpo: list[str] = field(default_factory=lambda: ["algo=dpo"])
+    """Overrides composing the DPO stage (trained from the SFT model on the reward model's pairs)."""
     reuse: bool = True
     """Skip a stage whose export already exists in the run directory (resume a pipeline)."""
     eval_prompts: int = field(default=256, metadata={"ge": 1})
@@ -124,8 +127,8 @@ class DemoPipeline:
         prompts = [r["prompt"] for r in task.prompts(self.config.eval_prompts, "test")]
         sft, rm = os.path.join(run_dir, "sft", "policy"), os.path.join(run_dir, "rm", "reward_model")
         policies = {"SFT": sft}
-        for stage, label in (("ppo", "PPO (β=0)"), ("ppo_max", "PPO-max")):
-            path = os.path.join(run_dir, stage, "actor")
+        for stage, label in LABELS.items():
+            path = os.path.join(run_dir, stage, EXPORTS[stage])
             if os.path.isdir(path):
                 policies[label] = path
         gen, template, max_prompt_length = self.rollout_settings(run_dir, cfg)
@@ -182,6 +185,11 @@ class DemoPipeline:
             out["ppo_proxy_at_gold_peak"] = proxy[peak]
             out["ppo_proxy_final"] = proxy[-1]
             out["ppo_overoptimized"] = gold[-1] < gold[peak] and proxy[-1] > proxy[peak]
+        for key, label in (("dpo", "DPO"),):  # where the other methods land against PPO-max
+            other = results.get(label)
+            if sft and other:
+                out[f"{key}_gold_gain_in_sft_sigma"] = (other["gold_mean"] - sft["gold_mean"]) / max(sft["gold_std"], 1e-9)
+                out[f"{key}_kl_bounded"] = other["kl_to_sft"] < self.config.kl_bound
         ppo = results.get("PPO (β=0)")
         if ppo and sft and pmax:
             # the drift that comes with it: KL far beyond PPO-max's bound, length away from SFT's
@@ -300,6 +308,14 @@ def format_table(results: dict[str, dict[str, float]], checks: dict[str, Any]) -
             f"{checks['ppo_gold_final']:+.3f} while the proxy went {checks['ppo_proxy_at_gold_peak']:+.2f} → "
             f"{checks['ppo_proxy_final']:+.2f}: {'over-optimization' if checks['ppo_overoptimized'] else 'no over-optimization'}"
         )
+    for key, label in (("dpo", "DPO"),):
+        if f"{key}_gold_gain_in_sft_sigma" in checks:
+            res = results[label]
+            notes.append(
+                f"{label} vs SFT: gold {checks[f'{key}_gold_gain_in_sft_sigma']:+.2f} SFT σ, KL to SFT "
+                f"{res['kl_to_sft']:.2f} ({'bounded' if checks[f'{key}_kl_bounded'] else 'NOT bounded'}), length "
+                f"{results['SFT']['response_length']:.1f} → {res['response_length']:.1f}"
+            )
     if "ppo_kl_drift" in checks:
         ppo, sft = results["PPO (β=0)"], results["SFT"]
         notes.append(

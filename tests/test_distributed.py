@@ -106,3 +106,27 @@ def test_deepspeed_zero2_rm_exports_the_best_checkpoint(tmp_path):
     assert any(not torch.equal(ref[f"reward_model.{k}"], res["live"][k]) for k in exported)  # best is not the last
     for k, v in exported.items():
         torch.testing.assert_close(v, ref[f"reward_model.{k}"], rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("strategy, precompute", [("ddp", True), ("deepspeed", False)])
+def test_dpo_two_processes_identical(models, tmp_path, strategy, precompute):
+    """DPO with 2 processes (DDP with the precomputed reference; real DeepSpeed ZeRO-2 with the live
+    one): identical policies on both ranks, trained, and the validation's metrics (pairs and drift)
+    reduced over both ranks' batches."""
+    from transformers import AutoModelForCausalLM
+
+    args = ["--strategy", strategy, "--devices", "2", "--models", str(models)] + (["--precompute"] if precompute else [])
+    run_helper("dpo_multiproc.py", tmp_path, *args)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 4
+    assert ranks[0]["wrapper"] == ("DistributedDataParallel" if strategy == "ddp" else "DeepSpeedEngine")
+    for k, v in ranks[0]["params"].items():
+        torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
+    init = AutoModelForCausalLM.from_pretrained(models / "policy").state_dict()
+    assert all(not torch.equal(ranks[0]["params"][k], v.float()) for k, v in init.items())
+    for key in ("val/loss", "val/rewards/accuracies", "stability/kl", "stability/response_length"):
+        assert ranks[0]["metrics"][key] == pytest.approx(ranks[1]["metrics"][key]), key  # synced, not per rank
+    if precompute:
+        assert (tmp_path / "ref_logprobs.pt").exists()

@@ -1,0 +1,72 @@
+"""Run a few DPO steps under DDP or (CPU) DeepSpeed ZeRO-2 with N processes, then one validation;
+each rank writes its final policy parameters and the logged metrics to OUT/rank<r>.pt.
+
+    python tests/helpers/dpo_multiproc.py --strategy ddp --devices 2 --models DIR --out DIR [--precompute]
+
+Run as a script: Lightning's subprocess launcher re-executes it once per extra rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # tests.helpers importable when run as a script
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+
+from lit_rlhf.callbacks import KLMonitor, ResponseLengthMonitor  # noqa: E402
+from lit_rlhf.data.preference import PreferenceDataModule  # noqa: E402
+from lit_rlhf.models.builders import build_tokenizer  # noqa: E402
+from lit_rlhf.models.spec import ModelSpec  # noqa: E402
+from lit_rlhf.modules.configs import DPOConfig  # noqa: E402
+from lit_rlhf.modules.dpo import DPOModule  # noqa: E402
+from lit_rlhf.utils.config import build_config  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--strategy", choices=["ddp", "deepspeed"], required=True)
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--models", required=True, help="folder with policy/")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--precompute", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    policy = os.path.join(args.models, "policy")
+    cfg = build_config(DPOConfig, {"policy_path": policy, "lr": 1e-3, "warmup_steps": 0, "drift_prompts": 4,
+                                   "precompute_ref_logprobs": args.precompute, "generation": {"max_new_tokens": 6}},
+                       "algo")  # fmt: skip
+    spec = DPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=policy))
+    tok = build_tokenizer(spec)
+    module = DPOModule(cfg, model=spec, tokenizer=tok)
+    data = PreferenceDataModule(n_train=64, n_val=16, n_test=8, batch_size=4).connect(tok)
+    if args.strategy == "ddp":
+        strategy = DDPStrategy(process_group_backend="gloo", find_unused_parameters=False)
+    else:
+        from tests.helpers.deepspeed_cpu import CPUDeepSpeedStrategy
+
+        strategy = CPUDeepSpeedStrategy(config={
+            "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
+            "train_micro_batch_size_per_gpu": 4,
+        })  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=4, logger=False, log_every_n_steps=2,
+        enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0, check_val_every_n_epoch=None,
+        val_check_interval=4, default_root_dir=args.out, callbacks=[KLMonitor(), ResponseLengthMonitor()],
+    )  # fmt: skip
+    trainer.fit(module, data)
+    params = {k: v.detach().float().cpu().clone() for k, v in module.policy.state_dict().items()}
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    torch.save({"params": params, "metrics": metrics, "world_size": trainer.world_size, "global_step": trainer.global_step,
+                "wrapper": type(trainer.strategy.model).__name__},
+               os.path.join(args.out, f"rank{trainer.global_rank}.pt"))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
