@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torchmetrics import SumMetric
-
 from lit_rlhf.core.logprobs import sequence_logprobs
 from lit_rlhf.core.losses import dpo_loss
 from lit_rlhf.modules.base import RLHFModule, policy_spec
@@ -39,32 +37,33 @@ NAMES = {"loss": "loss", "rewards_chosen": "rewards/chosen", "rewards_rejected":
 
 
 class DPOMetrics(nn.Module):
-    """Pair-weighted means over a window of batches and all ranks (torchmetrics sums)."""
+    """Pair-weighted means over a window of batches and all ranks.
+
+    One (8,) vector of sums per window (one in-place add per step; one all-reduce when the
+    window is read) instead of a metric object per quantity: the step is the hot path of DPO.
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        self.sums = nn.ModuleDict({k: SumMetric() for k in NAMES})
-        self.pairs = SumMetric()
+        self.register_buffer("sums", torch.zeros(len(NAMES) + 1, dtype=torch.float64), persistent=False)
 
+    @torch.no_grad()
     def update(self, loss: Tensor, chosen_rewards: Tensor, rejected_rewards: Tensor, chosen: Tensor, rejected: Tensor):
-        n = chosen.new_tensor(float(chosen.shape[0]))
-        values = {"loss": loss.detach() * n, "rewards_chosen": chosen_rewards.sum(), "rewards_rejected": rejected_rewards.sum(),
-                  "accuracies": (chosen_rewards > rejected_rewards).float().sum(),
-                  "margins": (chosen_rewards - rejected_rewards).sum(), "logps_chosen": chosen.detach().sum(),
-                  "logps_rejected": rejected.detach().sum()}  # fmt: skip
-        for k, v in values.items():
-            self.sums[k].update(v.float())
-        self.pairs.update(n)
+        n = float(chosen.shape[0])
+        values = torch.stack([loss.detach().float() * n, chosen_rewards.sum(), rejected_rewards.sum(),
+                              (chosen_rewards > rejected_rewards).float().sum(), (chosen_rewards - rejected_rewards).sum(),
+                              chosen.detach().sum(), rejected.detach().sum(), chosen.new_tensor(n)])  # fmt: skip
+        self.sums += values.to(self.sums)  # order: NAMES, then the pair count
 
     def compute_and_reset(self) -> dict[str, Tensor] | None:
-        if self.pairs.update_count == 0:
+        from lit_rlhf.utils.distributed import all_reduce_sum
+
+        totals = all_reduce_sum(self.sums.clone())
+        with torch.inference_mode(False):  # stays a normal tensor (validation runs in inference mode)
+            self.sums = torch.zeros_like(self.sums, device=self.sums.device)
+        if totals[-1] <= 0:
             return None
-        n = self.pairs.compute()
-        out = {k: self.sums[k].compute() / n for k in NAMES}
-        with torch.inference_mode(False):  # fresh states must be normal tensors (validation runs in inference mode)
-            for m in [*self.sums.values(), self.pairs]:
-                m.reset()
-        return out
+        return {k: (totals[i] / totals[-1]).float() for i, k in enumerate(NAMES)}
 
 
 def _names(prefix: str, values: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -129,7 +128,7 @@ class DPOModule(RLHFModule):
     def sequence_logps(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
         """(B,) chosen and (B,) rejected log-probs of the response tokens, in ONE forward of the
         2B stacked sequences (right-padded: default positions are exact)."""
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
         logps = sequence_logprobs(logits, batch["input_ids"], batch["response_mask"])
         b = logps.shape[0] // 2
         return logps[:b], logps[b:]
@@ -138,7 +137,7 @@ class DPOModule(RLHFModule):
         if self.config.precompute_ref_logprobs:
             table = self.ref_table[split][batch["pair_index"].cpu()].to(self.device)
             return table[:, 0], table[:, 1]
-        with torch.no_grad():
+        with torch.no_grad():  # (not inference mode: the rows are sliced from a batch that enters autograd)
             return self.sequence_logps(self.frozen["reference"], batch)
 
     def precompute_reference(self) -> dict[str, Tensor]:
@@ -191,13 +190,13 @@ class DPOModule(RLHFModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         loss, _ = self.pair_loss(batch, "train")
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         window = max(1, int(self.trainer.log_every_n_steps or 1))
         if (batch_idx + 1) % window == 0 or self.trainer.is_last_batch:
             values = self.train_metrics.compute_and_reset()
-            if values is not None:  # the window's aggregate over all ranks (compute() syncs)
-                self.log_dict(_names("", {k: v for k, v in values.items() if k != "loss"}) | {"train/loss": values["loss"]},
-                              prog_bar=False)  # fmt: skip
+            if values is not None:  # the window's aggregate over all ranks
+                names = _names("", {k: v for k, v in values.items() if k != "loss"})
+                self.log_dict({**names, "train/loss": values["loss"],
+                               "train/lr": self.trainer.optimizers[0].param_groups[0]["lr"]}, sync_dist=False)  # fmt: skip
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
