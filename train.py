@@ -19,6 +19,7 @@ from omegaconf import DictConfig  # noqa: E402
 def main(cfg: DictConfig) -> float | None:
     from lit_rlhf.data.io import DataError
     from lit_rlhf.models.builders import ModelLoadError
+    from lit_rlhf.rollout.score import RewardFunctionError
     from lit_rlhf.runner import metric_value, run
     from lit_rlhf.utils.config import ConfigError
 
@@ -28,7 +29,7 @@ def main(cfg: DictConfig) -> float | None:
     except ConfigError as err:
         # a user mistake: say which key and what is allowed, without a traceback
         sys.exit(f"Configuration error: {err}")
-    except (DataError, ModelLoadError) as err:
+    except (DataError, ModelLoadError, RewardFunctionError) as err:
         sys.exit(f"Error: {err}")
 
 

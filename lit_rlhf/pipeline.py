@@ -28,9 +28,11 @@ from lit_rlhf.utils.config import check
 
 log = logging.getLogger(__name__)
 
-STAGES = ("sft", "rm", "ppo", "ppo_max", "dpo")
-EXPORTS = {"sft": "policy", "rm": "reward_model", "ppo": "actor", "ppo_max": "actor", "dpo": "policy"}
-LABELS = {"ppo": "PPO (β=0)", "ppo_max": "PPO-max", "dpo": "DPO"}  # the table's row of each trained policy
+STAGES = ("sft", "rm", "ppo", "ppo_max", "dpo", "grpo", "dapo")
+EXPORTS = {"sft": "policy", "rm": "reward_model", "ppo": "actor", "ppo_max": "actor", "dpo": "policy", "grpo": "actor",
+           "dapo": "actor"}  # fmt: skip
+LABELS = {"ppo": "PPO (β=0)", "ppo_max": "PPO-max", "dpo": "DPO", "grpo": "GRPO", "dapo": "DAPO"}  # table rows
+RL_STAGES = ("ppo", "ppo_max", "grpo", "dapo")  # stages with a validation curve of proxy and gold reward
 
 
 @dataclass
@@ -51,6 +53,10 @@ class DemoConfig:
     """Overrides composing the PPO-max stage."""
     dpo: list[str] = field(default_factory=lambda: ["algo=dpo"])
     """Overrides composing the DPO stage (trained from the SFT model on the reward model's pairs)."""
+    grpo: list[str] = field(default_factory=lambda: ["algo=grpo"])
+    """Overrides composing the GRPO stage (on the proxy reward model, PPO's prompt budget)."""
+    dapo: list[str] = field(default_factory=lambda: ["algo=dapo"])
+    """Overrides composing the DAPO stage."""
     reuse: bool = True
     """Skip a stage whose export already exists in the run directory (resume a pipeline)."""
     eval_prompts: int = field(default=256, metadata={"ge": 1})
@@ -134,7 +140,7 @@ class DemoPipeline:
         gen, template, max_prompt_length = self.rollout_settings(run_dir, cfg)
         results = evaluate_policies(policies, sft, rm, task, prompts, self.config.eval_batch_size, gen, template,
                                     max_prompt_length)  # fmt: skip
-        curves = {stage: training_curve(os.path.join(run_dir, stage)) for stage in ("ppo", "ppo_max")}
+        curves = {stage: training_curve(os.path.join(run_dir, stage)) for stage in RL_STAGES}
         checks = self.checks(results, curves)
         flat = {f"eval/{name}/{k}": v for name, res in results.items() for k, v in res.items()}
         flat.update({f"check/{k}": float(v) for k, v in checks.items() if isinstance(v, bool)})
@@ -144,11 +150,10 @@ class DemoPipeline:
             fh.write(table + "\n")
         with open(os.path.join(run_dir, "summary.json"), "w") as fh:
             json.dump({"policies": results, "curves": curves, "checks": checks, "config": asdict(self.config)}, fh, indent=2)
-        rl_dirs = [(os.path.join(run_dir, s), lbl) for s, lbl in (("ppo", "PPO (β=0)"), ("ppo_max", "PPO-max"))
-                   if os.path.isdir(os.path.join(run_dir, s, "csv"))]  # fmt: skip
+        rl_dirs = [(os.path.join(run_dir, s), LABELS[s]) for s in RL_STAGES if os.path.isdir(os.path.join(run_dir, s, "csv"))]
         if rl_dirs:
             png = render([d for d, _ in rl_dirs], os.path.join(run_dir, "stability.png"), [lbl for _, lbl in rl_dirs],
-                         title="embedded task: PPO (β=0) vs PPO-max")  # fmt: skip
+                         title="embedded task: " + " vs ".join(lbl for _, lbl in rl_dirs))  # fmt: skip
             log.info("stability panels: %s", png)
         log.info("summary: %s", os.path.join(run_dir, "summary.md"))
         return {"results": results, "checks": checks, "flat": flat}
@@ -159,7 +164,7 @@ class DemoPipeline:
         from lit_rlhf.rollout.generate import GenerationConfig
         from lit_rlhf.utils.config import build_config
 
-        rl = [s for s in self.config.stages if s in ("ppo", "ppo_max")]
+        rl = [s for s in self.config.stages if s in ("ppo", "ppo_max")]  # (GRPO/DAPO sample alike: see the experiments)
         stage = rl[-1] if rl else "ppo_max"
         stage_cfg = self.compose_stage(self.stage_overrides(stage, run_dir, _cli_overrides()), str(cfg.paths.root_dir))
         gen = build_config(GenerationConfig, stage_cfg.algo.generation, "algo.generation")
@@ -167,30 +172,26 @@ class DemoPipeline:
         return gen, str(prompt.template), int(prompt.max_prompt_length)
 
     def checks(self, results: dict[str, dict[str, float]], curves: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        """The demo's claims, computed from the evaluation and the PPO runs' validation curves."""
+        """The demo's claims, from the evaluation and the RL stages' validation curves: each trained
+        policy's gold gain (in SFT σ) and whether its KL is bounded; for each RL stage, whether the
+        gold reward fell from its peak while the proxy rose (over-optimization); PPO (β=0)'s drift."""
         out: dict[str, Any] = {}
         sft = results.get("SFT")
-        pmax = results.get("PPO-max")
-        if sft and pmax:
-            gain = pmax["gold_mean"] - sft["gold_mean"]
-            out["ppo_max_gold_gain_in_sft_sigma"] = gain / max(sft["gold_std"], 1e-9)
-            out["ppo_max_raises_gold_by_1_sigma"] = gain >= sft["gold_std"]
-            out["ppo_max_kl_bounded"] = pmax["kl_to_sft"] < self.config.kl_bound
-        curve = curves.get("ppo") or {}
-        gold, proxy = curve.get("gold", []), curve.get("proxy", [])
-        if len(gold) >= 2 and len(proxy) >= 2:
-            peak = max(range(len(gold)), key=lambda i: gold[i])
-            out["ppo_gold_peak"] = gold[peak]
-            out["ppo_gold_final"] = gold[-1]
-            out["ppo_proxy_at_gold_peak"] = proxy[peak]
-            out["ppo_proxy_final"] = proxy[-1]
-            out["ppo_overoptimized"] = gold[-1] < gold[peak] and proxy[-1] > proxy[peak]
-        for key, label in (("dpo", "DPO"),):  # where the other methods land against PPO-max
-            other = results.get(label)
-            if sft and other:
-                out[f"{key}_gold_gain_in_sft_sigma"] = (other["gold_mean"] - sft["gold_mean"]) / max(sft["gold_std"], 1e-9)
-                out[f"{key}_kl_bounded"] = other["kl_to_sft"] < self.config.kl_bound
-        ppo = results.get("PPO (β=0)")
+        for stage, label in LABELS.items():
+            res = results.get(label)
+            if sft and res:
+                out[f"{stage}_gold_gain_in_sft_sigma"] = (res["gold_mean"] - sft["gold_mean"]) / max(sft["gold_std"], 1e-9)
+                out[f"{stage}_kl_bounded"] = res["kl_to_sft"] < self.config.kl_bound
+            curve = curves.get(stage) or {}
+            gold, proxy = curve.get("gold", []), curve.get("proxy", [])
+            if len(gold) >= 2 and len(proxy) >= 2:
+                peak = max(range(len(gold)), key=lambda i: gold[i])
+                out.update({f"{stage}_gold_peak": gold[peak], f"{stage}_gold_final": gold[-1],
+                            f"{stage}_proxy_at_gold_peak": proxy[peak], f"{stage}_proxy_final": proxy[-1],
+                            f"{stage}_overoptimized": gold[-1] < gold[peak] and proxy[-1] > proxy[peak]})  # fmt: skip
+        if "ppo_max_gold_gain_in_sft_sigma" in out:
+            out["ppo_max_raises_gold_by_1_sigma"] = out["ppo_max_gold_gain_in_sft_sigma"] >= 1.0
+        ppo, pmax = results.get("PPO (β=0)"), results.get("PPO-max")
         if ppo and sft and pmax:
             # the drift that comes with it: KL far beyond PPO-max's bound, length away from SFT's
             out["ppo_kl_drift"] = ppo["kl_to_sft"] > self.config.kl_bound
@@ -287,7 +288,7 @@ def evaluate_policies(
 
 
 def format_table(results: dict[str, dict[str, float]], checks: dict[str, Any]) -> str:
-    """The markdown table printed at the end of the demo (and saved as summary.md)."""
+    """The markdown table printed at the end of the demo (and saved as summary.md), with its notes."""
     cols = [("gold reward", "gold_mean", "{:+.3f}"), ("(std)", "gold_std", "{:.3f}"),
             ("proxy (RM) reward", "proxy_mean", "{:+.3f}"), ("KL to SFT", "kl_to_sft", "{:.2f}"),
             ("perplexity", "perplexity", "{:.2f}"), ("length", "response_length", "{:.1f}"),
@@ -295,27 +296,29 @@ def format_table(results: dict[str, dict[str, float]], checks: dict[str, Any]) -
     lines = ["| policy | " + " | ".join(c for c, _, _ in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, res in results.items():
         lines.append(f"| {name} | " + " | ".join(fmt.format(res[k]) for _, k, fmt in cols) + " |")
+    return "\n".join(lines + [""] + [f"- {n}" for n in _notes(results, checks)])
+
+
+def _notes(results: dict[str, dict[str, float]], checks: dict[str, Any]) -> list[str]:
     notes = []
-    if "ppo_max_gold_gain_in_sft_sigma" in checks:
-        notes.append(
-            f"PPO-max vs SFT: gold {checks['ppo_max_gold_gain_in_sft_sigma']:+.2f} SFT σ "
-            f"({'≥' if checks['ppo_max_raises_gold_by_1_sigma'] else '<'} 1 σ); KL to SFT "
-            f"{'bounded' if checks['ppo_max_kl_bounded'] else 'NOT bounded'}"
-        )
+    for stage, label in LABELS.items():
+        if f"{stage}_gold_gain_in_sft_sigma" not in checks or stage == "ppo":
+            continue
+        line = (f"{label} vs SFT: gold {checks[f'{stage}_gold_gain_in_sft_sigma']:+.2f} SFT σ; KL to SFT "
+                f"{results[label]['kl_to_sft']:.2f} ({'bounded' if checks[f'{stage}_kl_bounded'] else 'NOT bounded'})")  # fmt: skip
+        if stage != "ppo_max":
+            line += f", length {results['SFT']['response_length']:.1f} → {results[label]['response_length']:.1f}"
+        if f"{stage}_overoptimized" in checks and stage != "ppo_max":
+            line += (f"; during training gold peaked at {checks[f'{stage}_gold_peak']:+.3f} and ended at "
+                     f"{checks[f'{stage}_gold_final']:+.3f}: "
+                     f"{'over-optimization' if checks[f'{stage}_overoptimized'] else 'no over-optimization'}")  # fmt: skip
+        notes.append(line)
     if "ppo_overoptimized" in checks:
         notes.append(
             f"PPO (β=0) during training: gold peaked at {checks['ppo_gold_peak']:+.3f} and ended at "
             f"{checks['ppo_gold_final']:+.3f} while the proxy went {checks['ppo_proxy_at_gold_peak']:+.2f} → "
             f"{checks['ppo_proxy_final']:+.2f}: {'over-optimization' if checks['ppo_overoptimized'] else 'no over-optimization'}"
         )
-    for key, label in (("dpo", "DPO"),):
-        if f"{key}_gold_gain_in_sft_sigma" in checks:
-            res = results[label]
-            notes.append(
-                f"{label} vs SFT: gold {checks[f'{key}_gold_gain_in_sft_sigma']:+.2f} SFT σ, KL to SFT "
-                f"{res['kl_to_sft']:.2f} ({'bounded' if checks[f'{key}_kl_bounded'] else 'NOT bounded'}), length "
-                f"{results['SFT']['response_length']:.1f} → {res['response_length']:.1f}"
-            )
     if "ppo_kl_drift" in checks:
         ppo, sft = results["PPO (β=0)"], results["SFT"]
         notes.append(
@@ -323,4 +326,4 @@ def format_table(results: dict[str, dict[str, float]], checks: dict[str, Any]) -
             f"bound), length {sft['response_length']:.1f} → {ppo['response_length']:.1f} "
             f"({'more' if checks['ppo_length_drift'] else 'less'} than PPO-max's change)"
         )
-    return "\n".join(lines + [""] + [f"- {n}" for n in notes])
+    return notes

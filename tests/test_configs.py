@@ -45,7 +45,7 @@ def test_option_composes_and_validates(group, option, tmp_path):
         cfg = compose([f"{group}={option}", *values], tmp_path)
     p = plan(cfg)  # model, algo and data configs are typed and valid
     if p.pipeline_cls is not None:  # pipeline=demo: its stages are validated when they run
-        assert p.pipeline.stages == ["sft", "rm", "ppo", "ppo_max", "dpo"]
+        assert p.pipeline.stages == ["sft", "rm", "ppo", "ppo_max", "dpo", "grpo", "dapo"]
         return
     assert p.algo_cls.data_kind in cfg.data
     if group == "strategy":

@@ -130,3 +130,20 @@ def test_dpo_two_processes_identical(models, tmp_path, strategy, precompute):
         assert ranks[0]["metrics"][key] == pytest.approx(ranks[1]["metrics"][key]), key  # synced, not per rank
     if precompute:
         assert (tmp_path / "ref_logprobs.pt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("strategy", ["ddp", "deepspeed"])
+def test_grpo_two_processes_identical(models, tmp_path, strategy):
+    """GRPO with 2 processes (μ = 2 passes of 2 minibatches per rollout): every rank ends with the
+    same trained actor (gradients all-reduced; DeepSpeed ZeRO-2 shards optimizer state and grads)."""
+    from transformers import AutoModelForCausalLM
+
+    run_helper("grpo_multiproc.py", tmp_path, "--strategy", strategy, "--devices", "2", "--models", str(models))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == 2
+    for k, v in ranks[0]["params"].items():
+        torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
+    init = AutoModelForCausalLM.from_pretrained(models / "policy").state_dict()
+    assert all(not torch.equal(ranks[0]["params"][k], v.float()) for k, v in init.items())

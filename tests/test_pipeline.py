@@ -14,9 +14,10 @@ BUDGET = ["data.sft.n_train=256", "data.sft.n_val=32", "trainer.max_epochs=1", "
           "data.preference.n_val=32", "data.preference.n_test=32", "data.prompt.n_val=16", "data.prompt.eval_batch_size=16"]  # fmt: skip
 
 
-def shorten(stage_overrides):
-    """The stage's own overrides, then 2 RL iterations validated after each."""
-    return [*OmegaConf.to_container(stage_overrides, resolve=False), "trainer.max_steps=8", "trainer.val_check_interval=1"]
+def shorten(stage_overrides, steps=8):
+    """The stage's own overrides, then 2 RL iterations (PPO: 4 optimizer steps each) validated after each."""
+    return [*OmegaConf.to_container(stage_overrides, resolve=False), f"trainer.max_steps={steps}",
+            "trainer.val_check_interval=1"]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -28,21 +29,26 @@ def test_shortened_demo_pipeline(tmp_path):
         cfg.pipeline.common = BUDGET
         cfg.pipeline.ppo = shorten(cfg.pipeline.ppo)
         cfg.pipeline.ppo_max = shorten(cfg.pipeline.ppo_max)
+        cfg.pipeline.grpo = shorten(cfg.pipeline.grpo, steps=2)
+        cfg.pipeline.dapo = shorten(cfg.pipeline.dapo, steps=2)
         cfg.pipeline.eval_prompts = 24
     metrics = run(cfg)
-    for stage, export in (("sft", "policy"), ("rm", "reward_model"), ("ppo", "actor"), ("ppo_max", "actor"), ("dpo", "policy")):
+    for stage, export in (("sft", "policy"), ("rm", "reward_model"), ("ppo", "actor"), ("ppo_max", "actor"),
+                          ("dpo", "policy"), ("grpo", "actor"), ("dapo", "actor")):  # fmt: skip
         assert (tmp_path / stage / export).is_dir(), stage
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert set(summary["policies"]) == {"SFT", "PPO (β=0)", "PPO-max", "DPO"}
+    assert set(summary["policies"]) == {"SFT", "PPO (β=0)", "PPO-max", "DPO", "GRPO", "DAPO"}
     for res in summary["policies"].values():
         assert set(res) == {"gold_mean", "gold_std", "proxy_mean", "kl_to_sft", "perplexity", "response_length",
                             "truncation_rate"}  # fmt: skip
     assert summary["policies"]["SFT"]["kl_to_sft"] == pytest.approx(0.0, abs=1e-5)  # the reference itself
     assert len(summary["curves"]["ppo"]["gold"]) == 3  # before fit + after each of 2 iterations
-    assert {"ppo_overoptimized", "ppo_kl_drift", "ppo_length_drift", "ppo_max_kl_bounded", "dpo_gold_gain_in_sft_sigma"} <= set(summary["checks"])
+    assert {"ppo_overoptimized", "ppo_kl_drift", "ppo_length_drift", "ppo_max_kl_bounded", "dpo_gold_gain_in_sft_sigma",
+            "grpo_overoptimized", "dapo_kl_bounded"} <= set(summary["checks"])  # fmt: skip
     assert (tmp_path / "dpo" / "csv" / "metrics.csv").exists() and "dpo/val/rewards/accuracies" in metrics
     table = (tmp_path / "summary.md").read_text()
-    assert "| PPO-max |" in table and "| DPO |" in table and "PPO (β=0) drift: KL to SFT" in table and "DPO vs SFT: gold" in table
+    assert "| PPO-max |" in table and "| DPO |" in table and "| DAPO |" in table and "PPO (β=0) drift: KL to SFT" in table
+    assert "DPO vs SFT: gold" in table and "GRPO vs SFT: gold" in table and "during training gold peaked" in table
     assert (tmp_path / "stability.png").stat().st_size > 20_000
     assert "eval/PPO-max/gold_mean" in metrics and "ppo_max/critic/loss" in metrics
     # rerunning the pipeline reuses the finished stages (only the evaluation runs again)
@@ -62,7 +68,7 @@ def test_plain_train_py_is_the_pipeline(tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = hydra_compose("train")
     assert cfg.pipeline._target_ == "lit_rlhf.pipeline.DemoPipeline" and "algo" not in cfg
-    assert cfg.pipeline.stages == ["sft", "rm", "ppo", "ppo_max", "dpo"]
+    assert cfg.pipeline.stages == ["sft", "rm", "ppo", "ppo_max", "dpo", "grpo", "dapo"]
 
 
 def test_final_table_samples_with_the_rl_stages_settings(tmp_path):

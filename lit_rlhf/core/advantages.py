@@ -1,6 +1,9 @@
-"""Generalized advantage estimation over response tokens (docs/algorithms.md §2.4; Schulman et al. 2016)."""
+"""Advantages: GAE over response tokens for PPO (docs/algorithms.md §2.4; Schulman et al. 2016) and
+group-relative advantages for the critic-free methods (§6)."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -37,3 +40,46 @@ def gae(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, la
         advantages[:, t] = next_adv
         next_value = values[:, t]
     return advantages, (advantages + values) * mask
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_size: int,
+    scale: bool = True,
+    baseline: Literal["mean", "leave_one_out"] = "mean",
+    eps: float = 1e-4,
+    valid: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Critic-free advantages of G responses per prompt (docs/algorithms.md §6), one per response.
+
+    ``rewards`` (N,) holds N / G consecutive groups. baseline "mean": A_i = r_i − mean_group
+    (GRPO; Shao et al. 2024); "leave_one_out": A_i = r_i − mean_{j≠i} r_j (RLOO; Ahmadian et al.
+    2024). ``scale`` divides by the group's std (unbiased) + ``eps`` (GRPO; Dr. GRPO and RLOO do
+    not). ``valid`` (N,) bool drops responses (non-finite rewards) from their group's statistics;
+    their advantage is 0.
+
+    Returns:
+        advantages (N,), and (N / G,) bool: the groups whose valid rewards are all equal (no signal).
+    Naive equivalent: a Python loop over groups with ``statistics.mean/stdev`` (tests compare).
+    """
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    valid = torch.isfinite(rewards) if valid is None else valid & torch.isfinite(rewards)
+    r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, group_size).double()
+    m = valid.view(-1, group_size).double()
+    n = m.sum(1, keepdim=True)
+    total = (r * m).sum(1, keepdim=True)
+    if baseline == "leave_one_out":
+        base = (total - r) / (n - 1).clamp(min=1)
+    elif baseline == "mean":
+        base = total / n.clamp(min=1)
+    else:
+        raise ValueError(f"unknown baseline {baseline!r}; use mean or leave_one_out")
+    mean = total / n.clamp(min=1)
+    var = (((r - mean) ** 2) * m).sum(1, keepdim=True) / (n - 1).clamp(min=1)
+    adv = r - base
+    if scale:
+        adv = adv / (var.sqrt() + eps)
+    no_signal = (var.squeeze(1) == 0) | (n.squeeze(1) < 2)
+    adv = torch.where(m.bool(), adv, torch.zeros_like(adv))
+    return adv.view(-1).to(rewards.dtype), no_signal

@@ -25,8 +25,9 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: Aggregation = "token_mean",
     """
     if mode == "token_mean":
         return masked_mean(per_token, mask)
-    if mode == "seq_mean":
-        return masked_mean(per_token, mask, dim=1).mean()
+    if mode == "seq_mean":  # over the sequences that have tokens (a fully masked row is not a sequence)
+        rows = mask.sum(1) > 0
+        return masked_sum(masked_mean(per_token, mask, dim=1), rows) / rows.sum().clamp(min=1)
     if mode == "seq_sum_const":
         if not constant:
             raise ValueError("seq_sum_const needs a constant normaliser (e.g. max_new_tokens)")
@@ -54,7 +55,8 @@ def ppo_policy_loss(
     Args:
         logprobs, old_logprobs, advantages, response_mask: (B, T).
     Returns:
-        loss, stats {"loss", "clipfrac", "approx_kl", "ratio_mean", "ratio_max", "dual_clipfrac"}.
+        loss, stats {"loss", "clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl", "ratio_mean", "ratio_max",
+        "dual_clipfrac"}.
     """
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
@@ -72,6 +74,9 @@ def ppo_policy_loss(
         stats = {
             "loss": loss.detach(),
             "clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
+            # which side clipped: the ratio left [1 − ε_low, 1 + ε_high] where the clip binds
+            "clipfrac_low": masked_mean(((ratio < 1.0 - clip_low) & (advantages < 0)).float(), response_mask),
+            "clipfrac_high": masked_mean(((ratio > 1.0 + clip_high) & (advantages > 0)).float(), response_mask),
             # k3 of KL(old ‖ new) (http://joschu.net/blog/kl-approx.html)
             "approx_kl": masked_mean((ratio - 1.0) - log_ratio, response_mask),
             "ratio_mean": masked_mean(ratio, response_mask),

@@ -55,3 +55,15 @@ def shape_rewards(scores: Tensor, kl: Tensor, response_mask: Tensor, beta: float
     rows = torch.arange(rewards.shape[0], device=rewards.device)
     rewards[rows, last_token_index(response_mask)] += scores.to(rewards.dtype)
     return rewards
+
+
+def overlong_penalty(lengths: Tensor, max_length: int, buffer: int) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, Eq. 13), added to the reward; (B,) from (B,) lengths.
+
+    0 if |y| ≤ L_max − L_c;  (L_max − L_c − |y|) / L_c inside the last L_c tokens;  −1 beyond L_max.
+    """
+    if buffer <= 0 or buffer > max_length:
+        raise ValueError(f"overlong buffer must be in (0, max_length={max_length}], got {buffer}")
+    start = max_length - buffer
+    inside = (start - lengths.to(torch.float32)) / buffer
+    return torch.where(lengths <= start, torch.zeros_like(inside), torch.where(lengths <= max_length, inside, -torch.ones_like(inside)))

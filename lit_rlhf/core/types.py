@@ -82,3 +82,38 @@ class Rollout:
             else:
                 out[f.name] = v
         return replace(self, **out)
+
+
+def cat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
+    """One rollout from several (e.g. DAPO's resampled groups): prompts re-padded on the LEFT and
+    responses on the RIGHT to the widest of each, masks and per-token fields padded with 0.
+
+    Only the fields every part has are kept (the others must be None in all of them).
+    """
+
+    def pad_to(x: Tensor, width: int, left: bool, value: float) -> Tensor:
+        extra = width - x.shape[1]
+        if extra == 0:
+            return x
+        fill = torch.full((x.shape[0], extra), value, dtype=x.dtype, device=x.device)
+        return torch.cat([fill, x] if left else [x, fill], dim=1)
+
+    p_width = max(r.prompt_ids.shape[1] for r in rollouts)
+    r_width = max(r.response_ids.shape[1] for r in rollouts)
+    out = {}
+    for f in fields(Rollout):
+        values = [getattr(r, f.name) for r in rollouts]
+        if f.name in ("prompts_text", "responses_text"):
+            out[f.name] = [t for v in values for t in v]
+        elif all(v is None for v in values):
+            out[f.name] = None
+        elif any(v is None for v in values):
+            raise ValueError(f"cannot concatenate rollouts: {f.name} is missing from some of them")
+        elif values[0].dim() == 1:
+            out[f.name] = torch.cat(values)
+        else:
+            prompt_side = f.name.startswith("prompt_")
+            value = pad_id if f.name.endswith("_ids") else 0
+            width = p_width if prompt_side else r_width
+            out[f.name] = torch.cat([pad_to(v, width, prompt_side, value) for v in values])
+    return Rollout(**out)

@@ -212,7 +212,7 @@ class PreferenceDataModule(pl.LightningDataModule):
         self.config = resolve_config(PreferenceDataConfig, config, kwargs, "data")
         self.tokenizer: Any = None
         self.kind = "causal_lm"
-        self.splits: dict[str, list[tuple[EncodedPair, EncodedPair, float | None]]] | None = None
+        self.splits: dict[str, list[EncodedPreference]] | None = None
         self.pairs: dict[str, list[PreferencePair]] = {}
         self.stats: dict[str, int] = {}
         self.gold_accuracy: dict[str, float] = {}

@@ -168,8 +168,15 @@ class PromptDataModule(pl.LightningDataModule):
             ).connect(self.tokenizer)  # fmt: skip
             self.ptx.setup(stage)
 
-    def _prompt_loader(self, data: list, shuffle: bool, size: int) -> DataLoader:
-        gen = torch.Generator().manual_seed(self.config.seed) if shuffle else None
+    def extra_dataloader(self) -> DataLoader:
+        """The training prompts in another shuffled order (seed + 1,000,003), for stages that draw
+        extra prompts within an iteration (DAPO's dynamic sampling) without disturbing the order
+        of the main loader."""
+        assert self.train_set is not None, "setup() first"
+        return self._prompt_loader(self.train_set, True, self.config.batch_size, seed=self.config.seed + 1_000_003)
+
+    def _prompt_loader(self, data: list, shuffle: bool, size: int, seed: int | None = None) -> DataLoader:
+        gen = torch.Generator().manual_seed(self.config.seed if seed is None else seed) if shuffle else None
         return DataLoader(
             data, batch_size=size, shuffle=shuffle, generator=gen, num_workers=self.config.num_workers,
             collate_fn=functools.partial(collate_prompts, pad_id=self.tokenizer.pad_token_id), drop_last=shuffle,

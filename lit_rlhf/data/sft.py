@@ -13,10 +13,11 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
 from lit_rlhf.data.collate import EncodedPair, collate_sft, encode_pair
-from lit_rlhf.data.io import DataError, Row, iter_rows, require_str
+from lit_rlhf.data.io import DataError, Row, iter_rows, parse_rows, require_str, select_rows
+from lit_rlhf.data.preference import split_hh
 from lit_rlhf.data.synthetic import SyntheticTask, TaskConfig
 from lit_rlhf.data.templates import TEMPLATES, get_template
-from lit_rlhf.utils.config import check, resolve_config
+from lit_rlhf.utils.config import ConfigError, check, resolve_config
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,10 @@ class SFTDataConfig:
     """Split name of ``source`` used for validation (folder/hub sources)."""
     val_fraction: float = field(default=0.05, metadata={"ge": 0.0, "lt": 1.0})
     """Fraction of the training rows held out for validation when no validation source is set."""
+    format: Literal["prompt_response", "hh"] = "prompt_response"
+    """prompt_response = the two fields below; hh = HH-RLHF pairs, trained on the prompt and the CHOSEN reply."""
+    train_rows: str | None = None
+    """1-based inclusive row range of ``source`` to train on (e.g. "1-2000"); None = all rows."""
     prompt_field: str = "prompt"
     """Column holding the prompt."""
     response_field: str = "response"
@@ -66,6 +71,10 @@ class SFTDataConfig:
     def validate(self) -> None:
         check(self.source is not None, "source", "is required: a .jsonl/.json/.parquet file, a save_to_disk "
                                                  "folder or a hub dataset name, e.g. data.sft.source=/path/train.jsonl")  # fmt: skip
+        try:
+            parse_rows(self.train_rows)
+        except ValueError as err:
+            raise ConfigError("train_rows", str(err)) from None
         check(self.template in TEMPLATES, "template", f"must be one of {list(TEMPLATES)}, got {self.template!r}")
 
 
@@ -102,8 +111,11 @@ class SFTDataModule(pl.LightningDataModule):
         c = self.config
         out, empty = [], 0
         for row in rows:
-            prompt = require_str(row, c.prompt_field, ["data.sft.prompt_field"])
-            response = require_str(row, c.response_field, ["data.sft.response_field"])
+            if c.format == "hh":  # the dialogue up to the last shared "Assistant:", then the chosen reply
+                prompt, response, _ = split_hh(require_str(row, "chosen"), require_str(row, "rejected"), row.where)
+            else:
+                prompt = require_str(row, c.prompt_field, ["data.sft.prompt_field"])
+                response = require_str(row, c.response_field, ["data.sft.response_field"])
             if not response.strip():
                 if c.on_empty == "error":
                     raise DataError(f"{row.where}: empty response (set data.sft.on_empty=skip to skip such rows)")
@@ -122,7 +134,7 @@ class SFTDataModule(pl.LightningDataModule):
             val = [Row(r, f"synthetic[val] #{i}") for i, r in enumerate(task.sft_records(c.n_val, "val"))]
             self._task = task
             return train, val
-        train = list(iter_rows(c.source, c.train_split))
+        train = select_rows(list(iter_rows(c.source, c.train_split)), c.train_rows)
         if c.val_source is not None:
             val = list(iter_rows(c.val_source, c.val_split or c.train_split))
         elif c.val_split is not None:

@@ -82,6 +82,10 @@ def prepare_tokenizer(tokenizer: Any, kind: str = "causal_lm") -> Any:
 
 def build_tokenizer(spec: ModelSpec) -> Any:
     """The spec's tokenizer, prepared (pad token, left padding)."""
+    if spec.train_tokenizer is not None:
+        from lit_rlhf.data.bpe import train_bpe
+
+        return prepare_tokenizer(train_bpe(spec.train_tokenizer))
     source = spec.tokenizer_source
     if source == "synthetic":
         from lit_rlhf.data.synthetic import build_tokenizer as synthetic_tokenizer

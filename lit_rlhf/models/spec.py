@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lit_rlhf.data.bpe import BPETokenizerConfig
 from lit_rlhf.utils.config import check
 
 
@@ -65,6 +66,9 @@ class ModelSpec:
     """Build a randomly initialised Llama from this config instead of loading weights."""
     tokenizer: str | None = None
     """Tokenizer hub id or directory; None = ``name_or_path``; "synthetic" = the embedded task's."""
+    train_tokenizer: BPETokenizerConfig | None = None
+    """For a tiny model: learn a byte-level BPE tokenizer from a dataset's training rows instead
+    (lit_rlhf/data/bpe.py), e.g. for HH-RLHF dialogues; exclusive with ``tokenizer``."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """Weights dtype at load time (training precision is the trainer's ``precision``)."""
     trust_remote_code: bool = False
@@ -88,10 +92,13 @@ class ModelSpec:
             "a tiny model is a Llama (causal_lm); encoders load from model.name_or_path",
         )
         check(
-            self.tiny is None or self.tokenizer is not None,
+            self.tiny is None or (self.tokenizer is not None) != (self.train_tokenizer is not None),
             "tokenizer",
-            "a tiny model has no tokenizer of its own: set model.tokenizer (e.g. 'synthetic' or a path)",
+            "a tiny model has no tokenizer of its own: set model.tokenizer (e.g. 'synthetic' or a path) or "
+            "model.train_tokenizer (a BPE learned from your data), not both",
         )
+        check(self.train_tokenizer is None or self.tiny is not None, "train_tokenizer",
+              "only a tiny model (model.tiny) is trained with a new tokenizer")  # fmt: skip
 
     @property
     def tokenizer_source(self) -> str:

@@ -103,6 +103,9 @@ class RLConfig(OptimConfig):
     reward_fn: dict | None = None
     """Instead of a reward model: ``{_target_: factory}`` returning ``fn(prompts, responses, ended)
     -> list[float]``, e.g. ``lit_rlhf.data.synthetic.gold_reward_fn`` (the embedded gold reward)."""
+    reward_fns: list[dict] | None = None
+    """Instead: several such callables summed with weights, ``[{_target_: …, weight: 1.0, name: …}]``;
+    each component is logged as ``reward/<name>`` (e.g. a verifier plus a format reward)."""
     gold_reward_fn: dict | None = None
     """Optional second reward evaluated in validation only (``val/gold_score_mean``), never trained
     on: e.g. the embedded task's gold reward, to watch the proxy being over-optimized."""
@@ -114,6 +117,8 @@ class RLConfig(OptimConfig):
     """Sampling settings of the rollouts (validation samples with them too)."""
     logprobs_at_sampling_temperature: bool = False
     """False: log-probs at temperature 1 (docs/algorithms.md §2.1); True: logits / sampling temperature."""
+    max_grad_norm: float | None = field(default=1.0, metadata={"gt": 0.0})
+    """Global grad-norm clip over everything trained (DeepSpeed strategies clip in their config)."""
     kl_coef: float = field(default=0.0, metadata={"ge": 0.0})
     """β of the KL(π‖π_ref) term; 0 = none (the reference is still scored for the stability metrics)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
@@ -123,13 +128,16 @@ class RLConfig(OptimConfig):
 
     def validate(self) -> None:
         super().validate()
+        rewards = [k for k in ("reward_path", "reward_fn", "reward_fns") if getattr(self, k)]
         check(
-            (self.reward_path is None) != (self.reward_fn is None),
+            len(rewards) == 1,
             "reward_path",
-            "set exactly one of algo.reward_path (a saved reward model) and algo.reward_fn (a {_target_: …} callable)",
+            "set exactly one of algo.reward_path (a saved reward model), algo.reward_fn (a {_target_: …} callable) "
+            f"and algo.reward_fns (weighted callables); got {rewards or 'none'}",
         )
-        for key in ("reward_fn", "gold_reward_fn"):
-            value = getattr(self, key)
+        for key, value in [("reward_fn", self.reward_fn), ("gold_reward_fn", self.gold_reward_fn)] + [
+            (f"reward_fns[{i}]", v) for i, v in enumerate(self.reward_fns or [])
+        ]:
             check(value is None or "_target_" in value, key, "must be a mapping with a _target_ (a factory "
                                                              "returning the reward callable)")  # fmt: skip
 
@@ -153,8 +161,6 @@ class PPOConfig(RLConfig):
     """Passes over the rollout buffer per RL iteration."""
     minibatch_size: int = field(default=8, metadata={"ge": 1})
     """Rollouts per optimizer step (rollout_batch_size / minibatch_size steps per epoch; recipe: 4)."""
-    max_grad_norm: float | None = field(default=1.0, metadata={"gt": 0.0})
-    """Global grad-norm clip over actor and critic (DeepSpeed strategies clip in their config)."""
     fuse_first_forward: bool = True
     """With 1 epoch over 1 minibatch (and no dropout), take log π_old and V_old from the first
     training forward instead of separate rollout passes: exact, and two forwards cheaper."""
@@ -259,4 +265,67 @@ class DPOConfig(OptimConfig):
             self.loss_type == "sigmoid" or self.label_smoothing == 0.0,
             "label_smoothing",
             f"applies to the sigmoid (DPO) loss only; got loss_type={self.loss_type!r}",
+        )
+
+
+@dataclass
+class GRPOConfig(RLConfig):
+    """Critic-free RL (docs/algorithms.md §6): GRPO; DAPO, Dr. GRPO and RLOO are presets of it.
+    Defaults: GRPO as in DeepSeekMath (β 0.04 with k3 in the loss, lr 1e-6, per-sequence mean then
+    batch mean, advantages scaled by the group std) with TRL's group size 8."""
+
+    num_generations: int = field(default=8, metadata={"ge": 1})
+    """G: responses sampled per prompt (the group). algo.rollout_batch_size counts responses."""
+    num_iterations: int = field(default=1, metadata={"ge": 1})
+    """μ: passes over each rollout (> 1: the old log-probs, taken at rollout, matter)."""
+    minibatch_size: int | None = field(default=None, metadata={"ge": 1})
+    """Responses per optimizer step; None = the whole rollout (one step per pass)."""
+    lr: float = field(default=1e-6, metadata={"gt": 0.0})
+    """Learning rate (DeepSeekMath: 1e-6)."""
+    scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """lr after warm-up."""
+    kl_coef: float = field(default=0.04, metadata={"ge": 0.0})
+    """β of the KL to the reference IN THE LOSS; 0 = no KL term and no reference model loaded."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token estimator of the loss's KL term (k3: DeepSeekMath)."""
+    clip_eps_low: float = field(default=0.2, metadata={"gt": 0.0, "lt": 1.0})
+    """Ratio clip below: ρ ≥ 1 − ε_low."""
+    clip_eps_high: float = field(default=0.2, metadata={"gt": 0.0})
+    """Ratio clip above: ρ ≤ 1 + ε_high (DAPO's clip-higher: 0.28)."""
+    loss_aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_sum_constant"] = "seq_mean_token_mean"
+    """seq_mean_token_mean (GRPO), token_mean (DAPO), seq_sum_constant (Dr. GRPO: Σ / (B · max_new_tokens))."""
+    scale_rewards: bool = True
+    """Divide the group-relative advantage by the group's std (+1e-4); false for Dr. GRPO and RLOO."""
+    advantage_baseline: Literal["mean", "leave_one_out"] = "mean"
+    """The group's mean (GRPO) or the mean of the OTHER responses (RLOO)."""
+    overlong_buffer: int | None = field(default=None, metadata={"ge": 1})
+    """DAPO's soft overlong punishment: the last L_c tokens before overlong_max_length cost up to −1; None = off."""
+    overlong_max_length: int | None = field(default=None, metadata={"ge": 1})
+    """L_max of the punishment; None = algo.generation.max_new_tokens."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts until the batch is full."""
+    max_resample_rounds: int = field(default=4, metadata={"ge": 0})
+    """Dynamic sampling: extra prompt batches per iteration at most; then train on the groups kept."""
+
+    def validate(self) -> None:
+        super().validate()
+        check(self.num_generations >= 2, "num_generations",
+              f"GRPO compares responses within a group: needs >= 2, got {self.num_generations}")  # fmt: skip
+        check(
+            self.rollout_batch_size % self.num_generations == 0,
+            "rollout_batch_size",
+            f"{self.rollout_batch_size} responses do not split into groups of algo.num_generations="
+            f"{self.num_generations}: make algo.rollout_batch_size a multiple of it",
+        )
+        check(
+            self.clip_eps_high >= self.clip_eps_low,
+            "clip_eps_high",
+            f"must be >= algo.clip_eps_low ({self.clip_eps_low}), got {self.clip_eps_high}",
+        )
+        check(self.kl_estimator != "k1" or self.kl_coef == 0, "kl_estimator",
+              "k1 in the loss has zero expected gradient on-policy: use k3 (or k2)")  # fmt: skip
+        check(
+            self.overlong_buffer is None or self.overlong_buffer <= (self.overlong_max_length or self.generation.max_new_tokens),
+            "overlong_buffer",
+            "must not exceed the overlong max length (algo.overlong_max_length or algo.generation.max_new_tokens)",
         )

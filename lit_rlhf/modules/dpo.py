@@ -83,7 +83,7 @@ class DPOModule(RLHFModule):
         self.policy: nn.Module | None = None
         self.frozen: dict[str, nn.Module] = {}  # the reference: not a submodule, never checkpointed
         self.ref_table: dict[str, Tensor] = {}  # split -> (N, 2) precomputed reference log-probs
-        self.train_metrics, self.val_metrics = DPOMetrics(), DPOMetrics()
+        self.train_metrics, self.val_metrics, self.test_metrics = DPOMetrics(), DPOMetrics(), DPOMetrics()
         self._drift_seen = 0  # drift prompts sampled in the current validation (per process)
 
     # ------------------------------------------------------------ runner hooks
@@ -184,7 +184,7 @@ class DPOModule(RLHFModule):
         chosen, rejected = self.sequence_logps(self.policy, batch)
         ref_chosen, ref_rejected = self.reference_logps(batch, split)
         loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, c.beta, c.loss_type, c.label_smoothing)
-        metrics = self.train_metrics if split == "train" else self.val_metrics
+        metrics = {"train": self.train_metrics, "val": self.val_metrics, "test": self.test_metrics}[split]
         metrics.update(loss, stats["chosen_rewards"], stats["rejected_rewards"], chosen, rejected)
         return loss, stats
 
@@ -202,6 +202,22 @@ class DPOModule(RLHFModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
         self.pair_loss(batch, "val")
         return self.drift_rollout(batch, batch_idx)
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self.pair_loss(batch, "test")
+
+    def on_test_epoch_end(self) -> None:
+        """Held-out implicit-reward accuracy with its 95% Wilson interval (as the reward model's)."""
+        from lit_rlhf.modules.reward_model import wilson_interval
+        from lit_rlhf.utils.distributed import all_reduce_sum
+
+        pairs = float(all_reduce_sum(self.test_metrics.sums[-1:].clone()))
+        values = self.test_metrics.compute_and_reset()
+        if values is None:
+            return
+        low, high = wilson_interval(float(values["accuracies"]) * pairs, int(pairs))
+        self.log_dict({**_names("test/", values), "test/accuracy_ci_low": low, "test/accuracy_ci_high": high,
+                       "test/pairs": pairs}, sync_dist=False)  # fmt: skip
 
     def on_validation_epoch_start(self) -> None:
         self._drift_seen = 0

@@ -266,18 +266,6 @@ class PPOModule(RLModule):
             out["policy/ratio_max"] = torch.stack(collected["policy/ratio_max"]).max()
         return out
 
-    def optimizer_step(self, opt: Any, sched: Any, loss: Tensor) -> None:
-        """zero_grad → backward → global grad-norm clip (DeepSpeed clips in its own config) → step."""
-        from lightning.pytorch.strategies import DeepSpeedStrategy
-
-        opt.zero_grad()
-        self.manual_backward(loss)
-        max_norm = self.config.max_grad_norm
-        if max_norm is not None and not isinstance(self.trainer.strategy, DeepSpeedStrategy):
-            self.clip_gradients(opt, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
-        opt.step()
-        sched.step()
-
     # ------------------------------------------------------------- optimizer
     def configure_optimizers(self) -> Any:
         c: PPOConfig = self.config
@@ -300,15 +288,6 @@ class PPOModule(RLModule):
 
         sched = torch.optim.lr_scheduler.LambdaLR(optimizer, [actor_factor, actor_factor, critic_factor, critic_factor])
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    def total_updates(self) -> int:
-        """Optimizer steps of the whole fit: trainer.max_steps, else batches × updates per batch."""
-        if self.trainer.max_steps is not None and self.trainer.max_steps > 0:
-            return self.trainer.max_steps
-        batches = self.trainer.estimated_stepping_batches  # manual optimization: counts batches
-        if not math.isfinite(batches):
-            raise ValueError("set trainer.max_steps or trainer.max_epochs: the lr schedule needs a length")
-        return max(1, int(batches) * self.updates_per_iteration())
 
     # -------------------------------------------------------------- state
     def rl_state_dict(self) -> dict[str, Any]:

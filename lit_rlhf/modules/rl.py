@@ -20,6 +20,7 @@ through this interface, never through private attributes:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import replace
 from typing import Any
@@ -94,15 +95,21 @@ class RLModule(RLHFModule):
         return policy_spec(config.policy_path, spec)
 
     @classmethod
+    def prompts_per_iteration(cls, config: RLConfig) -> int:
+        """Prompts one iteration samples (the prompt loader's batch): one response each by default."""
+        return config.rollout_batch_size
+
+    @classmethod
     def resolve_data_config(cls, config: RLConfig, data: Any) -> Any:
-        """The prompt loader's batch is the rollout batch, ``algo.rollout_batch_size`` (one value, one key)."""
+        """The prompt loader's batch follows ``algo.rollout_batch_size`` (one value, one key)."""
+        prompts = cls.prompts_per_iteration(config)
         if data.batch_size is None:
-            return replace(data, batch_size=config.rollout_batch_size)
-        if data.batch_size != config.rollout_batch_size:
+            return replace(data, batch_size=prompts)
+        if data.batch_size != prompts:
             raise ConfigError(
                 "data.prompt.batch_size",
-                f"the rollout batch of an RL stage is algo.rollout_batch_size ({config.rollout_batch_size}); "
-                f"remove data.prompt.batch_size={data.batch_size} or set algo.rollout_batch_size instead",
+                f"the rollout batch of an RL stage is algo.rollout_batch_size ({config.rollout_batch_size} responses, "
+                f"{prompts} prompts); remove data.prompt.batch_size={data.batch_size} or set algo.rollout_batch_size",
             )
         return data
 
@@ -122,7 +129,7 @@ class RLModule(RLHFModule):
 
         from lit_rlhf.models.builders import build_tokenizer, freeze, resolve_path
         from lit_rlhf.models.reward import load_reward_model
-        from lit_rlhf.rollout.score import CallableScorer, ModelScorer
+        from lit_rlhf.rollout.score import CallableScorer, ModelScorer, WeightedScorer
 
         c: RLConfig = self.config
         if c.reward_path is not None:
@@ -131,10 +138,18 @@ class RLModule(RLHFModule):
             self.frozen["reward"] = rm
             rm_tok = build_tokenizer(ModelSpec(name_or_path=path, kind=rm.kind))
             self.scorer = ModelScorer(rm, rm_tok, self.ensure_tokenizer(), None, c.reward_max_length)
+        elif c.reward_fn is not None:
+            self.scorer = CallableScorer(instantiate(c.reward_fn), c.reward_fn["_target_"])
         else:
-            self.scorer = CallableScorer(instantiate(c.reward_fn))
+            parts = []
+            for spec in c.reward_fns:
+                spec = dict(spec)
+                weight, name = float(spec.pop("weight", 1.0)), spec.pop("name", None)
+                name = name or spec["_target_"].rsplit(".", 1)[-1]
+                parts.append((name, weight, CallableScorer(instantiate(spec), spec["_target_"])))
+            self.scorer = WeightedScorer(parts)
         if c.gold_reward_fn is not None:
-            self.gold_scorer = CallableScorer(instantiate(c.gold_reward_fn))
+            self.gold_scorer = CallableScorer(instantiate(c.gold_reward_fn), c.gold_reward_fn["_target_"])
 
     def exportable_model(self) -> nn.Module:
         return self.actor
@@ -143,10 +158,12 @@ class RLModule(RLHFModule):
         from lit_rlhf.data.prompts import PromptDataModule
 
         dm = self.trainer.datamodule
-        if isinstance(dm, PromptDataModule) and dm.config.batch_size != self.config.rollout_batch_size:
+        prompts = self.prompts_per_iteration(self.config)
+        if isinstance(dm, PromptDataModule) and dm.config.batch_size != prompts:
             # the step budget, the lr schedule and the progress bar count with rollout_batch_size
-            raise ValueError(f"the prompt loader's batch ({dm.config.batch_size}) is not algo.rollout_batch_size "
-                             f"({self.config.rollout_batch_size}): build the data module with that batch size")  # fmt: skip
+            raise ValueError(f"the prompt loader's batch ({dm.config.batch_size}) is not the {prompts} prompts of "
+                             f"algo.rollout_batch_size={self.config.rollout_batch_size}: build the data module with "
+                             "that batch size")  # fmt: skip
         for m in self.frozen.values():
             m.to(self.device)
         self._set_scorer_template()
@@ -211,6 +228,27 @@ class RLModule(RLHFModule):
     def max_steps_reached(self) -> bool:
         max_steps = self.trainer.max_steps
         return max_steps is not None and max_steps >= 0 and self.global_step >= max_steps
+
+    def optimizer_step(self, opt: Any, sched: Any, loss: Tensor) -> None:
+        """zero_grad → backward → global grad-norm clip (DeepSpeed clips in its own config) → step."""
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        opt.zero_grad()
+        self.manual_backward(loss)
+        max_norm = self.config.max_grad_norm
+        if max_norm is not None and not isinstance(self.trainer.strategy, DeepSpeedStrategy):
+            self.clip_gradients(opt, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+        opt.step()
+        sched.step()
+
+    def total_updates(self) -> int:
+        """Optimizer steps of the whole fit: trainer.max_steps, else batches × updates per batch."""
+        if self.trainer.max_steps is not None and self.trainer.max_steps > 0:
+            return self.trainer.max_steps
+        batches = self.trainer.estimated_stepping_batches  # manual optimization: counts batches
+        if not math.isfinite(batches):
+            raise ValueError("set trainer.max_steps or trainer.max_epochs: the lr schedule needs a length")
+        return max(1, int(batches) * self.updates_per_iteration())
 
     def end_iteration(self, rollout: Rollout, stats: dict[str, Tensor], started: float, collected: float) -> dict[str, Any]:
         """Count the iteration, log its statistics and timings, and return the step output the

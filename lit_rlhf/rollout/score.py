@@ -111,14 +111,52 @@ class ModelScorer:
         return self.model(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float()
 
 
+class RewardFunctionError(RuntimeError):
+    """A reward callable failed or returned something that is not one number per response."""
+
+
 class CallableScorer:
     """Scores from a Python function ``fn(prompts, responses, ended) -> list[float]`` (e.g. the
-    embedded task's gold reward), on the decoded texts."""
+    embedded task's gold reward), on the decoded texts. A function that raises, or returns the
+    wrong number of values or non-numbers, stops the run with a :class:`RewardFunctionError`
+    naming it; non-finite values are passed on as they are (the RL stage counts and skips those
+    samples)."""
 
-    def __init__(self, fn: Callable[..., Sequence[float]]):
+    def __init__(self, fn: Callable[..., Sequence[float]], name: str | None = None):
         self.fn = fn
+        self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], responses: Sequence[str],
                  ended: Tensor) -> Tensor:  # fmt: skip
-        values = self.fn(list(prompts), list(responses), ended.tolist())
-        return torch.as_tensor(values, dtype=torch.float32, device=input_ids.device)
+        try:
+            values = self.fn(list(prompts), list(responses), ended.tolist())
+        except Exception as err:  # noqa: BLE001 - any failure of user code is reported by name
+            raise RewardFunctionError(f"reward function {self.name} raised {type(err).__name__}: {err}") from err
+        try:
+            out = torch.as_tensor(values, dtype=torch.float32, device=input_ids.device).flatten()
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise RewardFunctionError(f"reward function {self.name} returned {type(values).__name__}, not numbers "
+                                      f"({err})") from err  # fmt: skip
+        if out.numel() != len(responses):
+            raise RewardFunctionError(f"reward function {self.name} returned {out.numel()} values for "
+                                      f"{len(responses)} responses")  # fmt: skip
+        return out
+
+
+class WeightedScorer:
+    """Σ_k w_k · scorer_k: several rewards combined (``algo.reward_fns``); the last call's
+    unweighted components stay in ``components`` (name -> (B,)) for logging as ``reward/<name>``."""
+
+    def __init__(self, parts: Sequence[tuple[str, float, Any]]):
+        self.parts = list(parts)
+        self.components: dict[str, Tensor] = {}
+
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], responses: Sequence[str],
+                 ended: Tensor) -> Tensor:  # fmt: skip
+        total = None
+        self.components = {}
+        for name, weight, scorer in self.parts:
+            value = scorer(input_ids, attention_mask, prompts, responses, ended)
+            self.components[name] = value
+            total = weight * value if total is None else total + weight * value
+        return total

@@ -29,6 +29,7 @@ SCHEMAS = {
     "rm": "lit_rlhf.modules.configs:RMConfig",
     "ppo": "lit_rlhf.modules.configs:PPOConfig",
     "dpo": "lit_rlhf.modules.configs:DPOConfig",
+    "grpo": "lit_rlhf.modules.configs:GRPOConfig",
     "pipeline": "lit_rlhf.pipeline:DemoConfig",
     "model": "lit_rlhf.models.spec:ModelSpec",
     "sft_data": "lit_rlhf.data.sft:SFTDataConfig",

@@ -212,3 +212,22 @@ def test_rollback_never_snapshots_an_iteration_that_waits_out_patience(tmp_path)
     assert alarm.triggers and alarm.triggers[0][0] == 6
     assert module.w.tolist() == [4.0, 4.0] and module.logged["alarm/rollback_to"] == 4.0
     assert module.reward_moments.count == 5 and module.reward_moments.mean == pytest.approx(2.0)  # scores 0..4
+
+
+def test_a_second_rollback_raises_beta_again(tmp_path):
+    """β is never restored from a snapshot: each rollback multiplies the current β, so repeated
+    collapses escalate it (a restored β would undo the previous raise), and the iteration count
+    goes on while the weights and the reward statistics come back."""
+    module = FakeModule()
+    alarm = CollapseAlarm(action="rollback", kl_max=5.0, patience=1, snapshot_every=100, beta_factor=2.0, min_signals=1)
+    trainer = fake_trainer(module, tmp_path)
+
+    def train_step(i):
+        with torch.no_grad():
+            module.w.fill_(float(i))
+        module.reward_moments.update(torch.tensor([float(i)]))
+
+    drive(alarm, trainer, module, baseline(5) + [dict(HEALTHY, **{KL: 9.0})] * 2, before_step=train_step)
+    assert len(alarm.triggers) == 2 and module.kl_ctl.value == pytest.approx(0.05 * 2 * 2)
+    assert module.w.tolist() == [0.0, 0.0]  # the only snapshot: the first healthy iteration
+    assert module.reward_moments.count == 1 and module.rl_iteration == 6

@@ -58,3 +58,42 @@ def test_non_finite_padding_never_reaches_real_tokens():
     torch.testing.assert_close(adv, clean_adv)
     torch.testing.assert_close(ret, clean_ret)
     torch.testing.assert_close(adv[0, :2], torch.tensor([0.125, 0.75]))  # the hand-computed row above
+
+
+def naive_group_advantages(rewards, g, scale, loo, eps=1e-4):
+    import statistics
+
+    out = []
+    for start in range(0, len(rewards), g):
+        grp = rewards[start : start + g]
+        for i, r in enumerate(grp):
+            base = statistics.mean(grp[:i] + grp[i + 1 :]) if loo else statistics.mean(grp)
+            a = r - base
+            out.append(a / (statistics.stdev(grp) + eps) if scale else a)
+    return out
+
+
+@pytest.mark.parametrize("scale, loo", [(True, False), (False, False), (False, True), (True, True)])
+def test_group_advantages_match_the_naive_loop(scale, loo):
+    from lit_rlhf.core.advantages import group_advantages
+
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randn(12, generator=g, dtype=torch.float64)
+    adv, no_signal = group_advantages(rewards, 4, scale, "leave_one_out" if loo else "mean")
+    expected = naive_group_advantages(rewards.tolist(), 4, scale, loo)
+    torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64))
+    assert not no_signal.any()
+
+
+def test_group_advantages_hand_values_equal_groups_and_invalid_samples():
+    from lit_rlhf.core.advantages import group_advantages
+
+    # group 1: [1, 3]: mean 2, std (unbiased) √2 → ±1/(√2 + 1e-4); group 2 all equal → 0, no signal
+    adv, no_signal = group_advantages(torch.tensor([1.0, 3.0, 5.0, 5.0]), 2)
+    torch.testing.assert_close(adv, torch.tensor([-1 / (2**0.5 + 1e-4), 1 / (2**0.5 + 1e-4), 0.0, 0.0]))
+    assert no_signal.tolist() == [False, True]
+    # a NaN reward leaves its group's statistics and gets advantage 0
+    adv, no_signal = group_advantages(torch.tensor([1.0, float("nan"), 3.0, 2.0, 4.0, 6.0]), 3, scale=False)
+    torch.testing.assert_close(adv, torch.tensor([-1.0, 0.0, 1.0, -2.0, 0.0, 2.0]))
+    with pytest.raises(ValueError, match="do not split into groups of 4"):
+        group_advantages(torch.zeros(6), 4)

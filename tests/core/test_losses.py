@@ -227,3 +227,36 @@ def test_dpo_gradient_pushes_chosen_up_and_rejected_down():
     loss, _ = dpo_loss(pc, pr, torch.tensor([-5.0]), torch.tensor([-5.0]), beta=0.1)
     loss.backward()
     assert pc.grad.item() == pytest.approx(-0.05) and pr.grad.item() == pytest.approx(0.05)  # ±β·σ(0) = ±0.05
+
+
+def test_aggregations_against_hand_values():
+    from lit_rlhf.core.losses import aggregate
+
+    loss = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    assert aggregate(loss, mask, "token_mean").item() == pytest.approx((1 + 2 + 3 + 4) / 4)  # DAPO: every token equal
+    assert aggregate(loss, mask, "seq_mean").item() == pytest.approx((2.0 + 4.0) / 2)  # GRPO: each sequence equal
+    assert aggregate(loss, mask, "seq_sum_const", constant=8).item() == pytest.approx(10 / (2 * 8))  # Dr. GRPO
+
+
+def test_clip_higher_and_the_side_that_clipped():
+    """ε_low 0.2, ε_high 0.28: a positive advantage stops gaining at ρ = 1.28 (not 1.2); the clip
+    fractions say which bound binds."""
+    lp_old = torch.zeros(1, 4)
+    ratio = torch.tensor([[1.25, 1.3, 0.7, 0.9]])
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    mask = torch.ones(1, 4)
+    loss, stats = ppo_policy_loss(ratio.log(), lp_old, adv, mask, clip_low=0.2, clip_high=0.28)
+    # per token: max(−A ρ, −A clip(ρ)): −1.25 (inside), −1.28 (clipped high), 0.8 (clipped low: −(−1)·0.8), 0.9
+    assert loss.item() == pytest.approx((-1.25 - 1.28 + 0.8 + 0.9) / 4)
+    assert (stats["clipfrac_high"].item(), stats["clipfrac_low"].item()) == (0.25, 0.25)
+    symmetric, _ = ppo_policy_loss(ratio.log(), lp_old, adv, mask, clip_low=0.2, clip_high=0.2)
+    assert symmetric.item() == pytest.approx((-1.2 - 1.2 + 0.8 + 0.9) / 4)
+
+
+def test_seq_mean_ignores_fully_masked_rows():
+    from lit_rlhf.core.losses import aggregate
+
+    loss = torch.tensor([[1.0, 3.0], [9.0, 9.0], [5.0, 0.0]])
+    mask = torch.tensor([[1, 1], [0, 0], [1, 0]])  # row 1: a response left out (no reward)
+    assert aggregate(loss, mask, "seq_mean").item() == pytest.approx((2.0 + 5.0) / 2)

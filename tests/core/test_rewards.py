@@ -33,3 +33,14 @@ def test_reparameterization_updates_moments_before_transforming():
     assert clipped.max().item() == 1.0 and clipped.min().item() == pytest.approx(-0.5)
     m4 = RunningMoments()
     assert reparameterize_scores(s, m4, "none", clip=2.5).tolist() == [1.0, 2.0, 2.5, 2.5]
+
+
+def test_overlong_penalty_piecewise():
+    """DAPO Eq. 13 with L_max = 16, L_c = 4: 0 up to 12 tokens, linear to −1 at 16, −1 beyond."""
+    from lit_rlhf.core.rewards import overlong_penalty
+
+    lengths = torch.tensor([1, 12, 13, 14, 16, 17, 40])
+    expected = [0.0, 0.0, -0.25, -0.5, -1.0, -1.0, -1.0]
+    assert overlong_penalty(lengths, 16, 4).tolist() == pytest.approx(expected)
+    with pytest.raises(ValueError, match="overlong buffer"):
+        overlong_penalty(lengths, 16, 17)

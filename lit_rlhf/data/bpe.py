@@ -1,0 +1,57 @@
+"""A byte-level BPE tokenizer trained on a dataset's own text: causal models from scratch, offline.
+
+With no pretrained causal LM on disk (the hub is unreachable in CI), a tiny Llama trained from
+scratch on real dialogues (HH-RLHF) needs a tokenizer that covers their text. ``train_bpe`` learns
+one from the training rows only (never the held-out ones), deterministically, in seconds; the
+SFT export saves it next to the model (``save_pretrained``), so later stages load it from there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lit_rlhf.utils.config import check
+
+
+@dataclass
+class BPETokenizerConfig:
+    """``model.train_tokenizer``: learn the tokenizer of a tiny model from these rows."""
+
+    source: str = ""
+    """A .jsonl/.jsonl.gz/.json/.parquet file (or dataset) whose string fields are the corpus."""
+    rows: str | None = None
+    """1-based inclusive row range to learn from (the training rows, e.g. "1-2000"); None = all."""
+    vocab_size: int = field(default=4096, metadata={"ge": 300})
+    """Vocabulary size, the 256 byte symbols and 4 special tokens included."""
+
+    def validate(self) -> None:
+        check(bool(self.source), "source", "required: the file whose text the tokenizer learns")
+
+
+def corpus(config: BPETokenizerConfig) -> list[str]:
+    """Every non-empty string field of the selected rows (HH: the chosen and rejected dialogues)."""
+    from lit_rlhf.data.io import iter_rows, select_rows
+
+    rows = select_rows(list(iter_rows(config.source)), config.rows)
+    return [v for row in rows for v in row.data.values() if isinstance(v, str) and v.strip()]
+
+
+def train_bpe(config: BPETokenizerConfig) -> Any:
+    """A ``PreTrainedTokenizerFast`` (byte-level BPE; <pad>, <unk>, <bos> prepended, <eos>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from lit_rlhf.data.lexicon import BOS, EOS, PAD, SPECIAL_TOKENS, UNK
+
+    backend = Tokenizer(models.BPE(unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=config.vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
+    backend.train_from_iterator(corpus(config), trainer=trainer)
+    bos = backend.token_to_id(BOS)
+    backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
+                                                           special_tokens=[(BOS, bos)])  # fmt: skip
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+                                   padding_side="left", model_max_length=4096)  # fmt: skip

@@ -1,0 +1,197 @@
+"""GRPOModule on tiny models: groups, the KL switch, dynamic sampling, reward callables, errors."""
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lit_rlhf.data.prompts import PromptDataModule
+from lit_rlhf.models.spec import ModelSpec
+from lit_rlhf.modules.configs import GRPOConfig
+from lit_rlhf.modules.grpo import GRPOModule
+from lit_rlhf.rollout.score import RewardFunctionError
+from lit_rlhf.utils.config import ConfigError, build_config
+
+GOLD = {"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"}
+
+
+def make(saved_models, tokenizer, **kw):
+    args = dict(policy_path=saved_models[0], reward_path=saved_models[1], lr=1e-3, num_generations=4,
+                rollout_batch_size=16, generation={"max_new_tokens": 6})  # fmt: skip
+    args.update(kw)
+    if any(k in kw for k in ("reward_fn", "reward_fns")):
+        args["reward_path"] = None
+    cfg = build_config(GRPOConfig, args, "algo")
+    spec = GRPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path="the model group, unused"))
+    return GRPOModule(cfg, model=spec, tokenizer=tokenizer)
+
+
+def data(tokenizer, prompts=4):
+    return PromptDataModule(n_train=64, n_val=8, batch_size=prompts).connect(tokenizer)
+
+
+def fit(module, dm, max_steps, **kw):
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, limit_val_batches=0, **kw)  # fmt: skip
+    trainer.fit(module, dm)
+    return trainer
+
+
+class Keep(pl.Callback):
+    def __init__(self):
+        self.outputs = []
+
+    def on_train_batch_end(self, trainer, module, out, batch, batch_idx):
+        self.outputs.append(out)
+
+
+def test_groups_train_the_actor_with_the_kl_in_the_loss(saved_models, tokenizer):
+    torch.manual_seed(0)
+    m = make(saved_models, tokenizer)
+    m.configure_model()
+    assert "reference" in m.frozen and not hasattr(m, "critic")
+    actor0 = {k: v.clone() for k, v in m.actor.state_dict().items()}
+    keep = Keep()
+    trainer = fit(m, data(tokenizer), 2, callbacks=[keep])
+    assert trainer.global_step == 2 and m.rl_iteration == 2  # fused: one optimizer step per iteration
+    for name, p in m.actor.named_parameters():
+        assert not torch.equal(actor0[name], p.detach()), name
+    rollout = keep.outputs[-1]["rollout"]
+    assert rollout.scores.shape == (16,) and rollout.prompts_text[:4] == [rollout.prompts_text[0]] * 4  # a group
+    for key in ("policy/loss", "policy/clipfrac_low", "policy/clipfrac_high", "policy/kl_loss", "grpo/zero_std_groups"):
+        assert key in trainer.callback_metrics and math.isfinite(float(trainer.callback_metrics[key])), key
+
+
+def test_beta_zero_builds_no_reference(saved_models, tokenizer):
+    m = make(saved_models, tokenizer, kl_coef=0.0)
+    m.configure_model()
+    assert "reference" not in m.frozen
+    keep = Keep()
+    trainer = fit(m, data(tokenizer), 1, callbacks=[keep])
+    assert keep.outputs[0]["rollout"].ref_logprobs is None and "policy/kl_loss" not in trainer.callback_metrics
+
+
+def test_advantages_are_the_group_relative_rewards_on_every_token(saved_models, tokenizer):
+    """Independent check: from the rollout's own scores, per group (mean, unbiased std)."""
+    import statistics
+
+    m = make(saved_models, tokenizer, reward_fn=GOLD)
+    keep = Keep()
+    fit(m, data(tokenizer), 1, callbacks=[keep])
+    r = keep.outputs[0]["rollout"]
+    scores = r.scores.tolist()
+    for i in range(16):
+        grp = scores[i // 4 * 4 : i // 4 * 4 + 4]
+        sd = statistics.stdev(grp)
+        expected = 0.0 if sd == 0 else (scores[i] - statistics.mean(grp)) / (sd + 1e-4)
+        row = r.advantages[i][r.response_mask[i].bool()]
+        torch.testing.assert_close(row, torch.full_like(row, expected), atol=1e-5, rtol=1e-5)
+
+
+def test_dynamic_sampling_keeps_only_groups_with_a_signal(saved_models, tokenizer):
+    """A reward that is equal inside every second prompt's group: those groups are dropped, more
+    prompts are drawn from the module's own stream, and the counts are logged."""
+    m = make(saved_models, tokenizer, reward_fn={"_target_": "tests.modules.test_grpo_module.half_flat_reward"},
+             dynamic_sampling=True, max_resample_rounds=3)  # fmt: skip
+    keep = Keep()
+    trainer = fit(m, data(tokenizer), 1, callbacks=[keep])
+    r = keep.outputs[0]["rollout"]
+    assert r.scores.shape == (16,)
+    groups = r.scores.view(4, 4)
+    assert all(len(set(g.tolist())) > 1 for g in groups)  # every kept group has a signal
+    cm = trainer.callback_metrics
+    assert float(cm["grpo/dropped_groups"]) >= 2 and float(cm["grpo/resample_rounds"]) >= 1 and m.extra_batches >= 1
+    assert float(cm["grpo/kept_groups"]) == 4 and float(cm["grpo/zero_std_groups"]) == 0
+
+
+def half_flat_reward():
+    """Rewards equal within the groups of prompts with an even character sum (deterministic), varied otherwise."""
+
+    def fn(prompts, responses, ended):
+        return [0.0 if sum(map(ord, p)) % 2 == 0 else float(len(r)) + 0.1 * i
+                for i, (p, r) in enumerate(zip(prompts, responses))]  # fmt: skip
+
+    return fn
+
+
+def test_weighted_reward_callables_are_logged_by_name(saved_models, tokenizer):
+    fns = [{**GOLD, "weight": 2.0, "name": "gold"}, {"_target_": "tests.modules.test_grpo_module.length_reward", "weight": 0.5}]
+    m = make(saved_models, tokenizer, reward_fns=fns)
+    keep = Keep()
+    trainer = fit(m, data(tokenizer), 1, callbacks=[keep])
+    comps = m.scorer.components
+    torch.testing.assert_close(keep.outputs[0]["rollout"].scores, 2.0 * comps["gold"] + 0.5 * comps["length_reward"])
+    assert {"reward/gold", "reward/length_reward"} <= set(trainer.callback_metrics)
+
+
+def length_reward():
+    return lambda prompts, responses, ended: [float(len(r.split())) for r in responses]
+
+
+def bad_reward(kind):
+    def fn(prompts, responses, ended):
+        if kind == "raise":
+            raise KeyError("no label")
+        if kind == "short":
+            return [0.0] * (len(responses) - 1)
+        return [float("nan") if i % 4 == 0 else 1.0 + i for i in range(len(responses))]
+
+    return fn
+
+
+@pytest.mark.parametrize("kind, message", [("raise", r"reward function tests.modules.test_grpo_module.bad_reward raised KeyError"),
+                                           ("short", r"returned 15 values for 16 responses")])  # fmt: skip
+def test_a_broken_reward_callable_is_named(saved_models, tokenizer, kind, message):
+    m = make(saved_models, tokenizer, reward_fn={"_target_": "tests.modules.test_grpo_module.bad_reward", "kind": kind})
+    with pytest.raises(RewardFunctionError, match=message):
+        fit(m, data(tokenizer), 1)
+
+
+def test_non_finite_rewards_are_counted_and_skipped(saved_models, tokenizer):
+    m = make(saved_models, tokenizer, reward_fn={"_target_": "tests.modules.test_grpo_module.bad_reward", "kind": "nan"})
+    keep = Keep()
+    trainer = fit(m, data(tokenizer), 2, callbacks=[keep])
+    assert float(trainer.callback_metrics["health/nonfinite_scores"]) == 4  # one per group of 4
+    assert all(torch.isfinite(p).all() for p in m.actor.parameters())
+    r = keep.outputs[-1]["rollout"]
+    assert (r.advantages[~torch.isfinite(r.scores)] == 0).all()
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"num_generations": 1}, r"algo.num_generations: GRPO compares responses within a group: needs >= 2"),
+    ({"num_generations": 3, "rollout_batch_size": 16}, r"algo.rollout_batch_size: 16 responses do not split into groups of algo.num_generations=3"),
+    ({"clip_eps_high": 0.1}, r"algo.clip_eps_high: must be >= algo.clip_eps_low"),
+    ({"overlong_buffer": 300}, r"algo.overlong_buffer: must not exceed"),
+])  # fmt: skip
+def test_bad_values_name_the_keys(values, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(GRPOConfig, {"reward_path": "/rm", **values}, "algo")
+
+
+def test_presets_are_values_of_one_config(tmp_path):
+    from lit_rlhf.runner import plan
+    from tests.conftest import compose
+
+    base = ["model=llama7b", "algo.reward_path=/rm"]
+    grpo, dapo, dr, rloo = (plan(compose([f"algo={a}", *base], tmp_path)).algo for a in ("grpo", "dapo", "dr_grpo", "rloo"))
+    assert (grpo.kl_coef, grpo.loss_aggregation, grpo.scale_rewards, grpo.num_generations) == (0.04, "seq_mean_token_mean", True, 8)
+    assert (dapo.clip_eps_high, dapo.loss_aggregation, dapo.kl_coef, dapo.dynamic_sampling, dapo.overlong_buffer) == (
+        0.28, "token_mean", 0.0, True, 64)
+    assert (dr.scale_rewards, dr.loss_aggregation, rloo.advantage_baseline, rloo.scale_rewards) == (
+        False, "seq_sum_constant", "leave_one_out", False)
+    assert plan(compose(["algo=grpo", *base], tmp_path)).data.batch_size == 4  # 32 responses = 4 prompts x 8
+
+
+def test_checkpoint_resumes_the_dynamic_sampling_stream(saved_models, tokenizer, tmp_path):
+    kw = dict(reward_fn={"_target_": "tests.modules.test_grpo_module.half_flat_reward"}, dynamic_sampling=True)
+    m = make(saved_models, tokenizer, **kw)
+    trainer = fit(m, data(tokenizer), 2, default_root_dir=tmp_path)
+    trainer.save_checkpoint(tmp_path / "grpo.ckpt")
+    state = torch.load(tmp_path / "grpo.ckpt", weights_only=True)["lit_rlhf_rl"]
+    assert state["extra_batches"] == m.extra_batches > 0 and state["iteration"] == 2
+    resumed = make(saved_models, tokenizer, **kw)
+    t2 = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    limit_val_batches=0)  # fmt: skip
+    t2.fit(resumed, data(tokenizer), ckpt_path=tmp_path / "grpo.ckpt")
+    assert resumed.rl_iteration == 3 and resumed.extra_batches > state["extra_batches"]
