@@ -21,7 +21,10 @@ NEEDS_USER_VALUE = {
     **{("experiment", e): ["algo.policy_path=/models/sft", *RM] for e in ("ppo_synthetic_tiny", "ppo_max_synthetic_tiny")},
     ("experiment", "ppo_max_hh_llama7b"): RM,  # the policy defaults to model=llama7b
     **{("algo", a): ["algo.policy_path=/models/sft"] for a in ("dpo", "ipo", "cdpo")},
-    ("experiment", "dpo_synthetic_tiny"): ["algo.policy_path=/models/sft"],
+    **{("experiment", e): ["algo.policy_path=/models/sft"] for e in ("dpo_synthetic_tiny", "dpo_hh_tiny")},
+    **{("algo", a): ["algo.policy_path=/models/sft", *RM] for a in ("grpo", "dapo", "dr_grpo", "rloo")},
+    **{("experiment", e): ["algo.policy_path=/models/sft", *RM] for e in ("grpo_synthetic_tiny", "dapo_synthetic_tiny")},
+    ("experiment", "rm_hh_tiny"): ["model.name_or_path=/models/sft"],
 }  # fmt: skip
 # an algo that can consume each data kind (data options without an `sft` section use these)
 ALGO_FOR_KIND = {"preference": ["algo=rm"], "prompt": ["algo=ppo", "algo.policy_path=/models/sft", *RM]}
@@ -39,7 +42,8 @@ def test_option_composes_and_validates(group, option, tmp_path):
         key = values[0].split("=")[0]
         parent, leaf = key.rsplit(".", 1)
         # the first value left out: its key is named (the reward of an RL stage: reward_path or reward_fn)
-        message = r"algo.reward_path: set exactly one of algo.reward_path" if key == "algo.reward_path" else rf"{key}: is required"
+        message = {"algo.reward_path": r"algo.reward_path: set exactly one of algo.reward_path",
+                   "model.name_or_path": r"model.name_or_path: set exactly one of"}.get(key, rf"{key}: is required")  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             plan(compose([f"{group}={option}", *values[1:]], tmp_path))
         cfg = compose([f"{group}={option}", *values], tmp_path)
@@ -181,7 +185,7 @@ def test_tiny_experiments_carry_the_demo_values(experiment, algo, tmp_path):
     assert (sft.lr, sft.weight_decay, rm.lr, rm.weight_decay) == (3e-3, 0.0, 1e-3, 0.0)
 
 
-@pytest.mark.parametrize("name", ["sft", "rm", "ppo", "ppo_max", "ppo_moss_release", "dpo", "ipo", "cdpo"])
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONF / "algo").glob("*.yaml")))
 def test_presets_list_only_what_differs_from_the_typed_defaults(name):
     """A preset's value equal to its dataclass default would be a second "default" of that key."""
     import yaml
@@ -190,7 +194,9 @@ def test_presets_list_only_what_differs_from_the_typed_defaults(name):
     from lit_rlhf.utils.schemas import schema_class
 
     node = yaml.safe_load((CONF / "algo" / f"{name}.yaml").read_text())
-    base = to_dict(schema_class({"ppo_max": "ppo", "ppo_moss_release": "ppo", "ipo": "dpo", "cdpo": "dpo"}.get(name, name))())
+    parent_of = {"ppo_max": "ppo", "ppo_moss_release": "ppo", "ipo": "dpo", "cdpo": "dpo", "dapo": "grpo", "dr_grpo": "grpo",
+                 "rloo": "grpo"}  # fmt: skip
+    base = to_dict(schema_class(parent_of.get(name, name))())
     parents = [d for d in node.get("defaults", []) if isinstance(d, str) and not d.startswith(("_", "/"))]
     for parent in parents:  # ppo_max / ppo_moss_release: on top of ppo.yaml
         base.update({k: v for k, v in yaml.safe_load((CONF / "algo" / f"{parent}.yaml").read_text()).items()
@@ -204,7 +210,7 @@ def test_presets_list_only_what_differs_from_the_typed_defaults(name):
 
 def test_rollout_batch_is_one_key(tmp_path):
     ppo = ["algo=ppo", "algo.policy_path=/m/sft", *RM]
-    with pytest.raises(ConfigError, match=r"data.prompt.batch_size: the rollout batch of an RL stage is algo.rollout_batch_size \(32\)"):
+    with pytest.raises(ConfigError, match=r"data.prompt.batch_size: the rollout batch of an RL stage is algo.rollout_batch_size \(32 responses, 32 prompts\)"):
         plan(compose([*ppo, "data.prompt.batch_size=8"], tmp_path))
     assert plan(compose([*ppo, "algo.rollout_batch_size=8"], tmp_path)).data.batch_size == 8
 
