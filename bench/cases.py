@@ -418,6 +418,92 @@ def case_dpo_trl(models: Path, s: dict, precompute: bool = False) -> dict:
     return {"step_s": t, "pairs_per_s": s["batch"] / t}
 
 
+GRPO_G = 4  # responses per prompt in the GRPO cases: batch / G prompts per step
+
+
+def case_grpo_ours(models: Path, s: dict) -> dict:
+    """lit_rlhf ``GRPOModule`` iterations through Lightning's Trainer: ``batch`` responses per step
+    (batch / G prompts), ``new_tokens`` each at temperature 0.7, β 0.04 with the reference loaded,
+    one update per rollout, the embedded gold reward as a Python callable; timed per iteration,
+    with the phase breakdown (rollout vs update) from the module's own perf metrics."""
+    import lightning.pytorch as pl
+
+    from lit_rlhf.data.prompts import PromptDataModule
+    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.models.spec import ModelSpec
+    from lit_rlhf.modules.configs import GRPOConfig
+    from lit_rlhf.modules.grpo import GRPOModule
+    from lit_rlhf.utils.config import build_config
+
+    cfg = build_config(GRPOConfig, dict(
+        policy_path=str(models / "policy"), reward_fn={"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"}, lr=1e-6,
+        num_generations=GRPO_G, rollout_batch_size=s["batch"], kl_coef=0.04, export_dir=None,
+        generation={"max_new_tokens": s["new_tokens"], "temperature": 0.7, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0},
+    ), "algo")  # fmt: skip
+    spec = GRPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=str(models / "policy")))
+    tok = build_tokenizer(spec)
+    module = GRPOModule(cfg, model=spec, tokenizer=tok)
+    data = PromptDataModule(n_train=s["batch"] * 50, n_val=0, batch_size=s["batch"] // GRPO_G).connect(tok)
+    phases = []
+
+    class Phases(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            st = outputs["stats"]
+            phases.append((float(st["perf/rollout_s"]), float(st["perf/train_s"])))
+
+    timer = _step_timer()
+    n = s["warmup"] + s["steps"]
+    trainer = pl.Trainer(max_steps=n, accelerator="cpu", logger=False, enable_checkpointing=False, limit_val_batches=0,
+                         enable_progress_bar=False, callbacks=[timer, Phases()], num_sanity_val_steps=0)  # fmt: skip
+    t_start = time.perf_counter()
+    trainer.fit(module, data)
+    stamps = [t_start] + timer.times
+    durations = [b - a for a, b in zip(stamps, stamps[1:])][s["warmup"]:]
+    t = statistics.median(durations)
+    rollout = statistics.median(p[0] for p in phases[s["warmup"]:])
+    return {"step_s": t, "samples_per_s": s["batch"] / t, "rollout_s": rollout, "update_s": t - rollout}
+
+
+def case_grpo_trl(models: Path, s: dict) -> dict:
+    """TRL ``GRPOTrainer`` with the same G, prompts, new tokens, temperature, β 0.04 (reference loaded),
+    one update per generation, the same reward callable; fp32, no gradient checkpointing."""
+    _trl_path()
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lit_rlhf.data.synthetic import SyntheticTask, gold_reward_fn
+    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.models.spec import ModelSpec
+
+    tok = build_tokenizer(ModelSpec(name_or_path=str(models / "policy")))
+    n = s["warmup"] + s["steps"]
+    ds = Dataset.from_dict({"prompt": [r["prompt"] for r in SyntheticTask().prompts(s["batch"] // GRPO_G * n, "train")]})
+    gold = gold_reward_fn()
+
+    def reward(prompts, completions, **kw):
+        return gold(prompts, completions, [True] * len(completions))
+
+    times = []
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter())
+
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=s["batch"], num_generations=GRPO_G,
+                      max_completion_length=s["new_tokens"], temperature=0.7, top_p=1.0, beta=0.04, loss_type="grpo",
+                      max_steps=n, learning_rate=1e-6, report_to=[], save_strategy="no", logging_steps=10_000,
+                      use_cpu=True, disable_tqdm=True, bf16=False, gradient_checkpointing=False)  # fmt: skip
+    trainer = GRPOTrainer(model=str(models / "policy"), reward_funcs=reward, args=args, processing_class=tok,
+                          train_dataset=ds, callbacks=[Timer()])  # fmt: skip
+    t_start = time.perf_counter()
+    trainer.train()
+    stamps = [t_start] + times
+    durations = [b - a for a, b in zip(stamps, stamps[1:])][s["warmup"]:]
+    t = statistics.median(durations)
+    return {"step_s": t, "samples_per_s": s["batch"] / t}
+
+
 CASES = {
     "generate_bare": case_generate_bare,
     "generate_ours": case_generate_ours,
@@ -430,5 +516,7 @@ CASES = {
     "dpo_trl": case_dpo_trl,
     "dpo_ours_precomputed": lambda models, s: case_dpo_ours(models, s, precompute=True),
     "dpo_trl_precomputed": lambda models, s: case_dpo_trl(models, s, precompute=True),
+    "grpo_ours": case_grpo_ours,
+    "grpo_trl": case_grpo_trl,
 }
-TRL_CASES = {"ppo_trl", "rm_trl", "dpo_trl", "dpo_trl_precomputed"}
+TRL_CASES = {"ppo_trl", "rm_trl", "dpo_trl", "dpo_trl_precomputed", "grpo_trl"}
