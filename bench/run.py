@@ -37,21 +37,28 @@ def run_case(name: str, models: Path, smoke: bool) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+PAIRS = [  # (ratio name, ours, TRL's, throughput key): lit_rlhf over TRL, higher is better
+    ("PPO samples/s, lit_rlhf / TRL", "ppo_ours", "ppo_trl", "samples_per_s", "≥ 1.5"),
+    ("RM pairs/s, lit_rlhf / TRL", "rm_ours", "rm_trl", "pairs_per_s", "≥ 1.0"),
+    ("DPO pairs/s, lit_rlhf / TRL (live reference)", "dpo_ours", "dpo_trl", "pairs_per_s", "≥ 1.0"),
+    ("DPO pairs/s, lit_rlhf / TRL (precomputed reference)", "dpo_ours_precomputed", "dpo_trl_precomputed", "pairs_per_s",
+     "≥ 1.0"),
+    ("GRPO samples/s, lit_rlhf / TRL", "grpo_ours", "grpo_trl", "samples_per_s", "≥ 1.3"),
+]  # fmt: skip
+UNITS = {"ppo": "samples_per_s", "rm": "pairs_per_s", "dpo": "pairs_per_s", "grpo": "samples_per_s", "generate": "tokens_per_s"}
+
+
+def _ratio(r: dict, ours: str, theirs: str, unit: str) -> tuple[float | None, list[float]]:
+    """Throughput ratio of the medians, and the same ratio within each interleaved round (its spread is the noise)."""
+    a, b = r.get(ours, {}), r.get(theirs, {})
+    if unit not in a or unit not in b:
+        return None, []
+    rounds = [t / o for o, t in zip(a.get("rounds", []), b.get("rounds", [])) if o and t]
+    return a[unit] / b[unit], rounds
+
+
 def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
-    ours, trl, floor = r.get("ppo_ours", {}), r.get("ppo_trl", {}), r.get("floor", {})
-    derived = {}
-    if "step_s" in ours and "floor_s" in floor:
-        derived["ppo_step_over_naive_floor"] = ours["step_s"] / floor["floor_s"]
-    if "samples_per_s" in ours and "samples_per_s" in trl:
-        derived["ppo_samples_per_s_ours_over_trl"] = ours["samples_per_s"] / trl["samples_per_s"]
-        # the same ratio within each interleaved round (TRL's step time / ours): its spread is the noise
-        paired = [t / o for o, t in zip(ours.get("rounds", []), trl.get("rounds", [])) if o and t]
-        derived["ppo_samples_per_s_ours_over_trl_by_round"] = paired
-        derived["trl_step_over_naive_floor"] = trl["step_s"] / floor["floor_s"] if "floor_s" in floor else None
-    if "pairs_per_s" in r.get("rm_ours", {}) and "pairs_per_s" in r.get("rm_trl", {}):
-        derived["rm_pairs_per_s_ours_over_trl"] = r["rm_ours"]["pairs_per_s"] / r["rm_trl"]["pairs_per_s"]
-    if "tokens_per_s" in r.get("generate_ours", {}) and "tokens_per_s" in r.get("generate_bare", {}):
-        derived["generate_tokens_per_s_ours_over_bare"] = r["generate_ours"]["tokens_per_s"] / r["generate_bare"]["tokens_per_s"]
+    floor, ours = r.get("floor", {}), r.get("ppo_ours", {})
 
     def fmt(x, spec="{:.3f}"):
         return "—" if x is None else spec.format(x)
@@ -60,34 +67,44 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"torch threads 2; tiny Llama {s['hidden']}x{s['layers']} ({r.get('params', '?')} params), fp32, "
         f"{s['batch']} prompts x {s['new_tokens']} new tokens; median of {s['steps']} steps after {s['warmup']} warm-up"
-        + (" — SMOKE (tiny shapes, not a measurement)" if smoke else ""),
-        "",
-        "| case | s / step | throughput | peak RSS (MB) |",
-        "|---|---|---|---|",
-    ]
-    for name, unit in (("ppo_ours", "samples_per_s"), ("ppo_trl", "samples_per_s"), ("rm_ours", "pairs_per_s"),
-                       ("rm_trl", "pairs_per_s"), ("generate_ours", "tokens_per_s"), ("generate_bare", "tokens_per_s")):  # fmt: skip
-        c = r.get(name, {})
-        if "error" in c or not c:
+        + (" — SMOKE (tiny shapes, not a measurement)" if smoke else ""), "",
+        "| case | s / step | throughput | peak RSS (MB) |", "|---|---|---|---|",
+    ]  # fmt: skip
+    for name in r:
+        c = r[name]
+        if not isinstance(c, dict) or name == "floor":
+            continue
+        unit = UNITS.get(name.split("_")[0])
+        if "error" in c or unit not in c:
             lines.append(f"| {name} | {c.get('error', 'skipped')} | | |")
             continue
-        lines.append(f"| {name} | {fmt(c['step_s'])} | {fmt(c[unit], '{:.1f}')} {unit.replace('_per_s', '/s')} | {fmt(c['rss_mb'], '{:.0f}')} |")
-    lines.append("| grpo_ours vs trl GRPOTrainer | skipped: GRPO not implemented yet (GRPO issue) | | |")
-    if floor and "floor_s" in floor:
+        lines.append(f"| {name} | {fmt(c['step_s'])} | {fmt(c[unit], '{:.1f}')} {unit.replace('_per_s', '/s')} | "
+                     f"{fmt(c.get('rss_mb'), '{:.0f}')} |")  # fmt: skip
+    derived: dict = {}
+    if "floor_s" in floor:
         lines += ["", f"Naive floor: generate {floor['generate_s']:.3f} s + four scoring forwards "
                   f"{floor['score_forwards_s']:.3f} s + actor & critic train fwd/bwd {floor['train_fwd_bwd_s']:.3f} s "
                   f"= {floor['floor_s']:.3f} s"]  # fmt: skip
-    lines += ["", "| ratio | value | target |", "|---|---|---|",
-              f"| lit_rlhf PPO step / naive floor | {fmt(derived.get('ppo_step_over_naive_floor'), '{:.2f}')} | ≤ 1.10 |",
-              f"| TRL PPO step / naive floor | {fmt(derived.get('trl_step_over_naive_floor'), '{:.2f}')} | |",
-              f"| PPO samples/s, lit_rlhf / TRL | {fmt(derived.get('ppo_samples_per_s_ours_over_trl'), '{:.2f}')}"
-              + (f" (by round: {', '.join(f'{x:.2f}' for x in derived['ppo_samples_per_s_ours_over_trl_by_round'])})"
-                 if len(derived.get("ppo_samples_per_s_ours_over_trl_by_round", [])) > 1 else "") + " | ≥ 1.5 |",
-              f"| RM pairs/s, lit_rlhf / TRL | {fmt(derived.get('rm_pairs_per_s_ours_over_trl'), '{:.2f}')} | |",
-              f"| generation tokens/s, lit_rlhf / bare generate | {fmt(derived.get('generate_tokens_per_s_ours_over_bare'), '{:.2f}')} | |"]  # fmt: skip
-    if "rss_mb" in ours and "rss_mb" in trl:
-        lines.append(f"| PPO peak RSS, lit_rlhf / TRL | {ours['rss_mb'] / trl['rss_mb']:.2f} | ≤ 1.0 |")
-        derived["ppo_rss_ours_over_trl"] = ours["rss_mb"] / trl["rss_mb"]
+    if "rollout_s" in r.get("grpo_ours", {}):
+        g = r["grpo_ours"]
+        lines += ["", f"GRPO step, lit_rlhf: rollout (generation, reference, reward, and the fused first training forward) "
+                  f"{g['rollout_s']:.3f} s + the rest of the update "
+                  f"{g['update_s']:.3f} s"]  # fmt: skip
+    lines += ["", "| ratio | value | target |", "|---|---|---|"]
+    if "step_s" in ours and "floor_s" in floor:
+        derived["ppo_step_over_naive_floor"] = ours["step_s"] / floor["floor_s"]
+        lines.append(f"| lit_rlhf PPO step / naive floor | {derived['ppo_step_over_naive_floor']:.2f} | ≤ 1.10 |")
+    for label, a, b, unit, target in PAIRS:
+        value, rounds = _ratio(r, a, b, unit)
+        derived[f"{a}_over_trl"], derived[f"{a}_over_trl_by_round"] = value, rounds
+        by_round = f" (by round: {', '.join(f'{x:.2f}' for x in rounds)})" if len(rounds) > 1 else ""
+        lines.append(f"| {label} | {fmt(value, '{:.2f}')}{by_round} | {target} |")
+    value, rounds = _ratio(r, "generate_ours", "generate_bare", "tokens_per_s")
+    lines.append(f"| generation tokens/s, lit_rlhf / bare generate | {fmt(value, '{:.2f}')} | |")
+    for name, a, b in (("PPO", "ppo_ours", "ppo_trl"), ("GRPO", "grpo_ours", "grpo_trl")):
+        if "rss_mb" in r.get(a, {}) and "rss_mb" in r.get(b, {}):
+            derived[f"{a}_rss_over_trl"] = r[a]["rss_mb"] / r[b]["rss_mb"]
+            lines.append(f"| {name} peak RSS, lit_rlhf / TRL | {derived[f'{a}_rss_over_trl']:.2f} | ≤ 1.0 |")
     return derived, "\n".join(lines)
 
 
@@ -101,8 +118,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3,
                     help="run the case list this many times, interleaved (A B A B), and keep each case's median "
                          "round: noise on a shared VM hits one process at a time, not one case")  # fmt: skip
+    ap.add_argument("--summarize", metavar="JSON", help="only rebuild the tables from a results file")
     args = ap.parse_args()
     s = shapes(args.smoke)
+    if args.summarize:
+        saved = json.loads(Path(args.summarize).read_text())
+        print(summarize(saved["results"], saved["shapes"], args.smoke)[1])
+        return
     if args.case:  # child process
         import torch
 

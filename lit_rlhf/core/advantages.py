@@ -9,20 +9,34 @@ import torch
 from torch import Tensor
 
 
-def gae(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
-    """Advantages and returns of each response token; V and A are 0 after the last token.
+def gae(
+    rewards: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    gamma: float,
+    lam: float,
+    dones: Tensor | None = None,
+    next_value: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Advantages and returns of each step (a response token, or a control-task step).
 
-    δ_t = R_t + γ V_{t+1} − V_t;   A_t = δ_t + γλ A_{t+1};   G_t = A_t + V_t (critic target).
+    δ_t = R_t + γ (1 − d_t) V_{t+1} − V_t;   A_t = δ_t + γλ (1 − d_t) A_{t+1};   G_t = A_t + V_t.
+
+    For language the defaults apply: no ``dones``, and V (and A) are 0 after the last response
+    token. For control tasks (examples/cartpole_ppo.py) ``dones`` cut the recursion where an
+    episode ended and ``next_value`` bootstraps the unfinished episode after the last column.
 
     Args:
-        rewards: (B, T) per-token rewards (shaped), 0 outside the response.
-        values: (B, T) V(s_t) of the critic at rollout time.
-        response_mask: (B, T) 1 = response token; each row's ones are contiguous from column 0
+        rewards: (B, T) per-step rewards (shaped), 0 outside the mask.
+        values: (B, T) V(s_t) at rollout time.
+        response_mask: (B, T) 1 = a step to score; each row's ones are contiguous from column 0
             (responses are right-padded after their EOS).
+        dones: (B, T) 1 where the episode ended with step t's transition (no bootstrap across it).
+        next_value: (B,) V of the state after column T − 1 (0 when None).
     Returns:
         advantages (B, T), returns (B, T); both 0 where the mask is 0.
 
-    Naive equivalent: a Python loop per row over its L tokens with V_{L} := 0 (tests compare).
+    Naive equivalent: a Python loop per row over its steps (tests compare, with and without dones).
     """
     keep = response_mask.bool()
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
@@ -31,14 +45,15 @@ def gae(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, la
     values = torch.where(keep, values, zero)
     rewards = torch.where(keep, rewards.to(values.dtype), zero)
     mask = keep.to(values.dtype)
+    nonterminal = torch.ones_like(values) if dones is None else 1.0 - dones.to(values.dtype)
     advantages = torch.zeros_like(values)
     next_adv = torch.zeros_like(values[:, 0])
-    next_value = torch.zeros_like(values[:, 0])
+    next_v = torch.zeros_like(values[:, 0]) if next_value is None else next_value.to(values.dtype)
     for t in range(values.shape[1] - 1, -1, -1):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_adv = (delta + gamma * lam * next_adv) * mask[:, t]
+        delta = rewards[:, t] + gamma * next_v * nonterminal[:, t] - values[:, t]
+        next_adv = (delta + gamma * lam * nonterminal[:, t] * next_adv) * mask[:, t]
         advantages[:, t] = next_adv
-        next_value = values[:, t]
+        next_v = values[:, t]
     return advantages, (advantages + values) * mask
 
 

@@ -97,3 +97,33 @@ def test_group_advantages_hand_values_equal_groups_and_invalid_samples():
     torch.testing.assert_close(adv, torch.tensor([-1.0, 0.0, 1.0, -2.0, 0.0, 2.0]))
     with pytest.raises(ValueError, match="do not split into groups of 4"):
         group_advantages(torch.zeros(6), 4)
+
+
+def naive_gae_with_dones(rewards, values, dones, next_value, gamma, lam):
+    """cleanrl's loop (ppo.py), one env per row; dones[t] = the episode ended with step t."""
+    B, T = rewards.shape
+    adv = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        last = 0.0
+        for t in reversed(range(T)):
+            next_v = next_value[b].item() if t == T - 1 else values[b, t + 1].item()
+            nonterminal = 1.0 - dones[b, t].item()
+            delta = rewards[b, t].item() + gamma * next_v * nonterminal - values[b, t].item()
+            last = delta + gamma * lam * nonterminal * last
+            adv[b, t] = last
+    return adv, adv + values
+
+
+def test_gae_with_episode_ends_and_bootstrap_matches_cleanrl_loop():
+    g = torch.Generator().manual_seed(3)
+    rewards = torch.ones(3, 9, dtype=torch.float64)
+    values = torch.randn(3, 9, generator=g, dtype=torch.float64)
+    dones = (torch.rand(3, 9, generator=g) > 0.7).to(torch.float64)
+    next_value = torch.randn(3, generator=g, dtype=torch.float64)
+    adv, ret = gae(rewards, values, torch.ones(3, 9), 0.99, 0.95, dones=dones, next_value=next_value)
+    n_adv, n_ret = naive_gae_with_dones(rewards, values, dones, next_value, 0.99, 0.95)
+    torch.testing.assert_close(adv, n_adv)
+    torch.testing.assert_close(ret, n_ret)
+    # hand case: one step, episode not over: A = r + γ V' − V = 1 + 0.5·2 − 0.5
+    a, _ = gae(torch.tensor([[1.0]]), torch.tensor([[0.5]]), torch.ones(1, 1), 0.5, 1.0, next_value=torch.tensor([2.0]))
+    assert a.item() == pytest.approx(1.5)
