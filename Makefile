@@ -7,13 +7,13 @@ PIP := $(PY) -m pip
 CONSTRAINTS := requirements/constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench cartpole clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c $(CONSTRAINTS) torch==2.13.0
-	DS_BUILD_OPS=0 $(PIP) install --quiet -c $(CONSTRAINTS) -e ".[dev,rm,sweep]"
+	DS_BUILD_OPS=0 $(PIP) install --quiet -c $(CONSTRAINTS) -e ".[dev,rm,sweep,control]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -32,3 +32,6 @@ clean:
 
 bench: $(STAMP)
 	$(PY) bench/run.py
+
+cartpole: $(STAMP)
+	$(PY) examples/cartpole_ppo.py --seeds 1 2 3 4
