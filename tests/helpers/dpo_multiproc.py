@@ -55,16 +55,22 @@ def main() -> None:
             "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
             "train_micro_batch_size_per_gpu": 4,
         })  # fmt: skip
+    wrapper = []
+
+    class Wrapper(pl.Callback):  # the strategy's wrapper during fit (teardown unwraps it)
+        def on_train_start(self, trainer, module):
+            wrapper.append(type(trainer.strategy.model).__name__)
+
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=4, logger=False, log_every_n_steps=2,
         enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0, check_val_every_n_epoch=None,
-        val_check_interval=4, default_root_dir=args.out, callbacks=[KLMonitor(), ResponseLengthMonitor()],
+        val_check_interval=4, default_root_dir=args.out, callbacks=[KLMonitor(), ResponseLengthMonitor(), Wrapper()],
     )  # fmt: skip
     trainer.fit(module, data)
     params = {k: v.detach().float().cpu().clone() for k, v in module.policy.state_dict().items()}
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     torch.save({"params": params, "metrics": metrics, "world_size": trainer.world_size, "global_step": trainer.global_step,
-                "wrapper": type(trainer.strategy.model).__name__},
+                "wrapper": wrapper[0]},
                os.path.join(args.out, f"rank{trainer.global_rank}.pt"))  # fmt: skip
 
 
