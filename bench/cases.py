@@ -66,6 +66,12 @@ def timed(fn, warmup: int, steps: int) -> float:
     return statistics.median(durations)
 
 
+def median_step(stamps: list[float], warmup: int) -> float:
+    """Median of the intervals between consecutive step-end timestamps, after ``warmup`` steps."""
+    durations = [b - a for a, b in zip(stamps, stamps[1:])][warmup:]
+    return statistics.median(durations)
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
@@ -219,9 +225,7 @@ def case_ppo_ours(models: Path, s: dict) -> dict:
                          enable_progress_bar=False, callbacks=[timer], limit_val_batches=0, num_sanity_val_steps=0)  # fmt: skip
     t_start = time.perf_counter()
     trainer.fit(module, data)
-    stamps = [t_start] + timer.times
-    durations = [b - a for a, b in zip(stamps, stamps[1:])][s["warmup"]:]
-    t = statistics.median(durations)
+    t = median_step([t_start] + timer.times, s["warmup"])
     return {"step_s": t, "samples_per_s": s["batch"] / t, "fused_first_forward": module.fused_first_forward(s["batch"])}
 
 
@@ -268,9 +272,7 @@ def case_ppo_trl(models: Path, s: dict) -> dict:
     t_start = time.perf_counter()
     torch.manual_seed(0)
     trainer.train()
-    stamps = [t_start] + times
-    durations = [b - a for a, b in zip(stamps, stamps[1:])][s["warmup"]:]
-    t = statistics.median(durations)
+    t = median_step([t_start] + times, s["warmup"])
     return {"step_s": t, "samples_per_s": s["batch"] / t}
 
 
@@ -341,9 +343,7 @@ def case_rm_trl(models: Path, s: dict) -> dict:
     trainer = RewardTrainer(model=model, args=args, processing_class=tok, train_dataset=ds, callbacks=[Timer()])
     t_start = time.perf_counter()
     trainer.train()
-    stamps = [t_start] + times
-    durations = [b - a for a, b in zip(stamps, stamps[1:])][s["warmup"]:]
-    t = statistics.median(durations)
+    t = median_step([t_start] + times, s["warmup"])
     return {"step_s": t, "pairs_per_s": s["batch"] / t}
 
 
@@ -379,8 +379,7 @@ def case_dpo_ours(models: Path, s: dict, precompute: bool = False) -> dict:
     trainer = pl.Trainer(max_steps=n, accelerator="cpu", logger=False, enable_checkpointing=False, limit_val_batches=0,
                          enable_progress_bar=False, callbacks=[timer], num_sanity_val_steps=0)  # fmt: skip
     trainer.fit(module, dm)
-    durations = [b - a for a, b in zip(timer.times, timer.times[1:])][max(0, s["warmup"] - 1):]
-    t = statistics.median(durations)
+    t = median_step(timer.times, max(0, s["warmup"] - 1))  # from the first step's end: no setup time
     return {"step_s": t, "pairs_per_s": s["batch"] / t}
 
 
@@ -413,8 +412,7 @@ def case_dpo_trl(models: Path, s: dict, precompute: bool = False) -> dict:
     trainer = DPOTrainer(model=str(models / "policy"), args=args, processing_class=tok, train_dataset=ds,
                          callbacks=[Timer()])  # fmt: skip
     trainer.train()
-    durations = [b - a for a, b in zip(times, times[1:])][max(0, s["warmup"] - 1):]
-    t = statistics.median(durations)
+    t = median_step(times, max(0, s["warmup"] - 1))
     return {"step_s": t, "pairs_per_s": s["batch"] / t}
 
 
@@ -457,9 +455,7 @@ def case_grpo_ours(models: Path, s: dict) -> dict:
                          enable_progress_bar=False, callbacks=[timer, Phases()], num_sanity_val_steps=0)  # fmt: skip
     t_start = time.perf_counter()
     trainer.fit(module, data)
-    stamps = [t_start] + timer.times
-    durations = [b - a for a, b in zip(stamps, stamps[1:])][s["warmup"]:]
-    t = statistics.median(durations)
+    t = median_step([t_start] + timer.times, s["warmup"])
     rollout = statistics.median(p[0] for p in phases[s["warmup"]:])
     return {"step_s": t, "samples_per_s": s["batch"] / t, "rollout_s": rollout, "update_s": t - rollout}
 
@@ -498,9 +494,7 @@ def case_grpo_trl(models: Path, s: dict) -> dict:
                           train_dataset=ds, callbacks=[Timer()])  # fmt: skip
     t_start = time.perf_counter()
     trainer.train()
-    stamps = [t_start] + times
-    durations = [b - a for a, b in zip(stamps, stamps[1:])][s["warmup"]:]
-    t = statistics.median(durations)
+    t = median_step([t_start] + times, s["warmup"])
     return {"step_s": t, "samples_per_s": s["batch"] / t}
 
 

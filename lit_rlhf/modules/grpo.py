@@ -210,10 +210,7 @@ class GRPOModule(RLModule):
             self.optimizer_step(opt, sched, loss)
             for k, v in stats.items():
                 collected.setdefault(k, []).append(v.detach().float())
-        out = {k: torch.stack(v).mean() for k, v in collected.items()}
-        if "policy/ratio_max" in collected:
-            out["policy/ratio_max"] = torch.stack(collected["policy/ratio_max"]).max()
-        return out
+        return self.mean_stats(collected)
 
     # -------------------------------------------------------------- state
     def rl_state_dict(self) -> dict[str, Any]:

@@ -261,10 +261,7 @@ class PPOModule(RLModule):
             self.optimizer_step(opt, sched, loss)
             for k, v in stats.items():
                 collected.setdefault(k, []).append(v.detach().float())
-        out = {k: torch.stack(v).mean() for k, v in collected.items()}
-        if "policy/ratio_max" in collected:
-            out["policy/ratio_max"] = torch.stack(collected["policy/ratio_max"]).max()
-        return out
+        return self.mean_stats(collected)
 
     # ------------------------------------------------------------- optimizer
     def configure_optimizers(self) -> Any:

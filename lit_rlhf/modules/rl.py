@@ -241,6 +241,14 @@ class RLModule(RLHFModule):
         opt.step()
         sched.step()
 
+    @staticmethod
+    def mean_stats(collected: dict[str, list[Tensor]]) -> dict[str, Tensor]:
+        """An iteration's statistics over its minibatches: means, except ``policy/ratio_max`` (the max)."""
+        out = {k: torch.stack(v).mean() for k, v in collected.items()}
+        if "policy/ratio_max" in collected:
+            out["policy/ratio_max"] = torch.stack(collected["policy/ratio_max"]).max()
+        return out
+
     def total_updates(self) -> int:
         """Optimizer steps of the whole fit: trainer.max_steps, else batches × updates per batch."""
         if self.trainer.max_steps is not None and self.trainer.max_steps > 0:

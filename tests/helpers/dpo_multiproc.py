@@ -18,7 +18,6 @@ sys.path.insert(0, str(ROOT))  # tests.helpers importable when run as a script
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from lit_rlhf.callbacks import KLMonitor, ResponseLengthMonitor  # noqa: E402
 from lit_rlhf.data.preference import PreferenceDataModule  # noqa: E402
@@ -27,6 +26,7 @@ from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import DPOConfig  # noqa: E402
 from lit_rlhf.modules.dpo import DPOModule  # noqa: E402
 from lit_rlhf.utils.config import build_config  # noqa: E402
+from tests.helpers.cpu_strategies import cpu_strategy  # noqa: E402
 
 
 def main() -> None:
@@ -46,15 +46,7 @@ def main() -> None:
     tok = build_tokenizer(spec)
     module = DPOModule(cfg, model=spec, tokenizer=tok)
     data = PreferenceDataModule(n_train=64, n_val=16, n_test=8, batch_size=4).connect(tok)
-    if args.strategy == "ddp":
-        strategy = DDPStrategy(process_group_backend="gloo", find_unused_parameters=False)
-    else:
-        from tests.helpers.deepspeed_cpu import CPUDeepSpeedStrategy
-
-        strategy = CPUDeepSpeedStrategy(config={
-            "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
-            "train_micro_batch_size_per_gpu": 4,
-        })  # fmt: skip
+    strategy = cpu_strategy(args.strategy, micro_batch=4)
     wrapper = []
 
     class Wrapper(pl.Callback):  # the strategy's wrapper during fit (teardown unwraps it)

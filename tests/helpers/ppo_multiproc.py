@@ -18,7 +18,6 @@ sys.path.insert(0, str(ROOT))  # tests.helpers importable when run as a script
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from lit_rlhf.data.prompts import PromptDataModule  # noqa: E402
 from lit_rlhf.models.builders import build_tokenizer  # noqa: E402
@@ -26,6 +25,7 @@ from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import PPOConfig  # noqa: E402
 from lit_rlhf.modules.ppo import PPOModule  # noqa: E402
 from lit_rlhf.utils.config import build_config  # noqa: E402
+from tests.helpers.cpu_strategies import cpu_strategy  # noqa: E402
 
 
 class Dump(pl.Callback):
@@ -76,15 +76,7 @@ def main() -> None:
     tok = build_tokenizer(spec)
     module = PPOModule(cfg, model=spec, tokenizer=tok)
     data = PromptDataModule(n_train=64, n_val=0, batch_size=8).connect(tok)
-    if args.strategy == "ddp":
-        strategy = DDPStrategy(process_group_backend="gloo", find_unused_parameters=False)
-    else:
-        from tests.helpers.deepspeed_cpu import CPUDeepSpeedStrategy
-
-        strategy = CPUDeepSpeedStrategy(config={
-            "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
-            "train_micro_batch_size_per_gpu": 8,
-        })  # fmt: skip
+    strategy = cpu_strategy(args.strategy, micro_batch=8)
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, callbacks=[Dump(args.out)], limit_val_batches=0,
