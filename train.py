@@ -19,17 +19,21 @@ from omegaconf import DictConfig  # noqa: E402
 def main(cfg: DictConfig) -> float | None:
     from lit_rlhf.data.io import DataError
     from lit_rlhf.models.builders import ModelLoadError
+    from lit_rlhf.modules.health import NonFiniteTrainingError
     from lit_rlhf.rollout.score import RewardFunctionError
     from lit_rlhf.runner import metric_value, run
     from lit_rlhf.utils.config import ConfigError
 
+    from lit_rlhf.utils.secrets import mask_override
+
+    sys.argv[1:] = [mask_override(a) for a in sys.argv[1:]]  # loggers (W&B) record the command line
     try:
         metrics = run(cfg)
         return metric_value(metrics, cfg.get("optimized_metric"))
     except ConfigError as err:
         # a user mistake: say which key and what is allowed, without a traceback
         sys.exit(f"Configuration error: {err}")
-    except (DataError, ModelLoadError, RewardFunctionError) as err:
+    except (DataError, ModelLoadError, RewardFunctionError, NonFiniteTrainingError) as err:
         sys.exit(f"Error: {err}")
 
 
@@ -41,7 +45,7 @@ if __name__ == "__main__":
     register()  # the typed configs' defaults as Hydra schemas (conf/algo/*.yaml start from them)
 
     try:  # an unknown key gets the allowed keys, not Hydra's "Key 'x' is not in struct"
-        check_overrides(sys.argv[1:], Path(__file__).resolve().parent / "conf")
+        sys.argv[1:] = check_overrides(sys.argv[1:], Path(__file__).resolve().parent / "conf")
     except ConfigError as err:
         sys.exit(f"Configuration error: {err}")
     main()

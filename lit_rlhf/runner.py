@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from lit_rlhf.models.spec import ModelSpec
-from lit_rlhf.utils.config import ConfigError, build_config
+from lit_rlhf.utils.config import ConfigError, build_config, check_call_arguments
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,10 @@ def plan(cfg: DictConfig) -> Plan:
     from lit_rlhf.modules.base import RLHFModule
 
     model = build_config(ModelSpec, cfg.model, "model")
+    if cfg.get("trainer") is not None:
+        import lightning.pytorch as pl
+
+        check_call_arguments(pl.Trainer.__init__, cfg.trainer, "trainer")
     if cfg.get("algo") is None:
         if cfg.get("pipeline") is None:
             raise ConfigError("algo", "choose a stage (algo=sft, rm, ppo, …: the files in conf/algo) or a "
@@ -107,6 +111,7 @@ def build(cfg: DictConfig) -> tuple[Plan, Any, Any]:
     from lit_rlhf.models.builders import build_tokenizer
 
     p = plan(cfg)
+    p.algo_cls.check_paths(p.algo)  # a missing/empty model folder names its algo.* key, not model.name_or_path
     if cfg.get("test", False) and "test_step" not in vars(p.algo_cls):
         raise ConfigError("test", f"{p.algo_cls.__name__} has no test loop; run with test=false")
     if cfg.get("seed") is not None:
@@ -124,6 +129,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     from lightning.pytorch.callbacks import ProgressBar
 
     from lit_rlhf.callbacks.progress import RLProgressBar
+    from lit_rlhf.utils.checkpoint_io import AtomicCheckpointIO, check_checkpoint_path
     from lit_rlhf.utils.instantiate import (
         finish_loggers,
         instantiate_callbacks,
@@ -141,13 +147,16 @@ def run(cfg: DictConfig) -> dict[str, float]:
     p = plan(cfg)
     if p.pipeline_cls is not None:
         return p.pipeline_cls(p.pipeline).run(cfg)
+    check_checkpoint_path(cfg.get("ckpt_path"))
     p, datamodule, module = build(cfg)
     callbacks = instantiate_callbacks(_resolve_auto_monitor(cfg.get("callbacks"), p.algo_cls))
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(RLProgressBar())  # RL stages count iterations and optimizer steps, not epochs
     loggers = instantiate_loggers(cfg.get("logger"))
     strategy = instantiate_strategy(cfg.get("strategy"))
-    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy)
+    plugins = [] if _manages_own_checkpoints(strategy) else [AtomicCheckpointIO()]  # a kill never destroys last.ckpt
+    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy,
+                                      plugins=plugins)  # fmt: skip
     try:
         for lg in loggers:
             lg.log_hyperparams(loggable_config(cfg))
@@ -174,6 +183,13 @@ def run(cfg: DictConfig) -> dict[str, float]:
         if export_dir and cfg.get("train", True):
             log.info("model saved (save_pretrained) to %s", export_dir)
     return metrics
+
+
+def _manages_own_checkpoints(strategy: Any) -> bool:
+    """DeepSpeed writes checkpoint folders itself (no CheckpointIO plugin applies)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    return isinstance(strategy, DeepSpeedStrategy)
 
 
 def metric_value(metrics: dict[str, float], name: str | None) -> float | None:

@@ -211,3 +211,20 @@ def test_sft_quality_small_budget(tmp_path):
     floor = metrics["val/perplexity_floor"]
     assert 7.0 < floor < 9.0  # the true language's perplexity on these held-out tokens
     assert metrics["val/perplexity_ratio"] <= 1.3, metrics
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_secrets_on_the_command_line_reach_no_file(tmp_path):
+    """A secret passed as an override is masked in .hydra/*.yaml, the logged config and the command
+    line W&B records: its value appears in no file of the run directory (binary W&B files included)."""
+    secret = "sk-DO-NOT-LEAK-7f3a9"
+    out = cli("experiment=sft_synthetic_tiny", f"+wandb_api_key={secret}", f"+my_token={secret}", "logger=wandb",
+              "trainer.max_steps=2", "trainer.enable_progress_bar=false", "data.sft.n_train=64", "data.sft.n_val=16",
+              f"hydra.run.dir={tmp_path}")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert any(p.name == "overrides.yaml" for p in files) and any(p.suffix == ".wandb" for p in files)
+    leaks = [str(p.relative_to(tmp_path)) for p in files if secret.encode() in p.read_bytes()]
+    assert leaks == [], leaks
+    assert "+wandb_api_key=***" in (tmp_path / ".hydra" / "overrides.yaml").read_text()

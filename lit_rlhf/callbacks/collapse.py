@@ -6,7 +6,8 @@ MOSS-RLHF §5.2: a collapsing policy shows reward up while KL rises, responses l
 perplexity falls, and the reward distribution grows a long tail; loss and reward alone look fine.
 Collapse shows in SEVERAL of these at once: one alone is normal RL fine-tuning (perplexity halves
 as any policy sharpens on its reward — the healthy PPO-max run of the demo does exactly that), so
-by default an alarm needs ``min_signals=2`` of them in the same iteration.
+by default an alarm needs ``min_signals=2`` of them in the same iteration. Non-finite values (of
+these metrics, or rewards the stage had to skip: ``health/*``) alarm on their own.
 
 :class:`CollapseDetector` is the pure logic (a stream of metric dicts in, reasons out); the
 callback feeds it the values the monitors logged this iteration (so it must come AFTER the
@@ -28,6 +29,8 @@ import lightning.pytorch as pl
 log = logging.getLogger(__name__)
 
 KL, LENGTH, PPL, TAIL = "stability/kl", "stability/response_length", "stability/perplexity", "reward/tail_ratio"
+NONFINITE_SCORES, SKIPPED_UPDATES = "health/nonfinite_scores", "health/skipped_updates"
+WATCHED = (KL, LENGTH, PPL, TAIL, NONFINITE_SCORES, SKIPPED_UPDATES)
 
 
 @dataclass
@@ -68,6 +71,15 @@ class CollapseDetector:
             return None
         return statistics.fmean(values), statistics.pstdev(values)
 
+    def critical(self, metrics: dict[str, float]) -> list[str]:
+        """Reasons that alarm on their own, whatever ``min_signals``: non-finite values of the
+        watched metrics, non-finite rewards the RL stage had to skip."""
+        reasons = [f"{k} is {v}" for k, v in metrics.items() if not math.isfinite(v)]
+        for key in (NONFINITE_SCORES, SKIPPED_UPDATES):
+            if metrics.get(key, 0.0) > 0:
+                reasons.append(f"{key} = {metrics[key]:g}")
+        return reasons
+
     def check(self, metrics: dict[str, float]) -> list[str]:
         """Reasons this observation is alarming (empty = healthy); does not update state."""
         reasons = []
@@ -95,8 +107,9 @@ class CollapseDetector:
         ``patience`` alarming observations (``min_signals`` or more reasons each) in a row. The
         first ``baseline_steps`` observations of each relative signal form its baseline (only the
         absolute KL bound applies meanwhile)."""
-        reasons = self.check(metrics)
-        self.alarming = len(reasons) >= self.min_signals
+        critical = self.critical(metrics)
+        reasons = critical + self.check({k: v for k, v in metrics.items() if math.isfinite(v)})
+        self.alarming = len(reasons) >= self.min_signals or bool(critical)
         for key in (LENGTH, PPL, TAIL):
             values = self.baseline.setdefault(key, [])
             if key in metrics and math.isfinite(metrics[key]) and len(values) < self.baseline_steps:
@@ -154,7 +167,7 @@ class CollapseAlarm(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not (isinstance(outputs, dict) and "rollout" in outputs):
             return
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k in (KL, LENGTH, PPL, TAIL)}
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k in WATCHED}
         step = pl_module.rl_iteration
         reasons = self.detector.observe(metrics)
         if reasons:

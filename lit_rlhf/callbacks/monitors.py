@@ -13,6 +13,7 @@ Definitions (docs/algorithms.md §4), with k1_t = log π(y_t|·) − log π_ref(
   stability/perplexity    exp(−Σ log π / Σ tokens) over response tokens (…_ref: under π_ref)
   stability/response_length, …_max, stability/truncation_rate (no EOS within max_new_tokens)
   reward/score_mean, reward/score_std, reward/score_q05…q95, reward/tail_ratio = (q95 − q50)/(q50 − q05)
+                          (over the finite scores), reward/nonfinite (NaN/inf scores: counted, not used)
 """
 
 from __future__ import annotations
@@ -199,26 +200,33 @@ class RewardStatsMonitor(RolloutMonitor):
         self.scores_file = scores_file
 
     def build(self) -> dict[str, nn.Module]:
-        return {"scores": CatMetric()}
+        # non-finite scores are counted, never silently dropped (CatMetric would drop NaN with a warning)
+        return {"scores": CatMetric(nan_strategy="disable"), "nonfinite": SumMetric()}
 
     def update(self, rollout: Any) -> None:
-        if rollout.scores is not None:  # (DPO's drift samples have no reward)
-            self.metrics["scores"].update(rollout.scores.detach().float())
+        if rollout.scores is None:  # (DPO's drift samples have no reward)
+            return
+        scores = rollout.scores.detach().float()
+        finite = torch.isfinite(scores)
+        self.metrics["nonfinite"].update((~finite).sum().float())
+        if finite.any():
+            self.metrics["scores"].update(scores[finite])
 
     def compute(self) -> dict[str, Tensor]:
         if self.metrics["scores"].update_count == 0:
-            return {}
+            return {"reward/nonfinite": self.metrics["nonfinite"].compute()} if self.metrics["nonfinite"].update_count else {}
         s = self.metrics["scores"].compute().flatten().float()
         q = torch.quantile(s, torch.tensor(QUANTILES, device=s.device))
         out = {"reward/score_mean": s.mean(), "reward/score_std": s.std(unbiased=False)}
         out.update({f"reward/score_q{int(round(p * 100)):02d}": v for p, v in zip(QUANTILES, q)})
         out["reward/tail_ratio"] = (q[4] - q[2]) / (q[2] - q[0]).clamp(min=1e-6)
+        out["reward/nonfinite"] = self.metrics["nonfinite"].compute()
         self._last_scores = s
         return out
 
     def log_values(self, trainer, pl_module, values: dict[str, Tensor]) -> None:
         super().log_values(trainer, pl_module, values)
-        if not values or not trainer.is_global_zero:
+        if "reward/score_mean" not in values or not trainer.is_global_zero:
             return
         scores = self._last_scores.cpu()
         step = pl_module.rl_iteration
@@ -227,7 +235,8 @@ class RewardStatsMonitor(RolloutMonitor):
         if self.scores_file and run_dir:
             os.makedirs(run_dir, exist_ok=True)
             with open(os.path.join(run_dir, self.scores_file), "a") as fh:
-                fh.write(json.dumps({"step": step, "scores": [round(float(x), 6) for x in scores]}) + "\n")
+                fh.write(json.dumps({"step": step, "scores": [round(float(x), 6) for x in scores],
+                                     "nonfinite": int(values["reward/nonfinite"])}) + "\n")  # fmt: skip
 
 
 class SamplesTable(pl.Callback):

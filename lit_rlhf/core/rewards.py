@@ -22,12 +22,14 @@ def reparameterize_scores(
     mode: Literal["none", "scale", "normalize"],
     clip: float | None,
     all_reduce=None,
+    valid: Tensor | None = None,
 ) -> Tensor:
     """Score scaling r/σ_run or normalization (r − μ_run)/σ_run, then clipping to ±clip.
 
-    The running moments are updated with this batch BEFORE it is transformed (docs/algorithms.md §2).
+    The running moments are updated with this batch BEFORE it is transformed (docs/algorithms.md §2),
+    with its ``valid`` (B,) scores only (a NaN would poison the moments for the rest of the run).
     """
-    moments.update(scores, all_reduce)
+    moments.update(scores if valid is None else scores[valid], all_reduce)
     if mode == "scale":
         scores = scores / (moments.std + 1e-8)
     elif mode == "normalize":

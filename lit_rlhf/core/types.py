@@ -56,6 +56,14 @@ class Rollout:
         return torch.cat([self.prompt_mask, self.response_mask], dim=1)
 
     @property
+    def valid_mask(self) -> Tensor:
+        """(B, R) the response tokens that may train: those of responses whose score is finite
+        (a NaN/inf reward is a counted skip, never an update)."""
+        if self.scores is None:
+            return self.response_mask
+        return self.response_mask * torch.isfinite(self.scores).to(self.response_mask.dtype)[:, None]
+
+    @property
     def response_lengths(self) -> Tensor:
         """(B,) response tokens per row (EOS included)."""
         return self.response_mask.sum(-1)

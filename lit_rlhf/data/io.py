@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -37,27 +38,50 @@ def is_file_source(source: str) -> bool:
     return source.endswith(_FILES)
 
 
-def _iter_jsonl(path: str) -> Iterator[Row]:
+def _lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, raw bytes) of a text or gzip file; a truncated or corrupt gzip stream
+    and an unreadable file are DataErrors naming the file and the last complete line."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue  # blank lines (e.g. a trailing newline) are not records
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            yield Row(obj, f"{path}:{lineno}", lineno)
+    lineno = 0
+    try:
+        with opener(path, "rb") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                yield lineno, line
+    except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as err:
+        raise DataError(f"{path}: unreadable after line {lineno} ({type(err).__name__}: {err}); the file is "
+                        "truncated or not what its extension says — re-download or re-compress it") from None  # fmt: skip
+
+
+def _iter_jsonl(path: str) -> Iterator[Row]:
+    for lineno, raw in _lines(path):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte {err.start} of the line: "
+                            f"{raw[err.start:err.start + 4]!r})") from None  # fmt: skip
+        if not line.strip():
+            continue  # blank lines (e.g. a trailing newline) are not records
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        yield Row(obj, f"{path}:{lineno}", lineno)
 
 
 def _iter_json(path: str) -> Iterator[Row]:
-    with open(path, encoding="utf-8") as fh:
-        try:
-            obj = json.load(fh)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not valid UTF-8 (byte offset {err.start})") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
     if not isinstance(obj, list):
         raise DataError(f"{path}: expected a JSON list of objects, got {type(obj).__name__}")
     for i, item in enumerate(obj, start=1):

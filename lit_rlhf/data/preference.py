@@ -269,8 +269,9 @@ class PreferenceDataModule(pl.LightningDataModule):
                 identical += 1
                 continue
             pairs.append(pair)
+        duplicates = len(pairs) - len({(p.prompt, p.chosen, p.rejected) for p in pairs})
         self.stats.update({f"{split}_rows_read": len(rows), f"{split}_skipped_empty": empty,
-                           f"{split}_skipped_identical": identical})  # fmt: skip
+                           f"{split}_skipped_identical": identical, f"{split}_duplicates": duplicates})  # fmt: skip
         return pairs
 
     def _synthetic_pairs(self) -> dict[str, list[PreferencePair]]:
@@ -324,10 +325,11 @@ class PreferenceDataModule(pl.LightningDataModule):
         s = self.stats
         for split in self.splits:
             log.info(
-                "preference %s: %d pairs (%d rows read; skipped %d empty, %d identical; %d pairs had prompt "
-                "tokens cut from the left, %d a response cut, at max_length=%d)",
+                "preference %s: %d pairs (%d rows read; skipped %d empty, %d identical; %d duplicated pairs kept; "
+                "%d pairs had prompt tokens cut from the left, %d a response cut, at max_length=%d)",
                 split, s[f"{split}_pairs"], s[f"{split}_rows_read"], s[f"{split}_skipped_empty"],
-                s[f"{split}_skipped_identical"], s[f"{split}_prompts_cut"], s[f"{split}_responses_cut"], c.max_length,
+                s[f"{split}_skipped_identical"], s.get(f"{split}_duplicates", 0), s[f"{split}_prompts_cut"],
+                s[f"{split}_responses_cut"], c.max_length,
             )  # fmt: skip
 
     # -------------------------------------------------------------- dataloaders

@@ -133,13 +133,17 @@ class PromptDataModule(pl.LightningDataModule):
         c = self.config
         template = get_template(c.template)
         out, cut = [], 0
-        for p in prompts:
+        kept = [p for p in prompts if p.strip()]  # an empty prompt is no question: skipped, counted
+        for p in kept:
             ids, n = encode_prompt(self.tokenizer, template.format_prompt(p), c.max_prompt_length)
             cut += n > 0
             out.append((ids, p))
-        self.stats[f"{split}_prompts"] = len(out)
-        self.stats[f"{split}_prompts_cut"] = cut
-        log.info("prompts %s: %d (%d cut from the left at max_prompt_length=%d)", split, len(out), cut, c.max_prompt_length)
+        s = self.stats
+        s[f"{split}_prompts"], s[f"{split}_prompts_cut"] = len(out), cut
+        s[f"{split}_skipped_empty"], s[f"{split}_duplicates"] = len(prompts) - len(kept), len(kept) - len(set(kept))
+        log.info("prompts %s: %d (%d empty or blank skipped; %d duplicates kept; %d cut from the left at "
+                 "max_prompt_length=%d)", split, len(out), s[f"{split}_skipped_empty"], s[f"{split}_duplicates"], cut,
+                 c.max_prompt_length)  # fmt: skip
         return out
 
     def setup(self, stage: str | None = None) -> None:
@@ -155,9 +159,9 @@ class PromptDataModule(pl.LightningDataModule):
         else:
             train = self._prompts(c.train_rows)
             val = self._prompts(c.val_rows) if c.val_rows else []
-        if not train:
-            raise DataError(f"{c.source}: no prompts")
         self.train_set = self._encode(train, "train")
+        if not self.train_set:
+            raise DataError(f"{c.source}: no usable prompts ({len(train)} read, all empty or blank)")
         self.val_set = self._encode(val, "val") if val else []
         if c.ptx_source:
             from lit_rlhf.data.sft import SFTDataModule

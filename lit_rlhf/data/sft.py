@@ -124,6 +124,7 @@ class SFTDataModule(pl.LightningDataModule):
             out.append((prompt, response, row.where))
         self.stats[f"{split}_rows_read"] = len(rows)
         self.stats[f"{split}_skipped_empty"] = empty
+        self.stats[f"{split}_duplicates"] = len(out) - len({(p, r) for p, r, _ in out})
         return out
 
     def _load_rows(self) -> tuple[list[Row], list[Row]]:
@@ -180,10 +181,10 @@ class SFTDataModule(pl.LightningDataModule):
         for split in ("train", "val"):
             s = self.stats
             log.info(
-                "SFT %s: %d pairs from %s (%d rows read, %d skipped for an empty response, "
+                "SFT %s: %d pairs from %s (%d rows read, %d skipped for an empty response, %d duplicated pairs kept, "
                 "%d prompts cut from the left, %d responses truncated at max_length=%d)",
                 split, s[f"{split}_pairs"], c.val_source if split == "val" and c.val_source else c.source,
-                s[f"{split}_rows_read"], s[f"{split}_skipped_empty"], s[f"{split}_prompts_cut"],
+                s[f"{split}_rows_read"], s[f"{split}_skipped_empty"], s.get(f"{split}_duplicates", 0), s[f"{split}_prompts_cut"],
                 s[f"{split}_responses_cut"], c.max_length,
             )  # fmt: skip
 

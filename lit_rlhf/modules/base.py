@@ -33,7 +33,8 @@ class RLHFModule(pl.LightningModule):
     * ``data_kind`` — the section of the ``data`` group it reads (``data.sft``, ``data.prompt`` …);
     * ``monitor`` — (metric, mode) that ``callbacks.model_checkpoint.monitor=auto`` selects;
     * :meth:`resolve_model_spec`, :meth:`resolve_data_config`, :meth:`check_compatible` —
-      cross-group rules applied before anything is built (defaults: no change, no check).
+      cross-group rules applied before anything is built (defaults: no change, no check);
+    * :meth:`check_paths` (``model_path_keys``) — the model folders the config names exist.
     """
 
     config_class: type = OptimConfig
@@ -53,6 +54,18 @@ class RLHFModule(pl.LightningModule):
     @classmethod
     def check_compatible(cls, config: Any, spec: ModelSpec) -> None:
         """Raise ``ConfigError`` when the stage's config and the model cannot work together."""
+
+    model_path_keys: tuple[str, ...] = ()
+    """``algo.*`` keys naming model folders, checked by :meth:`check_paths` (policy, reward …)."""
+
+    @classmethod
+    def check_paths(cls, config: Any) -> None:
+        """Before anything is loaded (runner.build): every local model folder the config names
+        exists and is an export, or a ConfigError names the key that points elsewhere."""
+        for name in cls.model_path_keys:
+            value = getattr(config, name)
+            if value:
+                check_model_path(value, f"algo.{name}")
 
     def __init__(
         self,
@@ -153,10 +166,13 @@ class RLHFModule(pl.LightningModule):
         if state is None and trainer is not None:
             state = trainer.strategy.lightning_module_state_dict()
         if trainer is None or trainer.is_global_zero:
+            from lit_rlhf.modules.health import check_finite_state
+
             prefix = self._state_prefix(model)
             sd = None
             if state is not None:
                 sd = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            check_finite_state(sd if sd is not None else model.state_dict(), f"the model to {directory}")
             save_pretrained_atomic(model, self.ensure_tokenizer(), directory, state_dict=sd)
             log.info("exported %s to %s", type(model).__name__, directory)
         if trainer is not None:
@@ -167,6 +183,23 @@ class RLHFModule(pl.LightningModule):
             if module is model:
                 return f"{name}." if name else ""
         raise ValueError("the exported model is not a submodule of this LightningModule")
+
+
+def check_model_path(path: str, key: str) -> str:
+    """A model path set by the user: a local folder must be a ``save_pretrained`` export (with a
+    config.json); a missing or empty local path fails naming ``key``. Hub ids pass (``org/name``)."""
+    from lit_rlhf.utils.config import ConfigError
+
+    local = os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
+    if not local or path.startswith("pkg://"):
+        return path
+    path = os.path.expanduser(path)
+    if not os.path.isdir(path):
+        raise ConfigError(key, f"no such model folder: {path} (a save_pretrained export, e.g. <run>/sft/policy)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(key, f"{path} is not a model export: it has no config.json "
+                               f"({'empty folder' if not os.listdir(path) else 'found: ' + ', '.join(sorted(os.listdir(path))[:5])})")  # fmt: skip
+    return path
 
 
 def policy_spec(policy_path: str | None, spec: ModelSpec) -> ModelSpec:

@@ -119,6 +119,9 @@ class RLConfig(OptimConfig):
     """False: log-probs at temperature 1 (docs/algorithms.md §2.1); True: logits / sampling temperature."""
     max_grad_norm: float | None = field(default=1.0, metadata={"gt": 0.0})
     """Global grad-norm clip over everything trained (DeepSpeed strategies clip in their config)."""
+    max_bad_iterations: int = field(default=3, metadata={"ge": 1})
+    """Consecutive iterations with non-finite rewards or skipped (non-finite) updates that stop the run
+    with an error naming the cause (each one alone is a counted skip)."""
     kl_coef: float = field(default=0.0, metadata={"ge": 0.0})
     """β of the KL(π‖π_ref) term; 0 = none (the reference is still scored for the stability metrics)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"

@@ -77,6 +77,7 @@ class DPOModule(RLHFModule):
     config_class = DPOConfig
     data_kind = "preference"
     monitor = ("val/loss", "min")
+    model_path_keys = ("policy_path", "reference_path")
 
     def __init__(self, config: DPOConfig | None = None, model: Any = None, tokenizer: Any = None, **kwargs: Any):
         super().__init__(config, model, tokenizer, **kwargs)

@@ -151,6 +151,7 @@ class GRPOModule(RLModule):
     def compute_advantages(self, rollout: Rollout) -> dict[str, Tensor]:
         """Overlong shaping, group-relative advantages (docs/algorithms.md §6), broadcast to tokens."""
         c: GRPOConfig = self.config
+        self.health.count_scores(rollout.scores)
         valid = torch.isfinite(rollout.scores)
         rewards = rollout.scores
         if c.overlong_buffer is not None:
@@ -158,7 +159,7 @@ class GRPOModule(RLModule):
             rewards = rewards + overlong_penalty(rollout.response_lengths, max_length, c.overlong_buffer)
         adv, no_signal = group_advantages(rewards, c.num_generations, c.scale_rewards, c.advantage_baseline, 1e-4, valid)
         rollout.advantages = adv[:, None] * rollout.response_mask
-        stats = {"grpo/zero_std_groups": no_signal.float().mean(), "health/nonfinite_scores": (~valid).sum().float(),
+        stats = {"grpo/zero_std_groups": no_signal.float().mean(),
                  "reward/shaped_mean": rewards[valid].mean() if valid.any() else rewards.new_tensor(0.0)}  # fmt: skip
         components = getattr(self.scorer, "components", {})
         stats.update({f"reward/{name}": v[torch.isfinite(v)].mean() for name, v in components.items()})
@@ -178,7 +179,7 @@ class GRPOModule(RLModule):
     def minibatch_loss(self, mb: Rollout, fwd: PolicyForward) -> tuple[Tensor, dict[str, Tensor]]:
         """Clipped surrogate + β·KL in the loss, both with the configured aggregation."""
         c: GRPOConfig = self.config
-        mask = mb.response_mask * torch.isfinite(mb.scores)[:, None]  # responses without a reward are left out
+        mask = mb.valid_mask  # responses without a finite reward are left out
         agg, constant = AGGREGATION[c.loss_aggregation], float(c.generation.max_new_tokens)
         loss, pg = ppo_policy_loss(fwd.logprobs, mb.logprobs, mb.advantages, mask, c.clip_eps_low, c.clip_eps_high,
                                    None, agg, constant)  # fmt: skip

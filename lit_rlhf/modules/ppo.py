@@ -73,6 +73,7 @@ class PPOModule(RLModule):
     """PPO over (actor, critic) with a frozen reference and reward. ``data_kind = "prompt"``."""
 
     config_class = PPOConfig
+    model_path_keys = ("policy_path", "reward_path", "critic_path")
 
     def __init__(self, config: PPOConfig | None = None, model: Any = None, tokenizer: Any = None, **kwargs: Any):
         super().__init__(config, model, tokenizer, **kwargs)
@@ -84,6 +85,9 @@ class PPOModule(RLModule):
         else:
             self.kl_ctl = FixedKLController(c.kl_coef)
         self._first_forward: PolicyForward | None = None  # the fused path's, for update()
+        if c.minibatch_size > c.rollout_batch_size:
+            log.warning("algo.minibatch_size=%d > algo.rollout_batch_size=%d: each update uses the whole rollout of %d",
+                        c.minibatch_size, c.rollout_batch_size, c.rollout_batch_size)  # fmt: skip
 
     # ------------------------------------------------------------------ models
     def configure_model(self) -> None:
@@ -166,11 +170,13 @@ class PPOModule(RLModule):
         """Fill ``rewards``, ``advantages`` and ``returns`` (docs/algorithms.md §2.2–§2.5); returns
         the normalized score mean and the KL controller's input over ALL ranks' rollouts."""
         c: PPOConfig = self.config
-        mask = rollout.response_mask
-        scores = rollout.scores
+        self.health.count_scores(rollout.scores)
+        mask = rollout.valid_mask  # responses with a non-finite score are a counted skip: no token of theirs trains
+        valid = torch.isfinite(rollout.scores)
+        scores = torch.where(valid, rollout.scores, torch.zeros_like(rollout.scores))
         if c.missing_eos_penalty is not None:
             scores = penalize_missing_eos(scores, rollout.ended, c.missing_eos_penalty)
-        scores = reparameterize_scores(scores, self.reward_moments, c.score_norm, c.score_clip, all_reduce_sum)
+        scores = reparameterize_scores(scores, self.reward_moments, c.score_norm, c.score_clip, all_reduce_sum, valid)
         kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, c.kl_estimator)
         beta = self.kl_ctl.value if c.kl_placement == "reward" else 0.0
         rollout.rewards = shape_rewards(scores, kl, mask, beta)
@@ -183,8 +189,8 @@ class PPOModule(RLModule):
         # so that β stays the same on every rank
         kl_seq = sequence_kl(rollout.logprobs, rollout.ref_logprobs, mask, c.kl_estimator)
         kl_sum_n = all_reduce_sum(torch.stack([kl_seq.sum(), kl.new_tensor(float(kl.shape[0]))]).float())
-        return {"reward/normalized_mean": scores.mean(), "kl_seq_global": kl_sum_n[0] / kl_sum_n[1],
-                "n_global": kl_sum_n[1]}  # fmt: skip
+        return {"reward/normalized_mean": scores[valid].mean() if valid.any() else scores.new_tensor(0.0),
+                "kl_seq_global": kl_sum_n[0] / kl_sum_n[1], "n_global": kl_sum_n[1]}  # fmt: skip
 
     # --------------------------------------------------------------- phase 3
     def updates_per_iteration(self, batch_size: int | None = None) -> int:
@@ -210,17 +216,18 @@ class PPOModule(RLModule):
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Actor + critic loss of one minibatch (one backward covers both, docs/algorithms.md §2.6)."""
         c: PPOConfig = self.config
+        mask = mb.valid_mask
         pg_loss, pg_stats = ppo_policy_loss(
-            fwd.logprobs, mb.logprobs, mb.advantages, mb.response_mask, c.clip_eps_low, c.clip_eps_high, c.dual_clip
+            fwd.logprobs, mb.logprobs, mb.advantages, mask, c.clip_eps_low, c.clip_eps_high, c.dual_clip
         )
         actor_loss = pg_loss
         stats = {f"policy/{k}": v for k, v in pg_stats.items()}
-        ent_loss, ent_stats = entropy_loss(fwd.entropy, mb.response_mask, c.entropy_coef, c.entropy_target)
+        ent_loss, ent_stats = entropy_loss(fwd.entropy, mask, c.entropy_coef, c.entropy_target)
         stats["policy/entropy"] = ent_stats["entropy"]
         if c.entropy_coef:
             actor_loss = actor_loss + ent_loss
         if c.kl_placement == "loss" and self.kl_ctl.value:
-            kl = masked_mean(kl_penalty(fwd.logprobs, mb.ref_logprobs, c.kl_estimator), mb.response_mask)
+            kl = masked_mean(kl_penalty(fwd.logprobs, mb.ref_logprobs, c.kl_estimator), mask)
             actor_loss = actor_loss + self.kl_ctl.value * kl
             stats["policy/kl_loss"] = kl.detach()
         if ptx is not None and c.ptx_coef:
@@ -231,7 +238,7 @@ class PPOModule(RLModule):
             # critic warm-up: the actor stays in the graph with zero weight, so every parameter
             # gets a (zero) gradient and DDP needs no find_unused_parameters
             actor_loss = actor_loss * 0.0
-        vf_loss, vf_stats = value_loss(fwd.values, mb.values, mb.returns, mb.response_mask, c.value_clip)
+        vf_loss, vf_stats = value_loss(fwd.values, mb.values, mb.returns, mask, c.value_clip)
         stats.update({f"critic/{k}": v for k, v in vf_stats.items()})
         return actor_loss + c.vf_coef * vf_loss, stats
 

@@ -33,6 +33,7 @@ from lit_rlhf.core.types import Rollout
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.modules.base import RLHFModule, policy_spec
 from lit_rlhf.modules.configs import RLConfig
+from lit_rlhf.modules.health import TrainingHealth, all_ranks_finite, grads_finite
 from lit_rlhf.rollout.collect import generate_and_score
 from lit_rlhf.utils.config import ConfigError
 
@@ -46,6 +47,7 @@ class RLModule(RLHFModule):
     config_class = RLConfig
     data_kind = "prompt"
     monitor = ("val/score_mean", "max")
+    model_path_keys = ("policy_path", "reward_path")
     checkpoint_key = "lit_rlhf_rl"
 
     def __init__(self, config: Any = None, model: Any = None, tokenizer: Any = None, **kwargs: Any) -> None:
@@ -57,6 +59,7 @@ class RLModule(RLHFModule):
         self.gold_scorer: Any = None
         self.kl_ctl = FixedKLController(self.config.kl_coef)
         self.iteration = 0
+        self.health = TrainingHealth(self.config.max_bad_iterations, "the reward")
 
     # ------------------------------------------------------- public interface
     @property
@@ -77,11 +80,12 @@ class RLModule(RLHFModule):
 
     def rl_state_dict(self) -> dict[str, Any]:
         """Non-parameter training state; subclasses add theirs (e.g. PPO's running reward moments)."""
-        return {"iteration": self.iteration, "kl_ctl": self.kl_ctl.state_dict()}
+        return {"iteration": self.iteration, "kl_ctl": self.kl_ctl.state_dict(), "health": self.health.state_dict()}
 
     def load_rl_state_dict(self, state: dict[str, Any]) -> None:
         self.iteration = int(state["iteration"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.health.load_state_dict(state.get("health", {}))
 
     def updates_per_iteration(self, batch_size: int | None = None) -> int:
         """Optimizer steps of one RL iteration (1 unless a subclass does more)."""
@@ -132,6 +136,8 @@ class RLModule(RLHFModule):
         from lit_rlhf.rollout.score import CallableScorer, ModelScorer, WeightedScorer
 
         c: RLConfig = self.config
+        self.health.reward_name = (f"the reward model {c.reward_path}" if c.reward_path else f"reward_fn "
+                                   f"{c.reward_fn['_target_']}" if c.reward_fn else "reward_fns")  # fmt: skip
         if c.reward_path is not None:
             path = resolve_path(c.reward_path)
             rm = freeze(load_reward_model(path, dtype=self.model_spec.dtype))
@@ -229,17 +235,31 @@ class RLModule(RLHFModule):
         max_steps = self.trainer.max_steps
         return max_steps is not None and max_steps >= 0 and self.global_step >= max_steps
 
-    def optimizer_step(self, opt: Any, sched: Any, loss: Tensor) -> None:
-        """zero_grad → backward → global grad-norm clip (DeepSpeed clips in its own config) → step."""
+    def optimizer_step(self, opt: Any, sched: Any, loss: Tensor) -> bool:
+        """zero_grad → backward → global grad-norm clip (DeepSpeed clips in its own config) → step.
+
+        A loss that is not finite on some rank, or a non-finite gradient, is skipped and counted:
+        no optimizer or schedule step (lit_rlhf/modules/health.py). Under DeepSpeed the gradients
+        live in the engine: only the loss is checked there. Returns whether the update was applied.
+        """
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
         opt.zero_grad()
-        self.manual_backward(loss)
-        max_norm = self.config.max_grad_norm
-        if max_norm is not None and not isinstance(self.trainer.strategy, DeepSpeedStrategy):
-            self.clip_gradients(opt, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
-        opt.step()
-        sched.step()
+        applied = all_ranks_finite(loss.detach())
+        if applied:
+            self.manual_backward(loss)
+            deepspeed = isinstance(self.trainer.strategy, DeepSpeedStrategy)
+            applied = deepspeed or grads_finite(self.parameters())
+        if applied:
+            max_norm = self.config.max_grad_norm
+            if max_norm is not None and not deepspeed:
+                self.clip_gradients(opt, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+            opt.step()
+            sched.step()
+        else:
+            opt.zero_grad()
+        self.health.count_update(applied)
+        return applied
 
     @staticmethod
     def mean_stats(collected: dict[str, list[Tensor]]) -> dict[str, Tensor]:
@@ -273,6 +293,7 @@ class RLModule(RLHFModule):
             # generated response tokens (EOS included) per second of the whole iteration
             "perf/tokens_per_s": rollout.response_mask.sum().float().cpu() / max(now - started, 1e-9),
             "rl/iteration": torch.tensor(float(self.iteration)),
+            **self.health.end_iteration(),  # raises NonFiniteTrainingError after too many bad iterations
         }
         self.log_dict({k: v.float() for k, v in stats.items() if k != "rl/iteration"}, batch_size=n)
         self.log("rl/iteration", stats["rl/iteration"], prog_bar=True, batch_size=n)

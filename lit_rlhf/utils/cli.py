@@ -88,11 +88,31 @@ def _unknown_key_error(cfg: Any, parent: str, part: str, keys: list[str], config
     return ConfigError(key, f"unknown key{owner}.{hint} Allowed keys: {allowed}")
 
 
-def check_overrides(argv: list[str], config_dir: str | Path, config_name: str = "train") -> None:
-    """Raise :class:`ConfigError` for a ``key=value`` override whose key the composed config lacks."""
+def _target_arguments(cfg: Any, parent: str) -> list[str]:
+    """The named arguments of the ``_target_`` the node at ``parent`` builds (none if it has none)."""
+    import inspect
+
+    from hydra.utils import get_method
+    from omegaconf import DictConfig, OmegaConf
+
+    node = OmegaConf.select(cfg, parent) if parent else None
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        return []
+    try:
+        params = inspect.signature(get_method(node._target_)).parameters
+    except Exception:  # an unimportable target: the runner reports it
+        return []
+    skip = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [n for n, p in params.items() if p.kind not in skip and n != "self"]
+
+
+def check_overrides(argv: list[str], config_dir: str | Path, config_name: str = "train") -> list[str]:
+    """Raise :class:`ConfigError` for a ``key=value`` override whose key the composed config lacks;
+    return ``argv`` with ``++`` in front of the overrides of keys that a ``_target_``'s signature
+    takes but its YAML does not list (so Hydra adds them instead of refusing them)."""
     overrides = _cli_overrides(argv)
     if not overrides:
-        return
+        return argv
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -101,7 +121,7 @@ def check_overrides(argv: list[str], config_dir: str | Path, config_name: str = 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception:
-        return
+        return argv
     config_dir = Path(config_dir)
     groups = {p.name for p in config_dir.iterdir() if p.is_dir()}
     choices, keys = [], []
@@ -115,20 +135,28 @@ def check_overrides(argv: list[str], config_dir: str | Path, config_name: str = 
         else:
             keys.append(name)
     if not keys:
-        return
+        return argv
     combinations = list(itertools.islice(itertools.product(*choices), _MAX_COMBINATIONS + 1))
     if len(combinations) > _MAX_COMBINATIONS:
-        return
+        return argv
+    force: set[str] = set()
     for combination in combinations:
         GlobalHydra.instance().clear()
         try:
             with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base="1.3"):
                 cfg = compose(config_name, overrides=list(combination))
         except Exception:  # a bad group choice: Hydra lists the available options itself
-            return
+            return argv
         finally:
             GlobalHydra.instance().clear()
         for key in keys:
             missing = _missing_key(cfg, key)
-            if missing is not None:
-                raise _unknown_key_error(cfg, *missing, config_dir)
+            if missing is None:
+                continue
+            parent, part, known = missing
+            arguments = _target_arguments(cfg, parent)  # e.g. ModelCheckpoint's, for callbacks.model_checkpoint.*
+            if f"{parent}.{part}" == key and part in arguments:
+                force.add(key)
+            else:
+                raise _unknown_key_error(cfg, parent, part, sorted(set(known) | set(arguments)), config_dir)
+    return [f"++{a}" if a.split("=", 1)[0] in force else a for a in argv]

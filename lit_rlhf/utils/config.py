@@ -213,3 +213,30 @@ def resolve_config(cls: type[T], config: T | Mapping[str, Any] | None, kwargs: M
     if isinstance(config, cls):
         return config
     return build_config(cls, config if config is not None else kwargs, prefix)
+
+
+def check_call_arguments(fn: Any, values: Mapping[str, Any] | None, prefix: str) -> None:
+    """Check a config node meant for ``fn(**values)`` (e.g. ``trainer.*`` for ``Trainer``) against
+    ``fn``'s signature and type hints: an unknown key or a value of the wrong type fails naming
+    ``prefix.key`` (``trainer.max_steps: expected an integer, got 'abc'``) instead of deep inside ``fn``."""
+    import inspect
+
+    values = dict(_to_plain(values, prefix) or {})
+    params = inspect.signature(fn).parameters
+    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # unresolvable annotations: names are still checked
+        hints = {}
+    for name, value in values.items():
+        if name.startswith("_"):
+            continue
+        key = f"{prefix}.{name}"
+        if name not in params:
+            if open_kwargs:
+                continue
+            close = difflib.get_close_matches(name, list(params), n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(key, f"unknown argument of {getattr(fn, '__qualname__', fn)}.{hint}")
+        if name in hints and value is not None:
+            _coerce(value, hints[name], key)

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
-
-_SECRET = re.compile(r"(api[_-]?key|token|secret|password)", re.IGNORECASE)
 
 
 def _named_nodes(node: Any, group: str) -> list[tuple[str, Any]]:
@@ -55,17 +52,12 @@ def instantiate_strategy(node: Any) -> Any:
 def loggable_config(cfg: DictConfig) -> dict[str, Any]:
     """The resolved run config as a plain dict with secret-looking values masked."""
 
-    def scrub(obj: Any) -> Any:
-        if isinstance(obj, dict):
-            return {k: ("***" if _SECRET.search(str(k)) and v else scrub(v)) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [scrub(v) for v in obj]
-        return obj
+    from lit_rlhf.utils.secrets import mask_container
 
     cfg = cfg.copy()
     with open_dict(cfg):
         cfg.pop("hydra", None)  # present only when composed in tests; Hydra's own settings
-    return scrub(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
+    return mask_container(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
 
 
 def finish_loggers(loggers: list[Any]) -> None:

@@ -231,3 +231,13 @@ def test_a_second_rollback_raises_beta_again(tmp_path):
     assert len(alarm.triggers) == 2 and module.kl_ctl.value == pytest.approx(0.05 * 2 * 2)
     assert module.w.tolist() == [0.0, 0.0]  # the only snapshot: the first healthy iteration
     assert module.reward_moments.count == 1 and module.rl_iteration == 6
+
+
+def test_non_finite_values_alarm_on_their_own():
+    """min_signals=2 asks for two signals together, but a NaN KL or skipped non-finite rewards are
+    enough alone (after patience)."""
+    d = CollapseDetector(patience=1, min_signals=2)
+    assert stream(d, baseline(5) + [dict(HEALTHY, **{KL: float("nan")})]) == [(5, ["stability/kl is nan"])]
+    d = CollapseDetector(patience=1, min_signals=2)
+    got = stream(d, baseline(5) + [dict(HEALTHY, **{"health/nonfinite_scores": 4.0})])
+    assert got == [(5, ["health/nonfinite_scores = 4"])]

@@ -1,0 +1,57 @@
+"""``AtomicCheckpointIO``: Lightning checkpoints written so that a kill never destroys the last one.
+
+Lightning's own save goes through an fsspec transaction, whose temporary file lives in
+``$TMPDIR``: when that is another filesystem than the run directory (``/dev/shm``, node-local
+scratch), the final "move" is a copy, and a SIGKILL during it leaves a truncated checkpoint in
+place of the previous good one. Here the temporary file is a sibling of the destination, fsynced,
+then renamed over it (atomic on POSIX): readers see the old checkpoint or the new one. Stale
+temporary siblings of a killed save are removed by the next save. Remote paths (``s3://`` …) keep
+Lightning's own path. The runner installs it for every run (lit_rlhf/runner.py).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from lit_rlhf.utils.io import atomic_write
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        path = str(path)
+        if "://" in path and not path.startswith("file://"):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = path.removeprefix("file://")
+        for stale in glob.glob(os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-*")):
+            os.unlink(stale)  # a save killed before its rename
+        atomic_write(path, lambda fh: torch.save(checkpoint, fh))
+
+
+def check_checkpoint_path(path: str | None) -> None:
+    """``ckpt_path`` must be Lightning's "last"/"best"/"hpc", a torch checkpoint file (a complete zip
+    archive), or a DeepSpeed checkpoint folder: anything else is a ConfigError naming the key,
+    before a model is built (not an EOFError or UnpicklingError from deep inside a resume)."""
+    import zipfile
+
+    from lit_rlhf.utils.config import ConfigError
+
+    if path is None or str(path) in ("last", "best", "hpc", "registry") or "://" in str(path):
+        return
+    path = str(path)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "latest")) and not glob.glob(os.path.join(path, "*", "*model_states.pt")):
+            raise ConfigError("ckpt_path", f"{path} is a folder but not a DeepSpeed checkpoint (no 'latest' file)")
+        return
+    if not os.path.isfile(path):
+        raise ConfigError("ckpt_path", f"no such checkpoint file: {path}")
+    if not zipfile.is_zipfile(path):
+        raise ConfigError("ckpt_path", f"{path} is not a complete checkpoint (not a torch archive: truncated by a kill, "
+                                       "or another kind of file)")  # fmt: skip
+    with zipfile.ZipFile(path) as archive:
+        if not any(name.endswith("data.pkl") for name in archive.namelist()):
+            raise ConfigError("ckpt_path", f"{path} is a zip archive but not a torch checkpoint")
