@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from lit_rlhf.runner import run
 from tests.conftest import ROOT, compose
@@ -219,7 +220,7 @@ def test_secrets_on_the_command_line_reach_no_file(tmp_path):
     """A secret passed as an override is masked in .hydra/*.yaml, the logged config and the command
     line W&B records: its value appears in no file of the run directory (binary W&B files included)."""
     secret = "sk-DO-NOT-LEAK-7f3a9"
-    out = cli("experiment=sft_synthetic_tiny", f"+wandb_api_key={secret}", f"+my_token={secret}", "logger=wandb",
+    out = cli("experiment=sft_synthetic_tiny", f"+wandb_api_key={secret}", f"+hf_token={secret}", "logger=wandb",
               "trainer.max_steps=2", "trainer.enable_progress_bar=false", "data.sft.n_train=64", "data.sft.n_val=16",
               f"hydra.run.dir={tmp_path}")  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -228,3 +229,5 @@ def test_secrets_on_the_command_line_reach_no_file(tmp_path):
     leaks = [str(p.relative_to(tmp_path)) for p in files if secret.encode() in p.read_bytes()]
     assert leaks == [], leaks
     assert "+wandb_api_key=***" in (tmp_path / ".hydra" / "overrides.yaml").read_text()
+    saved = OmegaConf.load(tmp_path / ".hydra" / "config.yaml")  # ordinary keys that mention tokens keep their values
+    assert saved.hf_token == "***" and saved.model.tokenizer == "synthetic"

@@ -89,14 +89,16 @@ def _unknown_key_error(cfg: Any, parent: str, part: str, keys: list[str], config
 
 
 def _target_arguments(cfg: Any, parent: str) -> list[str]:
-    """The named arguments of the ``_target_`` the node at ``parent`` builds (none if it has none)."""
+    """The named arguments of the ``_target_`` the node at ``parent`` builds (none if it has none).
+    lit_rlhf's own targets are left out: their keys are their typed config's fields, and their
+    constructor arguments (``config``, ``model`` …) are passed by the runner, not set by users."""
     import inspect
 
     from hydra.utils import get_method
     from omegaconf import DictConfig, OmegaConf
 
     node = OmegaConf.select(cfg, parent) if parent else None
-    if not isinstance(node, DictConfig) or "_target_" not in node:
+    if not isinstance(node, DictConfig) or "_target_" not in node or str(node._target_).startswith("lit_rlhf."):
         return []
     try:
         params = inspect.signature(get_method(node._target_)).parameters

@@ -15,21 +15,29 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
-SECRET = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.IGNORECASE)
+# Matched against a key's last name (``logger.api_key`` → ``api_key``): access tokens are named as
+# such (``hf_token``, ``token``), so ``max_new_tokens``, ``pad_token`` or ``tokenizer`` keep their values.
+SECRET = re.compile(r"api[_-]?key|secret|passw(or)?d|credential|(^|[_-])(hf|auth|access|api|bearer|wandb|github|hub)[_-]token$"
+                    r"|^token$", re.IGNORECASE)
+
+
+def is_secret(key: object) -> bool:
+    """Whether a config key (dotted or not; ``+``/``~`` prefixes allowed) names a secret."""
+    return bool(SECRET.search(str(key).lstrip("+~").rsplit(".", 1)[-1]))
 MASK = "***"
 
 
 def mask_override(override: str) -> str:
     """``+wandb_api_key=abc`` → ``+wandb_api_key=***``; other overrides unchanged."""
     key, sep, value = override.partition("=")
-    return f"{key}{sep}{MASK}" if sep and value and SECRET.search(key) else override
+    return f"{key}{sep}{MASK}" if sep and value and is_secret(key) else override
 
 
 def mask_container(obj: Any) -> Any:
     """A plain dict/list tree with every secret-looking key's value replaced by ``***``; override
     strings (``key=value``) in lists are masked too."""
     if isinstance(obj, dict):
-        return {k: (MASK if SECRET.search(str(k)) and v not in (None, "") else mask_container(v)) for k, v in obj.items()}
+        return {k: (MASK if is_secret(k) and v not in (None, "") else mask_container(v)) for k, v in obj.items()}
     if isinstance(obj, list):
         return [mask_container(v) for v in obj]
     if isinstance(obj, str):
