@@ -132,7 +132,7 @@ def test_row_ranges_and_held_out_guard(tmp_path, tokenizer):
 def test_long_pairs_keep_response_cut_prompt(tmp_path, tokenizer):
     rows = [{"prompt": "the happy old dog sees the cat", "chosen": "and the bird", "rejected": "so"}] * 2
     dm = make(tokenizer, source=write_jsonl(tmp_path / "l.jsonl", rows), val_fraction=0.0, max_length=8)
-    chosen, rejected = dm.splits["train"][0].chosen, dm.splits["train"][0].rejected
+    chosen = dm.splits["train"][0].chosen
     assert chosen.response_ids == tokenizer("and the bird", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert len(chosen.prompt_ids) + len(chosen.response_ids) == 8 and chosen.prompt_ids[0] == tokenizer.bos_token_id
     assert dm.stats["train_prompts_cut"] == 2

@@ -1,11 +1,10 @@
-import os
 import time
 
 import pytest
 import torch
 
 from lit_rlhf.models.builders import ModelLoadError, build_causal_lm, build_tokenizer, freeze, prepare_tokenizer
-from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
+from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.utils.config import ConfigError, build_config
 
 

@@ -4,7 +4,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lit_rlhf.core.logprobs import shifted_token_logprobs
 from lit_rlhf.data.preference import PreferenceDataModule
 from lit_rlhf.models.reward import load_reward_model
 from lit_rlhf.modules.reward_model import RewardModelModule, wilson_interval
