@@ -3,6 +3,7 @@ through the test-only CPU strategy (tests/helpers/deepspeed_cpu.py)."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 
@@ -18,3 +19,16 @@ def cpu_strategy(kind: str, micro_batch: int) -> Any:
         "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
         "train_micro_batch_size_per_gpu": micro_batch,
     })  # fmt: skip
+
+
+def multiproc_args(models_help: str, extra: list[tuple[str, dict[str, Any]]] = ()) -> argparse.Namespace:
+    """The command line every multi-process helper script takes: ``--strategy ddp|deepspeed``,
+    ``--devices N``, ``--models DIR`` (``models_help`` says what it holds), ``--out DIR``, plus ``extra``."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--strategy", choices=["ddp", "deepspeed"], required=True)
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--models", required=True, help=models_help)
+    ap.add_argument("--out", required=True)
+    for flag, kwargs in extra:
+        ap.add_argument(flag, **kwargs)
+    return ap.parse_args()

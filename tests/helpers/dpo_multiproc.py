@@ -8,7 +8,6 @@ Run as a script: Lightning's subprocess launcher re-executes it once per extra r
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -26,17 +25,11 @@ from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import DPOConfig  # noqa: E402
 from lit_rlhf.modules.dpo import DPOModule  # noqa: E402
 from lit_rlhf.utils.config import build_config  # noqa: E402
-from tests.helpers.cpu_strategies import cpu_strategy  # noqa: E402
+from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--strategy", choices=["ddp", "deepspeed"], required=True)
-    ap.add_argument("--devices", type=int, default=2)
-    ap.add_argument("--models", required=True, help="folder with policy/")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--precompute", action="store_true")
-    args = ap.parse_args()
+    args = multiproc_args("folder with policy/", [("--precompute", {"action": "store_true"})])
     torch.set_num_threads(1)
     policy = os.path.join(args.models, "policy")
     cfg = build_config(DPOConfig, {"policy_path": policy, "lr": 1e-3, "warmup_steps": 0, "drift_prompts": 4,

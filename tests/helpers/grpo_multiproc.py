@@ -8,7 +8,6 @@ Run as a script: Lightning's subprocess launcher re-executes it once per extra r
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -25,16 +24,11 @@ from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import GRPOConfig  # noqa: E402
 from lit_rlhf.modules.grpo import GRPOModule  # noqa: E402
 from lit_rlhf.utils.config import build_config  # noqa: E402
-from tests.helpers.cpu_strategies import cpu_strategy  # noqa: E402
+from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--strategy", choices=["ddp", "deepspeed"], required=True)
-    ap.add_argument("--devices", type=int, default=2)
-    ap.add_argument("--models", required=True, help="folder with policy/ and rm/")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = multiproc_args("folder with policy/ and rm/")
     torch.set_num_threads(1)
     policy, rm = os.path.join(args.models, "policy"), os.path.join(args.models, "rm")
     cfg = build_config(GRPOConfig, {"policy_path": policy, "reward_path": rm, "lr": 1e-3, "num_generations": 4,

@@ -8,7 +8,6 @@ Run as a script: Lightning's subprocess launcher re-executes it once per extra r
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import PPOConfig  # noqa: E402
 from lit_rlhf.modules.ppo import PPOModule  # noqa: E402
 from lit_rlhf.utils.config import build_config  # noqa: E402
-from tests.helpers.cpu_strategies import cpu_strategy  # noqa: E402
+from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args  # noqa: E402
 
 
 class Dump(pl.Callback):
@@ -58,13 +57,7 @@ class Dump(pl.Callback):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--strategy", choices=["ddp", "deepspeed"], required=True)
-    ap.add_argument("--devices", type=int, default=2)
-    ap.add_argument("--models", required=True, help="folder with policy/ and rm/")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--max-steps", type=int, default=4)
-    args = ap.parse_args()
+    args = multiproc_args("folder with policy/ and rm/", [("--max-steps", {"type": int, "default": 4})])
     torch.set_num_threads(1)
     policy, rm = os.path.join(args.models, "policy"), os.path.join(args.models, "rm")
     cfg = build_config(PPOConfig, {
