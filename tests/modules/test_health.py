@@ -13,7 +13,7 @@ NAN_FN = {"_target_": "tests.modules.test_health.nan_from_call", "start": 3}
 
 
 def nan_from_call(start):
-    """Gold-like rewards; from the ``start``-th call on, NaN for every 4th sample and inf for the next."""
+    """Gold-like rewards; from the ``start``-th call on, NaN for every 4th sample (the issue's reproduction)."""
     calls = {"n": 0}
 
     def fn(prompts, responses, ended):
