@@ -129,6 +129,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     from lightning.pytorch.callbacks import ProgressBar
 
     from lit_rlhf.callbacks.progress import RLProgressBar
+    from lit_rlhf.callbacks.resume import ResumeState
     from lit_rlhf.utils.checkpoint_io import AtomicCheckpointIO, check_checkpoint_path
     from lit_rlhf.utils.instantiate import (
         finish_loggers,
@@ -152,6 +153,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     callbacks = instantiate_callbacks(_resolve_auto_monitor(cfg.get("callbacks"), p.algo_cls))
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(RLProgressBar())  # RL stages count iterations and optimizer steps, not epochs
+    if not any(isinstance(c, ResumeState) for c in callbacks):
+        callbacks.append(ResumeState())  # exact resume: sampling continues where the killed run was
     loggers = instantiate_loggers(cfg.get("logger"))
     strategy = instantiate_strategy(cfg.get("strategy"))
     plugins = [] if _manages_own_checkpoints(strategy) else [AtomicCheckpointIO()]  # a kill never destroys last.ckpt

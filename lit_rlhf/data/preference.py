@@ -29,7 +29,8 @@ from torch.utils.data import DataLoader
 
 from lit_rlhf.data.collate import EncodedPreference, collate_preference, encode_encoder_pair, encode_pair
 from lit_rlhf.data.io import DataError, Row, is_file_source, iter_rows, parse_rows, ranges_overlap, require_str, select_rows
-from lit_rlhf.data.sampler import LengthGroupedSampler
+from lit_rlhf.data.loader import ResumableDataLoader
+from lit_rlhf.data.sampler import EpochSampler, LengthGroupedSampler
 from lit_rlhf.data.synthetic import SyntheticTask, TaskConfig
 from lit_rlhf.data.templates import TEMPLATES, get_template
 from lit_rlhf.utils.config import ConfigError, check, resolve_config
@@ -349,12 +350,9 @@ class PreferenceDataModule(pl.LightningDataModule):
         if train and c.group_by_length:
             lengths = [max(e.chosen.length, e.rejected.length) for e in data]
             sampler = LengthGroupedSampler(lengths, size, seed=c.seed)
-            return DataLoader(data, batch_size=size, sampler=sampler, num_workers=c.num_workers, collate_fn=collate)
-        import torch
-
-        gen = torch.Generator().manual_seed(c.seed) if train else None
-        return DataLoader(data, batch_size=size, shuffle=train, generator=gen, num_workers=c.num_workers,
-                          collate_fn=collate)  # fmt: skip
+        else:
+            sampler = EpochSampler(len(data), seed=c.seed) if train else None
+        return ResumableDataLoader(data, batch_size=size, sampler=sampler, num_workers=c.num_workers, collate_fn=collate)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", True)

@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.utilities import CombinedLoader
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader
 
 from lit_rlhf.data.collate import pad
 from lit_rlhf.data.io import DataError, iter_rows, require_str, select_rows
+from lit_rlhf.data.loader import ResumableDataLoader
 from lit_rlhf.data.preference import split_hh
+from lit_rlhf.data.sampler import EpochSampler
 from lit_rlhf.data.synthetic import SyntheticTask, TaskConfig
 from lit_rlhf.data.templates import TEMPLATES, get_template
 from lit_rlhf.utils.config import check, resolve_config
@@ -180,9 +181,9 @@ class PromptDataModule(pl.LightningDataModule):
         return self._prompt_loader(self.train_set, True, self.config.batch_size, seed=self.config.seed + 1_000_003)
 
     def _prompt_loader(self, data: list, shuffle: bool, size: int, seed: int | None = None) -> DataLoader:
-        gen = torch.Generator().manual_seed(self.config.seed if seed is None else seed) if shuffle else None
-        return DataLoader(
-            data, batch_size=size, shuffle=shuffle, generator=gen, num_workers=self.config.num_workers,
+        sampler = EpochSampler(len(data), seed=self.config.seed if seed is None else seed) if shuffle else None
+        return ResumableDataLoader(
+            data, batch_size=size, sampler=sampler, num_workers=self.config.num_workers,
             collate_fn=functools.partial(collate_prompts, pad_id=self.tokenizer.pad_token_id), drop_last=shuffle,
         )  # fmt: skip
 
@@ -197,9 +198,9 @@ class PromptDataModule(pl.LightningDataModule):
         # one ptx batch per prompt batch, sampled with replacement, whatever the corpus size
         from lit_rlhf.data.collate import collate_sft
 
-        sampler = RandomSampler(self.ptx.train_set, replacement=True, num_samples=len(prompts) * c.ptx_batch_size,
-                                generator=torch.Generator().manual_seed(c.seed + 1))  # fmt: skip
-        ptx = DataLoader(self.ptx.train_set, batch_size=c.ptx_batch_size, sampler=sampler, num_workers=c.num_workers,
+        sampler = EpochSampler(len(self.ptx.train_set), seed=c.seed + 1, replacement=True,
+                               num_samples=len(prompts) * c.ptx_batch_size)  # fmt: skip
+        ptx = ResumableDataLoader(self.ptx.train_set, batch_size=c.ptx_batch_size, sampler=sampler, num_workers=c.num_workers,
                          collate_fn=functools.partial(collate_sft, pad_id=self.tokenizer.pad_token_id))  # fmt: skip
         return CombinedLoader({"prompts": prompts, "ptx": ptx}, mode="min_size")
 

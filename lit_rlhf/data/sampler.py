@@ -1,11 +1,55 @@
-"""Length-grouped random order: batches of similar lengths, so padding stays small."""
+"""Samplers whose order is a pure function of ``(seed, epoch)``, so that a resumed run sees the
+same order as an uninterrupted one (docs/architecture.md "Exact resume").
+
+``torch.utils.data.RandomSampler`` draws each epoch's order from a generator whose state moves
+on every epoch and is not checkpointed: a run resumed in epoch 3 would replay epoch 0's order.
+Here ``set_epoch`` (Lightning calls it before every training epoch, also through its
+``DistributedSamplerWrapper`` under DDP) selects the order instead.
+"""
 
 from __future__ import annotations
 
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
+
+
+def epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    """A torch generator for ``(seed, epoch)``: independent streams for neighbouring seeds and
+    epochs (``seed + epoch`` would give seed 1/epoch 0 the same order as seed 0/epoch 1)."""
+    state = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(epoch)]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+class EpochSampler(Sampler[int]):
+    """A random order of ``range(n)`` per epoch (without replacement), or ``num_samples`` indices
+    drawn with replacement; ``set_epoch`` selects the epoch. Same role as ``RandomSampler`` but
+    resumable (see the module docstring)."""
+
+    def __init__(self, n: int, seed: int = 0, replacement: bool = False, num_samples: int | None = None) -> None:
+        if n <= 0:
+            raise ValueError(f"EpochSampler needs a non-empty dataset, got n={n}")
+        if num_samples is not None and not replacement and num_samples > n:
+            raise ValueError(f"num_samples={num_samples} > n={n} needs replacement=True")
+        self.n = n
+        self.seed = seed
+        self.replacement = replacement
+        self.num_samples = n if num_samples is None else num_samples
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        g = epoch_generator(self.seed, self.epoch)
+        if self.replacement:
+            return iter(torch.randint(self.n, (self.num_samples,), generator=g).tolist())
+        return iter(torch.randperm(self.n, generator=g)[: self.num_samples].tolist())
 
 
 class LengthGroupedSampler(Sampler[int]):
@@ -15,7 +59,8 @@ class LengthGroupedSampler(Sampler[int]):
 
     Naive equivalent: ``torch.randperm(n)`` (same multiset of indices every epoch), with far
     more padding. Under DDP Lightning wraps it in ``DistributedSamplerWrapper`` (each rank takes
-    every world_size-th index, which keeps neighbours similar in length). ``set_epoch`` reshuffles.
+    every world_size-th index, which keeps neighbours similar in length). ``set_epoch`` reshuffles;
+    the order is a function of ``(seed, epoch)`` only.
     """
 
     def __init__(self, lengths: Sequence[int], batch_size: int, seed: int = 0, mega: int = 50) -> None:
@@ -32,7 +77,7 @@ class LengthGroupedSampler(Sampler[int]):
         return len(self.lengths)
 
     def __iter__(self) -> Iterator[int]:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        g = epoch_generator(self.seed, self.epoch)
         perm = torch.randperm(len(self.lengths), generator=g).tolist()
         chunk = self.batch_size * self.mega
         batches: list[list[int]] = []

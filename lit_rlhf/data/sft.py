@@ -12,6 +12,9 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
+from lit_rlhf.data.loader import ResumableDataLoader
+from lit_rlhf.data.sampler import EpochSampler
+
 from lit_rlhf.data.collate import EncodedPair, collate_sft, encode_pair
 from lit_rlhf.data.io import DataError, Row, iter_rows, parse_rows, require_str, select_rows
 from lit_rlhf.data.preference import split_hh
@@ -202,14 +205,10 @@ class SFTDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------- dataloaders
     def _loader(self, data: list[EncodedPair], shuffle: bool, batch_size: int) -> DataLoader:
-        import torch
-
-        gen = torch.Generator().manual_seed(self.config.seed) if shuffle else None
-        return DataLoader(
+        return ResumableDataLoader(
             data,  # a list is a map-style dataset
             batch_size=batch_size,
-            shuffle=shuffle,
-            generator=gen,
+            sampler=EpochSampler(len(data), seed=self.config.seed) if shuffle else None,
             num_workers=self.config.num_workers,
             collate_fn=functools.partial(collate_sft, pad_id=self.tokenizer.pad_token_id),
         )

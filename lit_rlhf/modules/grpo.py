@@ -224,10 +224,18 @@ class GRPOModule(RLModule):
 
 
 def _cycle(loader: Any, skip: int = 0) -> Any:
-    """Batches of ``loader`` forever (a new pass after each), after skipping the first ``skip``."""
-    seen = 0
+    """Batches of ``loader`` forever, after skipping the first ``skip``. Pass ``k`` is the
+    sampler's epoch ``k`` (a new order each pass, a function of the seed and ``k`` only), so a
+    resumed run continues the same sequence."""
+    per_pass = len(loader)
+    if per_pass == 0:
+        raise ValueError("the extra prompt loader is empty (fewer training prompts than one batch)")
+    epoch, skip = divmod(skip, per_pass)
     while True:
-        for batch in loader:
-            if seen >= skip:
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(epoch)
+        for i, batch in enumerate(loader):
+            if i >= skip:
                 yield batch
-            seen += 1
+        skip = 0
+        epoch += 1
