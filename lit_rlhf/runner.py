@@ -130,7 +130,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
 
     from lit_rlhf.callbacks.progress import RLProgressBar
     from lit_rlhf.callbacks.resume import ResumeState
-    from lit_rlhf.utils.checkpoint_io import AtomicCheckpointIO, check_checkpoint_path
+    from lit_rlhf.utils.checkpoint_io import AtomicCheckpointIO, atomic_deepspeed_saves, check_checkpoint_path
     from lit_rlhf.utils.instantiate import (
         finish_loggers,
         instantiate_callbacks,
@@ -157,7 +157,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
         callbacks.append(ResumeState())  # exact resume: sampling continues where the killed run was
     loggers = instantiate_loggers(cfg.get("logger"))
     strategy = instantiate_strategy(cfg.get("strategy"))
-    plugins = [] if _manages_own_checkpoints(strategy) else [AtomicCheckpointIO()]  # a kill never destroys last.ckpt
+    if _manages_own_checkpoints(strategy):  # a kill never destroys last.ckpt (a file or a DeepSpeed folder)
+        atomic_deepspeed_saves(strategy)
+        plugins = []
+    else:
+        plugins = [AtomicCheckpointIO()]
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy,
                                       plugins=plugins)  # fmt: skip
     try:

@@ -42,3 +42,56 @@ def test_a_kill_during_a_save_never_destroys_the_last_checkpoint(tmp_path):
                            "A().save_checkpoint({'i': -1}, sys.argv[1])", str(ckpt), str(ROOT)], env=env)  # fmt: skip
     assert proc.returncode == 0
     assert [p.name for p in ckpt.parent.iterdir()] == ["last.ckpt"], leftovers  # stale temporaries removed
+
+
+def _folder(path, text):
+    path.mkdir(parents=True)
+    (path / "latest").write_text(text)
+    (path / "checkpoint").mkdir()
+    (path / "checkpoint" / "mp_rank_00_model_states.pt").write_text(text)
+
+
+def _content(path):
+    return (path / "latest").read_text(), (path / "checkpoint" / "mp_rank_00_model_states.pt").read_text()
+
+
+@pytest.mark.parametrize("killed_after_step", [1, 2, 3, 4])
+def test_a_kill_during_a_folder_swap_leaves_a_complete_checkpoint(tmp_path, killed_after_step):
+    """Folder saves (DeepSpeed checkpoints, exports) are 5 steps of which 2-5 are renames
+    (lit_rlhf/utils/io.py): a kill leaves one of the states built here. The resume check restores
+    the newest complete save in each, and nothing of the sequence is left beside it."""
+    from lit_rlhf.utils.checkpoint_io import check_checkpoint_path
+
+    dest = tmp_path / "last.ckpt"
+    partial, new, old = (tmp_path / f".last.ckpt.{k}" for k in ("partial", "new", "old"))
+    _folder(dest, "save 1")
+    if killed_after_step == 1:  # writing the new save
+        partial.mkdir()
+        (partial / "latest").write_text("save 2, half written")
+    if killed_after_step >= 2:
+        _folder(new, "save 2")
+    if killed_after_step >= 3:
+        dest.rename(old)
+    if killed_after_step == 4:
+        new.rename(dest)
+    check_checkpoint_path(str(dest))
+    assert _content(dest) == (("save 1", "save 1") if killed_after_step == 1 else ("save 2", "save 2"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_atomic_folder_keeps_the_previous_save_when_writing_fails(tmp_path):
+    from lit_rlhf.utils.io import atomic_folder
+
+    dest = tmp_path / "policy"
+    atomic_folder(str(dest), lambda d: (open(os.path.join(d, "w"), "w").write("one")))
+    assert (dest / "w").read_text() == "one"
+
+    def broken(folder):
+        open(os.path.join(folder, "w"), "w").write("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_folder(str(dest), broken)
+    assert (dest / "w").read_text() == "one" and sorted(p.name for p in tmp_path.iterdir()) == ["policy"]
+    atomic_folder(str(dest), lambda d: (open(os.path.join(d, "w"), "w").write("two")))
+    assert (dest / "w").read_text() == "two" and sorted(p.name for p in tmp_path.iterdir()) == ["policy"]

@@ -100,6 +100,8 @@ def test_deepspeed_zero2_rm_exports_the_best_checkpoint(tmp_path):
     run_helper("rm_deepspeed_best.py", tmp_path, "--devices", "2")
     res = torch.load(tmp_path / "result.pt", weights_only=False)
     assert res["world_size"] == 2 and os.path.isdir(res["best"])
+    # the atomic folder swap left nothing beside the checkpoints (no .partial/.new/.old)
+    assert all(not p.name.startswith(".") for p in (tmp_path / "ckpt").iterdir()), sorted(os.listdir(tmp_path / "ckpt"))
     ref = convert_zero_checkpoint_to_fp32_state_dict(res["best"], tmp_path / "best.pt")["state_dict"]
     exported = load_reward_model(str(tmp_path / "rm")).state_dict()
     assert exported.keys() == res["live"].keys()

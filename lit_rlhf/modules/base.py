@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
-import tempfile
 from typing import Any, Iterable, Mapping
 
 import lightning.pytorch as pl
@@ -218,23 +216,13 @@ def policy_spec(policy_path: str | None, spec: ModelSpec) -> ModelSpec:
 
 
 def save_pretrained_atomic(model: Any, tokenizer: Any, directory: str, state_dict: dict | None = None) -> None:
-    """Write ``model`` (+ tokenizer) to a temp folder next to ``directory``, then swap it in."""
-    directory = os.path.abspath(directory)
-    parent = os.path.dirname(directory)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=parent)
-    try:
-        model.save_pretrained(tmp, state_dict=state_dict)
+    """Write ``model`` (+ tokenizer) to a temp folder next to ``directory``, then swap it in
+    (:func:`lit_rlhf.utils.io.atomic_folder`)."""
+    from lit_rlhf.utils.io import atomic_folder
+
+    def write(folder: str) -> None:
+        model.save_pretrained(folder, state_dict=state_dict)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        old = None
-        if os.path.exists(directory):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.old-", dir=parent)
-            os.rmdir(old)
-            os.replace(directory, old)
-        os.replace(tmp, directory)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            tokenizer.save_pretrained(folder)
+
+    atomic_folder(directory, write)

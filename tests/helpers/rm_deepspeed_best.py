@@ -1,5 +1,5 @@
 """Train a tiny reward model for a few epochs under (CPU) DeepSpeed ZeRO-2 with N processes, a
-ModelCheckpoint on ``val/accuracy`` and ``export_dir`` set; rank zero writes OUT/result.pt with the
+ModelCheckpoint on ``val/accuracy`` (folders saved atomically, as the runner sets up) and ``export_dir`` set; rank zero writes OUT/result.pt with the
 best checkpoint's path and the live (last) weights, for tests/test_distributed.py.
 
     python tests/helpers/rm_deepspeed_best.py --devices 2 --out DIR
@@ -25,6 +25,7 @@ from lit_rlhf.data.preference import PreferenceDataModule  # noqa: E402
 from lit_rlhf.models.builders import build_tokenizer  # noqa: E402
 from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig  # noqa: E402
 from lit_rlhf.modules.reward_model import RewardModelModule  # noqa: E402
+from lit_rlhf.utils.checkpoint_io import atomic_deepspeed_saves  # noqa: E402
 from tests.helpers.deepspeed_cpu import CPUDeepSpeedStrategy  # noqa: E402
 
 
@@ -59,6 +60,7 @@ def main() -> None:
         "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
         "train_micro_batch_size_per_gpu": 8,
     })  # fmt: skip
+    atomic_deepspeed_saves(strategy)  # as the runner does: folders written beside and swapped in
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=3, logger=False,
                          enable_progress_bar=False, callbacks=[ckpt, Dump(args.out, ckpt)], num_sanity_val_steps=0)  # fmt: skip
     trainer.fit(module, data)
