@@ -140,9 +140,21 @@ def build_causal_lm(spec: ModelSpec, tokenizer: Any | None = None) -> torch.nn.M
         kwargs = {"attn_implementation": spec.attn_implementation} if spec.attn_implementation else {}
         if spec.kind == "encoder":
             raise ValueError("build_causal_lm needs a causal_lm spec; use build_encoder for encoders")
+        from lit_rlhf.models.lora import adapter_base_path, is_adapter_dir, merge_adapter_into
+
+        path = resolve_path(spec.name_or_path)
+        if is_adapter_dir(path):  # a LoRA export: its base (itself maybe an adapter export) + the adapter, merged
+            from dataclasses import replace
+
+            base = build_causal_lm(replace(spec, name_or_path=adapter_base_path(path), revision=None,
+                                           gradient_checkpointing=False), tokenizer)  # fmt: skip
+            model = merge_adapter_into(base, path)
+            if spec.gradient_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            return model
         model = _from_pretrained(
             AutoModelForCausalLM.from_pretrained,
-            resolve_path(spec.name_or_path),
+            path,
             "model",
             "model.name_or_path",
             dtype=dtype,

@@ -52,6 +52,26 @@ class TinyLlamaConfig:
 
 
 @dataclass
+class LoraSpec:
+    """``model.lora``: low-rank adapters instead of full fine-tuning (off by default)."""
+
+    enabled: bool = False
+    """Train LoRA adapters (and heads) only; the base weights stay frozen."""
+    r: int = field(default=16, metadata={"ge": 1})
+    """Rank of the update ``B A``."""
+    alpha: float = field(default=32.0, metadata={"gt": 0})
+    """Scale: the update is multiplied by ``alpha / r``."""
+    dropout: float = field(default=0.05, metadata={"ge": 0.0, "lt": 1.0})
+    """Dropout on the adapter's input (training only)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names to adapt (suffixes, e.g. [q_proj, v_proj]); ["all-linear"] = every linear
+    layer but the output head."""
+    export: Literal["adapter", "merged"] = "adapter"
+    """What a stage exports: the adapter in peft's format (MBs; needs the base model to load), or
+    the merged full model. A base built from a config (model.tiny) has no path to name: merged."""
+
+
+@dataclass
 class ModelSpec:
     """Which causal LM to build. Exactly one of ``name_or_path`` and ``tiny`` is set."""
 
@@ -79,6 +99,9 @@ class ModelSpec:
     """"sdpa", "eager", "flash_attention_2", …; None = the transformers default."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) of ``name_or_path``."""
+    lora: LoraSpec = field(default_factory=LoraSpec)
+    """Low-rank adapters (lit_rlhf/models/lora.py): ``model.lora.enabled=true`` trains adapters
+    (and heads) of every trained model instead of all weights."""
 
     def validate(self) -> None:
         check(
@@ -114,4 +137,5 @@ class ModelSpec:
             trust_remote_code=self.trust_remote_code,
             gradient_checkpointing=self.gradient_checkpointing,
             attn_implementation=self.attn_implementation,
+            lora=self.lora,
         )

@@ -10,11 +10,13 @@ from typing import Any, Iterable, Mapping
 import lightning.pytorch as pl
 import torch
 
+from lit_rlhf.models.lora import has_lora, merged_state_dict
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.modules.configs import OptimConfig
 from lit_rlhf.utils.config import resolve_config, to_dict
 
 log = logging.getLogger(__name__)
+_EXPORTED = object()  # _export_lora wrote the export itself
 
 
 class RLHFModule(pl.LightningModule):
@@ -171,10 +173,57 @@ class RLHFModule(pl.LightningModule):
             if state is not None:
                 sd = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
             check_finite_state(sd if sd is not None else model.state_dict(), f"the model to {directory}")
-            save_pretrained_atomic(model, self.ensure_tokenizer(), directory, state_dict=sd)
+            if has_lora(model):
+                sd = self._export_lora(model, sd, directory)
+            if sd is not _EXPORTED:
+                save_pretrained_atomic(model, self.ensure_tokenizer(), directory, state_dict=sd)
             log.info("exported %s to %s", type(model).__name__, directory)
         if trainer is not None:
             trainer.strategy.barrier("export")
+
+    def with_lora(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` with LoRA adapters injected when ``model.lora.enabled`` (then only they, and
+        heads outside ``model``, train: lit_rlhf/models/lora.py); else ``model`` unchanged."""
+        if self.model_spec is not None and self.model_spec.lora.enabled:
+            from lit_rlhf.models.lora import add_lora
+
+            add_lora(model, self.model_spec.lora)
+        return model
+
+    def reference_for(self, policy: torch.nn.Module, build: Any) -> Any:
+        """The frozen reference of ``policy``: the policy itself with its adapters disabled when it
+        trains LoRA adapters (the base weights, no second copy in memory), else ``build()``."""
+        from lit_rlhf.models.lora import AdaptersDisabled
+
+        return AdaptersDisabled(policy) if has_lora(policy) else build()
+
+    def _export_lora(self, model: torch.nn.Module, sd: dict[str, Any] | None, directory: str) -> Any:
+        """A LoRA-trained model's export (docs/architecture.md "LoRA"): the adapter in peft's format
+        when ``model.lora.export=adapter`` and the base model has a path to name (writes it and
+        returns ``_EXPORTED``), else the merged weights to save as a plain model."""
+        from transformers import PreTrainedModel
+
+        from lit_rlhf.models.builders import resolve_path
+        from lit_rlhf.models.lora import save_adapter
+        from lit_rlhf.utils.io import atomic_folder
+
+        lora = self.model_spec.lora
+        base = self.model_spec.name_or_path
+        if lora.export == "adapter" and base is not None and isinstance(model, PreTrainedModel):
+            base = resolve_path(base)
+            base = os.path.abspath(base) if os.path.exists(base) else base
+
+            def write(folder: str) -> None:
+                save_adapter(model, lora, base, folder, sd)
+                self.ensure_tokenizer().save_pretrained(folder)
+
+            atomic_folder(directory, write)
+            return _EXPORTED
+        if lora.export == "adapter":
+            log.warning("model.lora.export=adapter: exporting merged weights instead, because %s",
+                        "the base model was built from a config (model.tiny) and has no path an adapter could "
+                        "name" if base is None else "a reward model is loaded whole (backbone and head)")  # fmt: skip
+        return merged_state_dict(model, sd)
 
     def _state_prefix(self, model: torch.nn.Module) -> str:
         for name, module in self.named_modules():
@@ -185,7 +234,7 @@ class RLHFModule(pl.LightningModule):
 
 def check_model_path(path: str, key: str) -> str:
     """A model path set by the user: a local folder must be a ``save_pretrained`` export (with a
-    config.json); a missing or empty local path fails naming ``key``. Hub ids pass (``org/name``)."""
+    config.json) or a LoRA adapter export (adapter_config.json); a missing or empty local path fails naming ``key``. Hub ids pass (``org/name``)."""
     from lit_rlhf.utils.config import ConfigError
 
     local = os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
@@ -194,9 +243,10 @@ def check_model_path(path: str, key: str) -> str:
     path = os.path.expanduser(path)
     if not os.path.isdir(path):
         raise ConfigError(key, f"no such model folder: {path} (a save_pretrained export, e.g. <run>/sft/policy)")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(key, f"{path} is not a model export: it has no config.json "
-                               f"({'empty folder' if not os.listdir(path) else 'found: ' + ', '.join(sorted(os.listdir(path))[:5])})")  # fmt: skip
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
+        listing = "empty folder" if not os.listdir(path) else "found: " + ", ".join(sorted(os.listdir(path))[:5])
+        raise ConfigError(key, f"{path} is not a model export: it has no config.json ({listing}); nor is it a LoRA "
+                               "adapter export (adapter_config.json)")  # fmt: skip
     return path
 
 

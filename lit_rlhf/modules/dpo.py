@@ -102,17 +102,24 @@ class DPOModule(RLHFModule):
         path = self.config.reference_path
         return self.model_spec if path is None else self.model_spec.at_path(path)
 
-    def build_reference(self) -> nn.Module:
+    def build_reference(self) -> Any:
+        """π_ref: ``reference_path``'s model, else the starting policy — under LoRA the policy with
+        its adapters disabled (no copy)."""
         from lit_rlhf.models.builders import build_causal_lm, freeze
 
-        return freeze(build_causal_lm(self.reference_spec(), self.ensure_tokenizer())).to(self.device)
+        def build() -> nn.Module:
+            return freeze(build_causal_lm(self.reference_spec(), self.ensure_tokenizer())).to(self.device)
+
+        if self.config.reference_path is not None or self.policy is None:
+            return build()
+        return self.reference_for(self.policy, build)
 
     def configure_model(self) -> None:
         if self.policy is not None:
             return
         from lit_rlhf.models.builders import build_causal_lm
 
-        self.policy = build_causal_lm(self.model_spec, self.ensure_tokenizer()).train()
+        self.policy = self.with_lora(build_causal_lm(self.model_spec, self.ensure_tokenizer())).train()
         if not self.config.precompute_ref_logprobs:
             self.frozen["reference"] = self.build_reference()
 

@@ -59,9 +59,9 @@ class GRPOModule(RLModule):
         from lit_rlhf.models.builders import build_causal_lm, freeze
 
         tok = self.ensure_tokenizer()
-        self.actor = build_causal_lm(self.model_spec, tok).train()
+        self.actor = self.with_lora(build_causal_lm(self.model_spec, tok)).train()
         if self.config.kl_coef > 0:  # β = 0: no reference model at all
-            self.frozen["reference"] = freeze(build_causal_lm(self.model_spec, tok))
+            self.frozen["reference"] = self.reference_for(self.actor, lambda: freeze(build_causal_lm(self.model_spec, tok)))
         self.build_rewards()
 
     def configure_optimizers(self) -> Any:

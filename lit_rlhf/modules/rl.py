@@ -123,8 +123,8 @@ class RLModule(RLHFModule):
         from lit_rlhf.models.builders import build_causal_lm, freeze
 
         tok = self.ensure_tokenizer()
-        self.actor = build_causal_lm(self.model_spec, tok).train()
-        self.frozen["reference"] = freeze(build_causal_lm(self.model_spec, tok))
+        self.actor = self.with_lora(build_causal_lm(self.model_spec, tok)).train()
+        self.frozen["reference"] = self.reference_for(self.actor, lambda: freeze(build_causal_lm(self.model_spec, tok)))
 
     def build_rewards(self) -> None:
         """``self.scorer`` from ``reward_path`` (a frozen reward model) or ``reward_fn``, and the

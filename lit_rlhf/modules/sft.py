@@ -37,7 +37,7 @@ class SFTModule(RLHFModule):
             return  # idempotent: Lightning may call it more than once
         from lit_rlhf.models.builders import build_causal_lm
 
-        self.model = build_causal_lm(self.model_spec, self.ensure_tokenizer())
+        self.model = self.with_lora(build_causal_lm(self.model_spec, self.ensure_tokenizer()))
         self.model.train()  # from_pretrained returns eval mode (dropout off); Lightning keeps module modes
 
     def exportable_model(self) -> torch.nn.Module:
