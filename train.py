@@ -14,6 +14,8 @@ os.environ.setdefault("LIT_RLHF_ROOT", str(Path(__file__).resolve().parent))
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+PLAN_ONLY = False  # `--plan`: print the memory plan of the composed job and exit (lit_rlhf/memory_plan.py)
+
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
@@ -28,6 +30,10 @@ def main(cfg: DictConfig) -> float | None:
 
     sys.argv[1:] = [mask_override(a) for a in sys.argv[1:]]  # loggers (W&B) record the command line
     try:
+        if PLAN_ONLY:
+            from lit_rlhf.runner import print_memory_plan
+
+            sys.exit(0 if print_memory_plan(cfg) is not False else 2)
         metrics = run(cfg)
         return metric_value(metrics, cfg.get("optimized_metric"))
     except ConfigError as err:
@@ -43,6 +49,11 @@ if __name__ == "__main__":
     from lit_rlhf.utils.schemas import register
 
     register()  # the typed configs' defaults as Hydra schemas (conf/algo/*.yaml start from them)
+    if "--plan" in sys.argv[1:]:
+        sys.argv.remove("--plan")
+        PLAN_ONLY = True
+        sys.argv.append("hydra.output_subdir=null")  # a plan writes no run directory files
+        sys.argv.append("hydra/job_logging=disabled")
 
     try:  # an unknown key gets the allowed keys, not Hydra's "Key 'x' is not in struct"
         sys.argv[1:] = check_overrides(sys.argv[1:], Path(__file__).resolve().parent / "conf")

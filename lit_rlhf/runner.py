@@ -53,6 +53,39 @@ def get_class(node: Any, key: str) -> type:
         raise ConfigError(f"{key}._target_", f"cannot import '{node._target_}': {err}") from None
 
 
+def memory_plan(cfg: DictConfig, job: Plan | None = None) -> Any:
+    """The per-GPU memory plan of a stage job (lit_rlhf/memory_plan.py), None for pipelines."""
+    from lit_rlhf.memory_plan import gpu_memory_gb, plan_for
+
+    job = job or plan(cfg)
+    if job.algo_cls is None:
+        return None
+    node = cfg.get("memory_plan") or {}
+    return plan_for(cfg, job, gpu_memory_gb(cfg), float(node.get("reserve_gb", 2.0)))
+
+
+def print_memory_plan(cfg: DictConfig) -> bool | None:
+    """``train.py --plan``: print the plan; returns whether it fits (None: no GPU memory to check)."""
+    p = memory_plan(cfg)
+    if p is None:
+        print("The pipeline runs several stages: plan one stage at a time (algo=…, or experiment=…).")
+        return None
+    print(p.render())
+    return p.fits
+
+
+def check_memory_plan(cfg: DictConfig, job: Plan) -> None:
+    """Refuse a GPU launch that the memory plan says cannot fit (``memory_plan.enforce``)."""
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    node = cfg.get("memory_plan") or {}
+    if accelerator not in ("gpu", "cuda") or not node.get("enforce", True) or job.algo_cls is None:
+        return
+    p = memory_plan(cfg, job)
+    if p is not None and p.fits is False:
+        raise ConfigError("memory_plan", "this job does not fit the GPU memory (set memory_plan.enforce=false to "
+                                         "launch anyway):\n" + p.render())  # fmt: skip
+
+
 def plan(cfg: DictConfig) -> Plan:
     """Validate the model, algo and data configs into dataclasses; raise ConfigError on any problem."""
     from lit_rlhf.modules.base import RLHFModule
@@ -149,6 +182,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if p.pipeline_cls is not None:
         return p.pipeline_cls(p.pipeline).run(cfg)
     check_checkpoint_path(cfg.get("ckpt_path"))
+    check_memory_plan(cfg, p)  # before any weight is loaded
     p, datamodule, module = build(cfg)
     callbacks = instantiate_callbacks(_resolve_auto_monitor(cfg.get("callbacks"), p.algo_cls))
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):

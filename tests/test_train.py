@@ -149,7 +149,9 @@ def test_ddp_sim_two_cpu_processes(cfg_factory, tmp_path):
 
 
 # experiments that need a GPU cluster or hub weights: composed and validated only
-NOT_OFFLINE_CPU = {"ppo_max_hh_llama7b": ["algo.policy_path=/ckpt/sft", "algo.reward_path=/ckpt/rm"]}
+NOT_OFFLINE_CPU = {e: ["algo.policy_path=/ckpt/sft", "algo.reward_path=/ckpt/rm"]
+                   for e in ("ppo_max_llama7b_a100x8", "ppo_max_llama7b_lora_1gpu")}  # fmt: skip
+NOT_OFFLINE_CPU["dpo_llama7b_a100x8"] = ["algo.policy_path=/ckpt/sft"]
 
 
 @pytest.mark.slow

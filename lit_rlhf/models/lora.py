@@ -58,6 +58,8 @@ def add_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
                          f"{type(model).__name__}")  # fmt: skip
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
+        if ".lora_" in name and p.dtype in (torch.float16, torch.bfloat16):
+            p.data = p.data.float()  # adapters train in fp32 on a bf16 base (peft's autocast_adapter_dtype)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     log.info("LoRA r=%d alpha=%g on %d layers of %s: %d trainable parameters of %d (%.2f%%)", spec.r, spec.alpha,

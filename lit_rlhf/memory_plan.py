@@ -1,0 +1,423 @@
+"""The memory plan: per-GPU memory of a composed job before anything is loaded (docs/scaling.md).
+
+``python train.py model=llama7b algo=ppo_max strategy=deepspeed_stage_2 trainer.devices=8 --plan``
+prints, for every model of the stage (policy/actor, critic, reference, reward), its parameters
+and the per-GPU bytes of weights, gradients and optimizer states under the configured strategy,
+precision and LoRA setting, plus an activation estimate for the training micro-batch and the
+KV cache of generation, and whether the sum fits ``memory_plan.gpu_memory_gb``. A GPU launch that
+cannot fit is refused before any weight is loaded (``memory_plan.enforce``), with the switches
+that would make it fit.
+
+Model states follow DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``,
+``estimate_zero3_model_states_mem_needs``; tests/test_memory_plan.py compares them), bytes per
+parameter ``P`` on ``N`` GPUs:
+
+=====================  ===========================================================
+DDP, bf16-mixed        16 P (fp32 weights 4, fp32 grads 4, Adam m and v 8)
+FSDP full shard        16 P / N (+ one gathered layer)
+ZeRO-2                 2 P + 18 P / N (bf16 weights; bf16 + fp32 grads, fp32 master, m, v sharded)
+ZeRO-2, offload        2 P (optimizer on the CPU)
+ZeRO-3                 18 P / N + 4 × largest layer
+ZeRO-3, offload opt.   2 P / N + 4 × largest layer
+=====================  ===========================================================
+
+Frozen models (reference, reward model) are replicated at the weights dtype. Under LoRA the
+trained models' base weights count as frozen, their adapters as trained, and the reference costs
+nothing (it is the actor with its adapters off). Activations are the estimate of Korthikanti et
+al. 2022 (arXiv:2205.05198) with fused attention: 34·s·b·h bytes per layer and micro-batch
+(2·s·b·h with gradient checkpointing, plus one layer recomputed), plus fp32 logits and their
+gradient (8·s·b·V). These are estimates: the plan keeps ``memory_plan.reserve_gb`` free for the
+CUDA context and allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The shape numbers a plan needs (a Llama-style or GPT-NeoX decoder)."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    tied: bool
+    family: str = "llama"  # llama (gated MLP, no biases) | gpt_neox (4h MLP, biases, untied output)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def layer_params(self) -> int:
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        if self.family == "gpt_neox":
+            return (h * 3 * h + 3 * h) + (h * h + h) + (2 * h * self.intermediate + self.intermediate + h) + 4 * h
+        return 2 * h * h + 2 * h * kv + 3 * h * self.intermediate + 2 * h
+
+    def params(self) -> int:
+        embed = self.vocab * self.hidden
+        final_norm = self.hidden * (2 if self.family == "gpt_neox" else 1)
+        return embed * (1 if self.tied else 2) + self.layers * self.layer_params() + final_norm
+
+    def largest_layer_params(self) -> int:
+        """The largest module DeepSpeed ZeRO-3 gathers at once (the embedding, for LMs)."""
+        return max(self.vocab * self.hidden, self.layer_params())
+
+    def lora_params(self, r: int, targets: list[str]) -> int:
+        """Adapter parameters ``r·(in + out)`` per adapted linear layer."""
+        h, kv, i = self.hidden, self.kv_heads * self.head_dim, self.intermediate
+        if self.family == "gpt_neox":
+            shapes = {"query_key_value": (h, 3 * h), "dense": (h, h), "dense_h_to_4h": (h, i), "dense_4h_to_h": (i, h)}
+        else:
+            shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h), "gate_proj": (h, i),
+                      "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+        chosen = shapes if list(targets) == ["all-linear"] else {k: v for k, v in shapes.items() if k in targets}
+        return self.layers * sum(r * (a + b) for a, b in chosen.values())
+
+
+# architectures of the presets' hub models, so that --plan works offline (config.json otherwise)
+KNOWN: dict[str, Arch] = {
+    "llama-2-7b": Arch(vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, tied=False),
+    "llama-2-13b": Arch(vocab=32000, hidden=5120, layers=40, heads=40, kv_heads=40, intermediate=13824, tied=False),
+    "pythia-410m": Arch(vocab=50304, hidden=1024, layers=24, heads=16, kv_heads=16, intermediate=4096, tied=False,
+                        family="gpt_neox"),
+}
+
+
+def arch_from_hf_config(config: dict[str, Any]) -> Arch:
+    family = "gpt_neox" if config.get("model_type") == "gpt_neox" else "llama"
+    heads = config["num_attention_heads"]
+    return Arch(vocab=config["vocab_size"], hidden=config["hidden_size"], layers=config["num_hidden_layers"],
+                heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
+                intermediate=config["intermediate_size"], tied=bool(config.get("tie_word_embeddings", family == "llama")),
+                family=family)  # fmt: skip
+
+
+def arch_of(spec: Any, path: str | None = None) -> tuple[Arch | None, str]:
+    """(architecture, where it came from) of a model spec or a saved model folder; None if unknown offline."""
+    from lit_rlhf.models.builders import resolve_path
+
+    if path is None and spec.tiny is not None:
+        from lit_rlhf.models.builders import build_tokenizer
+
+        t = spec.tiny
+        vocab = len(build_tokenizer(spec))
+        return Arch(vocab=vocab, hidden=t.hidden_size, layers=t.num_hidden_layers, heads=t.num_attention_heads,
+                    kv_heads=t.num_key_value_heads or t.num_attention_heads, intermediate=t.intermediate_size,
+                    tied=t.tie_word_embeddings), "model.tiny"  # fmt: skip
+    name = path or spec.name_or_path
+    try:
+        local = resolve_path(name)
+    except Exception:  # pkg:// of a missing package: unknown here
+        local = name
+    for candidate in (os.path.join(local, "config.json"), os.path.join(local, "adapter_config.json")):
+        if os.path.isfile(candidate):
+            with open(candidate) as fh:
+                config = json.load(fh)
+            if "base_model_name_or_path" in config:  # a LoRA export: its base's shape
+                return arch_of(spec, config["base_model_name_or_path"])
+            return arch_from_hf_config(config), candidate
+    key = name.rsplit("/", 1)[-1].lower().removesuffix("-hf")
+    if key in KNOWN:
+        return KNOWN[key], f"known architecture of {name}"
+    return None, f"{name}: no config.json here and not a known architecture"
+
+
+# ------------------------------------------------------------------ the setup
+@dataclass(frozen=True)
+class Setup:
+    """What the bytes depend on, read from a composed config."""
+
+    strategy: str  # ddp | fsdp | zero2 | zero3
+    offload_optimizer: bool
+    offload_params: bool
+    devices: int  # total GPUs (devices × nodes)
+    mixed: bool  # bf16/fp16 mixed precision (DDP/FSDP keep fp32 weights)
+    weight_bytes: int  # frozen weights' dtype
+    lora: Any
+    checkpointing: bool
+    micro_batch: int
+    seq_len: int
+    gen_batch: int
+    gen_len: int
+
+    def describe(self) -> str:
+        s = {"ddp": "DDP", "fsdp": "FSDP full shard", "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3"}[self.strategy]
+        if self.offload_optimizer:
+            s += " + optimizer offload"
+        if self.offload_params:
+            s += " + parameter offload"
+        lora = f"LoRA r={self.lora.r}" if self.lora.enabled else "full fine-tuning"
+        return (f"{s}, {self.devices} GPU{'s' if self.devices > 1 else ''}, "
+                f"{'mixed precision' if self.mixed else 'fp32'}, {lora}, gradient checkpointing "
+                f"{'on' if self.checkpointing else 'off'}")  # fmt: skip
+
+
+def trained_bytes(p: int, s: Setup, largest: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer states) per GPU of a trained model of ``p`` parameters."""
+    n = s.devices
+    if s.strategy == "zero2":
+        return 2 * p, (0 if s.offload_optimizer else 2 * p / n), (0 if s.offload_optimizer else 16 * p / n)
+    if s.strategy == "zero3":
+        if s.offload_params:
+            return 4 * largest, 0.0, 0.0
+        if s.offload_optimizer:
+            return 2 * p / n + 4 * largest, 0.0, 0.0
+        return 2 * p / n + 4 * largest, 2 * p / n, 14 * p / n
+    shard = n if s.strategy == "fsdp" else 1
+    w = 4 if s.mixed or s.weight_bytes == 4 else s.weight_bytes
+    extra = 2 * largest if s.strategy == "fsdp" else 0  # one gathered layer (bf16)
+    return w * p / shard + extra, 4 * p / shard, 8 * p / shard
+
+
+@dataclass
+class Row:
+    name: str
+    role: str  # trained | frozen | shared
+    params: int
+    trainable: int
+    weights: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+@dataclass
+class MemoryPlan:
+    title: str
+    setup: Setup
+    rows: list[Row]
+    activations: float
+    activation_note: str
+    kv_cache: float
+    kv_note: str
+    notes: list[str] = field(default_factory=list)
+    gpu_memory_gb: float | None = None
+    reserve_gb: float = 2.0
+    alternatives: list[tuple[str, float]] = field(default_factory=list)
+
+    @property
+    def model_states(self) -> float:
+        return sum(r.total for r in self.rows)
+
+    @property
+    def peak(self) -> float:
+        return self.model_states + max(self.activations, self.kv_cache)
+
+    @property
+    def fits(self) -> bool | None:
+        if self.gpu_memory_gb is None:
+            return None
+        return self.peak <= (self.gpu_memory_gb - self.reserve_gb) * GIB
+
+    def render(self) -> str:
+        g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+        lines = [f"Memory plan (estimate, per GPU): {self.title}", f"  {self.setup.describe()}", "",
+                 "| model | role | parameters | trainable | weights | gradients | optimizer | total |",
+                 "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in self.rows:
+            lines.append(f"| {r.name} | {r.role} | {_count(r.params)} | {_count(r.trainable)} | {g(r.weights)} | "
+                         f"{g(r.grads)} | {g(r.optimizer)} | {g(r.total)} |")  # fmt: skip
+        lines += [f"| activations | {self.activation_note} | | | | | | {g(self.activations)} |",
+                  f"| KV cache | {self.kv_note} | | | | | | {g(self.kv_cache)} |",
+                  f"| **peak** | model states + max(activations, KV cache) | | | | | | **{g(self.peak)}** |"]  # fmt: skip
+        lines.append("")
+        if self.gpu_memory_gb is None:
+            lines.append("GPU memory not set (memory_plan.gpu_memory_gb, or a visible GPU): no fit check.")
+        else:
+            usable = self.gpu_memory_gb - self.reserve_gb
+            verdict = "FITS" if self.fits else "DOES NOT FIT"
+            lines.append(f"{verdict}: {self.peak / GIB:.1f} GiB of {usable:.1f} GiB usable per GPU "
+                         f"({self.gpu_memory_gb:g} GiB - {self.reserve_gb:g} GiB reserve).")  # fmt: skip
+            if not self.fits:
+                if self.alternatives:
+                    lines.append("Switches that would make it fit:")
+                    lines += [f"  {what}  ->  {peak / GIB:.1f} GiB" for what, peak in self.alternatives]
+                else:
+                    lines.append("No single switch makes it fit: more GPUs, a smaller model, or shorter sequences.")
+        lines += [f"Note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+# ------------------------------------------------------------------ from a config
+def _strategy(cfg: Any) -> tuple[str, bool, bool]:
+    node = cfg.get("strategy")
+    target = str(node.get("_target_", "")) if hasattr(node, "get") else str(node or "")
+    if "DeepSpeed" in target or "deepspeed" in target.lower():
+        zero = (node.get("config") or {}).get("zero_optimization") or {}
+        stage = int(zero.get("stage", 0))
+        opt_off = str((zero.get("offload_optimizer") or {}).get("device", "none")) == "cpu"
+        par_off = str((zero.get("offload_param") or {}).get("device", "none")) == "cpu"
+        return ("zero3" if stage == 3 else "zero2"), opt_off, par_off
+    if "fsdp" in target.lower():
+        return "fsdp", False, False
+    return "ddp", False, False
+
+
+def setup_from(cfg: Any, job: Any) -> Setup:
+    """The :class:`Setup` of a composed config ``cfg`` whose validated pieces are ``job`` (runner.plan)."""
+    strategy, opt_off, par_off = _strategy(cfg)
+    t = cfg.trainer
+    devices = t.get("devices", 1)
+    devices = devices if isinstance(devices, int) and devices > 0 else 1
+    devices *= int(t.get("num_nodes", 1) or 1)
+    precision = str(t.get("precision", "32"))
+    spec = job.model
+    algo, data = job.algo, job.data
+    rl = getattr(job.algo_cls, "data_kind", "") == "prompt"
+    gen_len = algo.generation.max_new_tokens if rl else 0
+    if rl:  # RL stages: prompts + responses (validation-only sampling, e.g. DPO's drift, is not planned)
+        prompt_len = getattr(data, "max_prompt_length", 256) or 256
+        seq, gen_batch = prompt_len + gen_len, algo.rollout_batch_size
+        micro = getattr(algo, "minibatch_size", None) or algo.rollout_batch_size
+    else:
+        seq, gen_batch = getattr(data, "max_length", 512) or 512, 0
+        micro = getattr(data, "batch_size", None) or 8
+        if getattr(job.algo_cls, "data_kind", "") == "preference":
+            micro *= 2  # chosen and rejected stacked
+    return Setup(strategy=strategy, offload_optimizer=opt_off, offload_params=par_off, devices=devices,
+                 mixed="bf16" in precision or "16" in precision,
+                 weight_bytes={"float32": 4, "auto": 2}.get(spec.dtype, 2), lora=spec.lora,
+                 checkpointing=spec.gradient_checkpointing, micro_batch=int(micro), seq_len=int(seq),
+                 gen_batch=int(gen_batch), gen_len=int(gen_len))  # fmt: skip
+
+
+def _models(job: Any) -> list[tuple[str, str, Any]]:
+    """(name, role, path or None = the model spec's own) of every model the stage holds."""
+    algo = job.algo
+    name = job.algo_cls.__name__
+    policy = getattr(algo, "policy_path", None)
+    if name.startswith("SFT"):
+        return [("policy", "trained", None)]
+    if name.startswith("RewardModel") or name.startswith("RM"):
+        return [("reward model", "trained", None)]
+    if name.startswith("DPO"):
+        out = [("policy", "trained", policy)]
+        if not getattr(algo, "precompute_ref_logprobs", False):
+            out.append(("reference", "frozen-ref", getattr(algo, "reference_path", None) or policy))
+        return out
+    out = [("actor", "trained", policy)]
+    if getattr(algo, "kl_coef", 0) > 0 or name.startswith("PPO"):
+        out.append(("reference", "frozen-ref", policy))
+    if getattr(algo, "reward_path", None):
+        out.append(("reward model", "frozen", algo.reward_path))
+    if name.startswith("PPO"):
+        out.append(("critic", "trained", getattr(algo, "critic_path", None) or getattr(algo, "reward_path", None) or policy))
+    return out
+
+
+def estimate(cfg: Any, job: Any, setup: Setup | None = None) -> MemoryPlan:
+    s = setup or setup_from(cfg, job)
+    spec = job.model
+    notes: list[str] = []
+    rows: list[Row] = []
+    arch0 = None
+    for name, role, path in _models(job):
+        arch, source = arch_of(spec, path)
+        if arch is None and path is not None:
+            fallback, _ = arch_of(spec)
+            if fallback is not None:
+                notes.append(f"{name}: {source}; assumed the model group's architecture")
+                arch = fallback
+        if arch is None:
+            raise ValueError(f"cannot plan the {name}: {source}")
+        arch0 = arch0 or arch
+        p = arch.params()
+        if role == "frozen-ref" and s.lora.enabled:
+            rows.append(Row(name, "actor, adapters off", p, 0, 0.0, 0.0, 0.0))
+            continue
+        if role.startswith("frozen"):
+            rows.append(Row(name, "frozen", p, 0, float(s.weight_bytes * p), 0.0, 0.0))
+            continue
+        if s.lora.enabled:
+            adapters = arch.lora_params(s.lora.r, list(s.lora.target_modules)) + (arch.hidden if name != "policy" and
+                                                                                  name != "actor" else 0)  # fmt: skip
+            w, gr, opt = trained_bytes(adapters, replace(s, strategy="ddp" if s.strategy == "fsdp" else s.strategy),
+                                       0)  # fmt: skip
+            rows.append(Row(name, "trained (LoRA)", p + adapters, adapters, s.weight_bytes * p + w, gr, opt))
+            continue
+        w, gr, opt = trained_bytes(p, s, arch.largest_layer_params())
+        rows.append(Row(name, "trained", p, p, w, gr, opt))
+    a = arch0
+    b, t, h, layers = s.micro_batch, s.seq_len, a.hidden, a.layers
+    trained_models = sum(1 for r in rows if r.role.startswith("trained"))
+    per_layer = (2 if s.checkpointing else 34) * t * b * h
+    acts = trained_models * (layers * per_layer + (34 * t * b * h if s.checkpointing else 0) + 8 * t * b * a.vocab)
+    kv = 2 * layers * (s.gen_batch * (t if s.gen_batch else 0)) * a.kv_heads * a.head_dim * 2
+    title = f"{spec.name_or_path or 'tiny Llama (model.tiny)'} ({_count(a.params())} parameters), {job.algo_cls.__name__}"
+    return MemoryPlan(title=title, setup=s, rows=rows, activations=float(acts),
+                      activation_note=f"{trained_models} trained model(s), micro-batch {b} x {t} tokens",
+                      kv_cache=float(kv),
+                      kv_note=f"generation, {s.gen_batch} x {t} tokens" if s.gen_batch else "no generation",
+                      notes=notes)  # fmt: skip
+
+
+SWITCHES: list[tuple[str, dict[str, Any]]] = [
+    ("strategy=deepspeed_stage_2", {"strategy": "zero2", "offload_optimizer": False, "offload_params": False}),
+    ("strategy=deepspeed_stage_2_offload", {"strategy": "zero2", "offload_optimizer": True, "offload_params": False}),
+    ("strategy=deepspeed_stage_3", {"strategy": "zero3", "offload_optimizer": False, "offload_params": False}),
+    ("model.gradient_checkpointing=true", {"checkpointing": True}),
+    ("model.lora.enabled=true", {"lora": "on"}),
+]
+
+
+def plan_for(cfg: Any, job: Any, gpu_memory_gb: float | None = None, reserve_gb: float = 2.0) -> MemoryPlan:
+    """The plan of a composed job, with the single switches that would make it fit when it does not."""
+    base = setup_from(cfg, job)
+    plan = estimate(cfg, job, base)
+    plan.gpu_memory_gb, plan.reserve_gb = gpu_memory_gb, reserve_gb
+    if plan.fits is False:
+        usable = (gpu_memory_gb - reserve_gb) * GIB
+        for label, change in SWITCHES:
+            if "lora" in change:
+                if base.lora.enabled:
+                    continue
+                change = {"lora": replace(base.lora, enabled=True)}
+            alt = replace(base, **change)
+            if alt == base:
+                continue
+            peak = estimate(cfg, job, alt).peak
+            if peak <= usable:
+                plan.alternatives.append((label, peak))
+        if base.micro_batch > 1:
+            for micro in (base.micro_batch // 2, 1):
+                alt = replace(base, micro_batch=micro, gen_batch=min(base.gen_batch, max(micro, 1) * 4) if base.gen_batch else 0)
+                peak = estimate(cfg, job, alt).peak
+                if peak <= usable:
+                    plan.alternatives.append((f"micro-batch {micro} (algo.minibatch_size / data batch_size)", peak))
+                    break
+    return plan
+
+
+def gpu_memory_gb(cfg: Any) -> float | None:
+    """``memory_plan.gpu_memory_gb``, else the first visible CUDA device's memory, else None."""
+    node = cfg.get("memory_plan") or {}
+    if node.get("gpu_memory_gb"):
+        return float(node.gpu_memory_gb)
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / GIB
+    except Exception:  # pragma: no cover
+        return None
+    return None

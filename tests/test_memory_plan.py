@@ -1,0 +1,127 @@
+"""The memory plan (lit_rlhf/memory_plan.py) against independent figures: transformers' own
+parameter counts, DeepSpeed's model-state estimators, and the tensors of a real optimizer step."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lit_rlhf.memory_plan import KNOWN, Setup, trained_bytes
+from lit_rlhf.models.spec import LoraSpec
+from tests.conftest import ROOT, compose
+
+P7B = KNOWN["llama-2-7b"].params()
+
+
+def _setup(strategy="ddp", devices=1, **kw) -> Setup:
+    base = dict(strategy=strategy, offload_optimizer=False, offload_params=False, devices=devices, mixed=True,
+                weight_bytes=2, lora=LoraSpec(), checkpointing=True, micro_batch=1, seq_len=8, gen_batch=0, gen_len=0)
+    return Setup(**{**base, **kw})  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["llama-2-7b", "pythia-410m"])
+def test_parameter_counts_match_transformers(name):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    a = KNOWN[name]
+    with torch.device("meta"):
+        if a.family == "llama":
+            model = LlamaForCausalLM(LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
+                                                 num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                                                 intermediate_size=a.intermediate, tie_word_embeddings=a.tied))  # fmt: skip
+        else:
+            model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
+                                                     num_attention_heads=a.heads, intermediate_size=a.intermediate,
+                                                     tie_word_embeddings=False))  # fmt: skip
+    assert a.params() == sum(p.numel() for p in model.parameters())
+    if name == "llama-2-7b":
+        assert a.params() == 6_738_415_616  # Llama 2's published 6.74B
+
+
+def test_lora_parameter_count_matches_peft(tiny_spec, tokenizer):
+    from lit_rlhf.memory_plan import arch_of
+    from lit_rlhf.models.builders import build_causal_lm
+    from lit_rlhf.models.lora import add_lora
+
+    arch, _ = arch_of(tiny_spec)
+    for targets in (["all-linear"], ["q_proj", "v_proj"]):
+        model = add_lora(build_causal_lm(tiny_spec, tokenizer), LoraSpec(enabled=True, r=4, target_modules=targets))
+        assert arch.lora_params(4, targets) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert arch.params() == sum(p.numel() for p in build_causal_lm(tiny_spec, tokenizer).parameters())
+
+
+@pytest.mark.parametrize("stage, offload_opt, offload_params", [
+    ("zero2", False, False), ("zero2", True, False), ("zero3", False, False), ("zero3", True, False), ("zero3", True, True),
+])  # fmt: skip
+def test_model_states_of_7b_on_8_gpus_match_deepspeed_estimators(stage, offload_opt, offload_params):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    largest = KNOWN["llama-2-7b"].largest_layer_params()
+    ours = sum(trained_bytes(P7B, _setup(stage, 8, offload_optimizer=offload_opt, offload_params=offload_params), largest))
+    if stage == "zero2":
+        _, gpu = estimate_zero2_model_states_mem_needs(P7B, num_gpus_per_node=8, cpu_offload=offload_opt)
+    else:
+        _, gpu, _ = estimate_zero3_model_states_mem_needs(P7B, largest, num_gpus_per_node=8, cpu_offload=offload_opt,
+                                                          cpu_offload_params=offload_params)  # fmt: skip
+    assert ours == pytest.approx(gpu, abs=8)  # DeepSpeed rounds to whole bytes
+
+
+def test_ddp_model_states_match_the_tensors_of_a_real_step(tiny_spec, tokenizer):
+    """fp32 on one device: weights, gradients and Adam's two moments are 16 bytes per parameter."""
+    from lit_rlhf.models.builders import build_causal_lm
+
+    model = build_causal_lm(tiny_spec, tokenizer)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(4, 50, (2, 6))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    measured = sum(p.numel() * p.element_size() * 2 for p in model.parameters())  # weights + grads
+    measured += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim() > 0)
+    params = sum(p.numel() for p in model.parameters())
+    assert measured == sum(trained_bytes(params, _setup(mixed=False, weight_bytes=4), 0))
+
+
+def _plan(*overrides):
+    from lit_rlhf.runner import memory_plan
+
+    return memory_plan(compose(list(overrides)))
+
+
+def test_presets_fit_their_hardware_and_plain_zero2_ppo_is_refused_with_switches():
+    for exp, extra in (("ppo_max_llama7b_a100x8", ["algo.reward_path=/ckpt/rm"]),
+                       ("ppo_max_llama7b_lora_1gpu", ["algo.reward_path=/ckpt/rm"]), ("dpo_llama7b_a100x8", [])):  # fmt: skip
+        p = _plan(f"experiment={exp}", *extra)
+        assert p.fits is True, p.render()
+    lora = _plan("experiment=ppo_max_llama7b_lora_1gpu", "algo.reward_path=/ckpt/rm")
+    assert [r.name for r in lora.rows if r.weights == 0] == ["reference"]  # the adapters-off actor: no copy
+    plain = _plan("experiment=ppo_max_llama7b_a100x8", "algo.reward_path=/ckpt/rm", "strategy=deepspeed_stage_2")
+    assert plain.fits is False
+    switches = [s for s, _ in plain.alternatives]
+    assert switches == ["strategy=deepspeed_stage_2_offload", "strategy=deepspeed_stage_3", "model.lora.enabled=true"]
+    assert "DOES NOT FIT" in plain.render() and "model.lora.enabled=true" in plain.render()
+
+
+def test_a_gpu_launch_that_cannot_fit_is_refused_before_loading():
+    from lit_rlhf.runner import check_memory_plan, plan
+    from lit_rlhf.utils.config import ConfigError
+
+    cfg = compose(["model=llama7b", "algo=ppo_max", "algo.reward_path=/ckpt/rm", "trainer.accelerator=gpu",
+                   "trainer.devices=1", "memory_plan.gpu_memory_gb=80"])  # fmt: skip
+    with pytest.raises(ConfigError, match="memory_plan: this job does not fit the GPU memory"):
+        check_memory_plan(cfg, plan(cfg))
+    cpu = compose(["model=llama7b", "algo=ppo_max", "algo.reward_path=/ckpt/rm", "memory_plan.gpu_memory_gb=80"])
+    check_memory_plan(cpu, plan(cpu))  # CPU runs are not planned
+
+
+@pytest.mark.slow
+def test_train_py_plan_prints_the_table_and_exits():
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "experiment=ppo_max_llama7b_a100x8",
+                          "algo.reward_path=/ckpt/rm", "strategy=deepspeed_stage_2", "--plan"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]  # does not fit: a non-zero exit for scripts
+    assert "| actor | trained | 6.74B |" in out.stdout and "DOES NOT FIT" in out.stdout
+    assert "strategy=deepspeed_stage_2_offload" in out.stdout
