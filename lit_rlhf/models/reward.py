@@ -99,7 +99,8 @@ def build_reward_model(spec: Any, tokenizer: Any, pooling: str = "auto", head_in
     from lit_rlhf.models.builders import build_causal_lm, build_encoder, resolve_path
 
     if spec.name_or_path and is_reward_model_dir(resolve_path(spec.name_or_path)):
-        return load_reward_model(resolve_path(spec.name_or_path), dtype=spec.dtype)
+        return load_reward_model(resolve_path(spec.name_or_path), dtype=spec.dtype,
+                                 gradient_checkpointing=spec.gradient_checkpointing)  # fmt: skip
     if pooling == "auto":
         pooling = "last" if spec.kind == "causal_lm" else "mean"
     backbone = build_causal_lm(spec, tokenizer) if spec.kind == "causal_lm" else build_encoder(spec)
@@ -110,8 +111,9 @@ def is_reward_model_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CONFIG_FILE))
 
 
-def load_reward_model(path: str, dtype: str = "float32") -> RewardModel:
-    """Load a folder written by :meth:`RewardModel.save_pretrained` (tokenizer: ``AutoTokenizer``).
+def load_reward_model(path: str, dtype: str = "float32", gradient_checkpointing: bool = False) -> RewardModel:
+    """Load a folder written by :meth:`RewardModel.save_pretrained` (tokenizer: ``AutoTokenizer``);
+    ``gradient_checkpointing`` for a model that trains (an RM stage resumed from one, a critic).
 
     Raises:
         lit_rlhf.models.builders.ModelLoadError: not a reward-model folder, or unreadable files.
@@ -128,7 +130,7 @@ def load_reward_model(path: str, dtype: str = "float32") -> RewardModel:
         config = json.load(fh)
     if config.get("format") != FORMAT:
         raise ModelLoadError(f"{cfg_path}: unknown format {config.get('format')!r}, expected {FORMAT!r}")
-    spec = ModelSpec(name_or_path=path, kind=config["kind"], dtype=dtype)
+    spec = ModelSpec(name_or_path=path, kind=config["kind"], dtype=dtype, gradient_checkpointing=gradient_checkpointing)
     backbone = build_causal_lm(spec) if spec.kind == "causal_lm" else build_encoder(spec)
     model = RewardModel(backbone, config["kind"], config["pooling"])
     head = load_file(os.path.join(path, HEAD_FILE))

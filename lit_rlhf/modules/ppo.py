@@ -107,7 +107,8 @@ class PPOModule(RLModule):
         critic_path = resolve_path(critic_path) if critic_path else None
         if critic_path and is_reward_model_dir(critic_path):
             # a separate copy: the critic trains, the reward model stays frozen
-            self.critic = ValueModel.from_reward_model(load_reward_model(critic_path, dtype=self.model_spec.dtype))
+            self.critic = ValueModel.from_reward_model(load_reward_model(
+                critic_path, dtype=self.model_spec.dtype, gradient_checkpointing=self.model_spec.gradient_checkpointing))
         else:
             spec = self.model_spec.at_path(critic_path) if critic_path else self.model_spec
             self.critic = ValueModel(build_causal_lm(spec, self.ensure_tokenizer()))
