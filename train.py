@@ -26,8 +26,9 @@ def main(cfg: DictConfig) -> float | None:
     from lit_rlhf.runner import metric_value, run
     from lit_rlhf.utils.config import ConfigError
 
-    from lit_rlhf.utils.secrets import mask_override
+    from lit_rlhf.utils.secrets import mask_override, restore_secrets
 
+    restore_secrets(cfg)  # DDP ranks 1… start from the masked .hydra/config.yaml
     sys.argv[1:] = [mask_override(a) for a in sys.argv[1:]]  # loggers (W&B) record the command line
     try:
         if PLAN_ONLY:

@@ -54,10 +54,51 @@ def _rewrite(path: str) -> None:
             fh.write(OmegaConf.to_yaml(OmegaConf.create(masked)))
 
 
+ENV = "LIT_RLHF_MASKED_SECRETS"
+
+
+def _secret_values(tree: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            key = f"{prefix}{k}"
+            if is_secret(k) and v not in (None, "", MASK):
+                out[key] = v
+            else:
+                out.update(_secret_values(v, f"{key}."))
+    return out
+
+
+def restore_secrets(cfg: Any) -> None:
+    """Put back the values :class:`MaskSecrets` masked, in a process started from the masked
+    ``.hydra/config.yaml``: Lightning's DDP launcher starts ranks 1… that way, and a reward
+    function's API key must reach them. The values travel in the environment the ranks inherit
+    (``LIT_RLHF_MASKED_SECRETS``), never in a file."""
+    import json
+
+    from omegaconf import OmegaConf, open_dict
+
+    values = json.loads(os.environ.get(ENV) or "{}")
+    with open_dict(cfg):
+        for key, value in values.items():
+            if OmegaConf.select(cfg, key, default=None) == MASK:
+                OmegaConf.update(cfg, key, value, force_add=True)
+
+
 class MaskSecrets(Callback):
-    """Hydra callback (conf/hydra/default.yaml): masks the files Hydra has just written."""
+    """Hydra callback (conf/hydra/default.yaml): masks the files Hydra has just written (and keeps
+    the real values in this process's environment for the ranks Lightning starts from them)."""
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        import json
+
+        from omegaconf import OmegaConf
+
+        tree = OmegaConf.to_container(config, resolve=False)
+        tree.pop("hydra", None)
+        secrets = _secret_values(tree)
+        if secrets:
+            os.environ[ENV] = json.dumps(secrets)
         subdir = config.hydra.output_subdir
         if subdir is None:
             return
