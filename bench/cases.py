@@ -229,6 +229,50 @@ def case_ppo_ours(models: Path, s: dict) -> dict:
     return {"step_s": t, "samples_per_s": s["batch"] / t, "fused_first_forward": module.fused_first_forward(s["batch"])}
 
 
+MEM_SHAPE = dict(hidden=1024, layers=8, heads=16, inter=2816, batch=8, new_tokens=32, warmup=1, steps=2)
+
+
+def case_ppo_memory(models: Path, s: dict, lora: bool) -> dict:
+    """Peak memory of PPO-max steps, full fine-tuning vs LoRA (r=16, all linear layers), on a model
+    large enough for model states to dominate (MEM_SHAPE: ~100M parameters, fp32; smoke: tiny).
+    ``rss_mb`` is the process's peak; ``base_mb`` its RSS before any model was built."""
+    import lightning.pytorch as pl
+
+    from lit_rlhf.data.prompts import PromptDataModule
+    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.models.spec import LoraSpec, ModelSpec
+    from lit_rlhf.modules.configs import PPOConfig
+    from lit_rlhf.modules.ppo import PPOModule
+    from lit_rlhf.utils.config import build_config
+
+    base_mb = peak_rss_mb()
+    shape = s if s["hidden"] <= 32 else MEM_SHAPE  # smoke: the tiny shapes
+    folder = models / f"mem_{shape['hidden']}"
+    if not (folder / "policy").exists():
+        build_models(folder, shape)
+    cfg = build_config(PPOConfig, dict(policy_path=str(folder / "policy"), reward_path=str(folder / "rm"), export_dir=None,
+                                       rollout_batch_size=shape["batch"], minibatch_size=shape["batch"], ppo_epochs=1,
+                                       score_norm="normalize", kl_coef=0.05, lr=1e-5, critic_lr=1e-5,
+                                       generation={"max_new_tokens": shape["new_tokens"], "top_p": 1.0, "top_k": 0}),
+                       "algo")  # fmt: skip
+    spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=str(folder / "policy"),
+                                                       lora=LoraSpec(enabled=lora, r=16, alpha=32.0)))  # fmt: skip
+    tok = build_tokenizer(spec)
+    module = PPOModule(cfg, model=spec, tokenizer=tok)
+    data = PromptDataModule(n_train=shape["batch"] * 10, n_val=0, batch_size=shape["batch"]).connect(tok)
+    timer = _step_timer()
+    trainer = pl.Trainer(max_steps=shape["warmup"] + shape["steps"], accelerator="cpu", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, callbacks=[timer], limit_val_batches=0,
+                         num_sanity_val_steps=0)  # fmt: skip
+    t_start = time.perf_counter()
+    trainer.fit(module, data)
+    t = median_step([t_start] + timer.times, shape["warmup"])
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return {"step_s": t, "samples_per_s": shape["batch"] / t, "base_mb": base_mb, "trainable": trainable,
+            "params": sum(p.numel() for p in module.parameters()),  # actor + critic (+ adapters)
+            "policy_params": sum(p.numel() for n, p in module.actor.named_parameters() if ".lora_" not in n)}
+
+
 def _trl_path() -> None:
     if not (TRL_DIR / "trl").is_dir():
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(TRL_DIR),
@@ -512,5 +556,7 @@ CASES = {
     "dpo_trl_precomputed": lambda models, s: case_dpo_trl(models, s, precompute=True),
     "grpo_ours": case_grpo_ours,
     "grpo_trl": case_grpo_trl,
+    "ppomem_full": lambda models, s: case_ppo_memory(models, s, lora=False),
+    "ppomem_lora": lambda models, s: case_ppo_memory(models, s, lora=True),
 }
 TRL_CASES = {"ppo_trl", "rm_trl", "dpo_trl", "dpo_trl_precomputed", "grpo_trl"}

@@ -55,7 +55,7 @@ PAIRS = [  # (ratio name, ours, TRL's, throughput key): lit_rlhf over TRL, highe
      "≥ 1.0"),
     ("GRPO samples/s, lit_rlhf / TRL", "grpo_ours", "grpo_trl", "samples_per_s", "≥ 1.3"),
 ]  # fmt: skip
-UNITS = {"ppo": "samples_per_s", "rm": "pairs_per_s", "dpo": "pairs_per_s", "grpo": "samples_per_s", "generate": "tokens_per_s"}
+UNITS = {"ppo": "samples_per_s", "ppomem": "samples_per_s", "rm": "pairs_per_s", "dpo": "pairs_per_s", "grpo": "samples_per_s", "generate": "tokens_per_s"}
 
 
 def _ratio(r: dict, ours: str, theirs: str, unit: str) -> tuple[float | None, list[float]]:
@@ -100,7 +100,16 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
         lines += ["", f"GRPO step, lit_rlhf: rollout (generation, reference, reward, and the fused first training forward) "
                   f"{g['rollout_s']:.3f} s + the rest of the update "
                   f"{g['update_s']:.3f} s"]  # fmt: skip
+    full, lora = r.get("ppomem_full", {}), r.get("ppomem_lora", {})
+    if "rss_mb" in full and "rss_mb" in lora and "error" not in full and "error" not in lora:
+        lines += ["", f"PPO memory (ppomem_*: {full['policy_params'] / 1e6:.0f}M-parameter policy, 4 models, fp32; "
+                  f"process RSS before the models {full['base_mb']:.0f} MB): full fine-tuning {full['rss_mb']:.0f} MB "
+                  f"peak, LoRA r=16 {lora['rss_mb']:.0f} MB peak ({lora['trainable'] / 1e6:.2f}M trainable parameters "
+                  f"in actor and critic, against {full['trainable'] / 1e6:.0f}M)"]  # fmt: skip
     lines += ["", "| ratio | value | target |", "|---|---|---|"]
+    if "rss_mb" in full and "rss_mb" in lora and "error" not in full and "error" not in lora:
+        derived["ppo_lora_rss_over_full"] = lora["rss_mb"] / full["rss_mb"]
+        lines.append(f"| PPO step peak RSS, LoRA / full fine-tuning | {derived['ppo_lora_rss_over_full']:.2f} | ≤ 0.60 |")
     if "step_s" in ours and "floor_s" in floor:
         derived["ppo_step_over_naive_floor"] = ours["step_s"] / floor["floor_s"]
         lines.append(f"| lit_rlhf PPO step / naive floor | {derived['ppo_step_over_naive_floor']:.2f} | ≤ 1.10 |")
