@@ -278,7 +278,10 @@ def setup_from(cfg: Any, job: Any) -> Setup:
     strategy, opt_off, par_off = _strategy(cfg)
     t = cfg.trainer
     devices = t.get("devices", 1)
-    devices = devices if isinstance(devices, int) and devices > 0 else 1
+    if not (isinstance(devices, int) and devices > 0):  # "auto" / -1: every visible GPU
+        import torch
+
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 1
     devices *= int(t.get("num_nodes", 1) or 1)
     precision = str(t.get("precision", "32"))
     spec = job.model
@@ -374,7 +377,6 @@ def estimate(cfg: Any, job: Any, setup: Setup | None = None) -> MemoryPlan:
 SWITCHES: list[tuple[str, dict[str, Any]]] = [
     ("strategy=deepspeed_stage_2", {"strategy": "zero2", "offload_optimizer": False, "offload_params": False}),
     ("strategy=deepspeed_stage_2_offload", {"strategy": "zero2", "offload_optimizer": True, "offload_params": False}),
-    ("strategy=deepspeed_stage_3", {"strategy": "zero3", "offload_optimizer": False, "offload_params": False}),
     ("model.gradient_checkpointing=true", {"checkpointing": True}),
     ("model.lora.enabled=true", {"lora": "on"}),
 ]
