@@ -2,7 +2,7 @@
 
 ``W x`` becomes ``W x + (alpha / r) · B A x`` in the targeted linear layers, with ``A`` (r × in)
 random, ``B`` (out × r) zero at the start and only ``A``, ``B`` (and heads) trained
-(docs/architecture.md "LoRA").
+(docs/scaling.md §2).
 
 The adapters are injected into the model *in place* (``peft.inject_adapter_in_model``): the model
 stays the transformers class it was (``generate``, ``base_model``, ``config`` and our value/reward

@@ -198,7 +198,7 @@ class RLHFModule(pl.LightningModule):
         return AdaptersDisabled(policy) if has_lora(policy) else build()
 
     def _export_lora(self, model: torch.nn.Module, sd: dict[str, Any] | None, directory: str) -> Any:
-        """A LoRA-trained model's export (docs/architecture.md "LoRA"): the adapter in peft's format
+        """A LoRA-trained model's export (docs/scaling.md §2): the adapter in peft's format
         when ``model.lora.export=adapter`` and the base model has a path to name (writes it and
         returns ``_EXPORTED``), else the merged weights to save as a plain model."""
         from transformers import PreTrainedModel
