@@ -32,6 +32,7 @@ def models(tmp_path_factory):
 def run_helper(script: str, out, *args: str) -> None:
     """Run tests/helpers/<script> (Lightning re-executes it once per extra rank) in ``out``."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("PL_GLOBAL_SEED", None)  # set by earlier in-process runs; Lightning would reseed the helper with it
     cmd = [sys.executable, str(ROOT / "tests" / "helpers" / script), "--out", str(out), *args]
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -133,3 +133,39 @@ def test_ppo_with_lora_trains_adapters_and_heads_only(saved_models, tokenizer):
     assert all(p.requires_grad for p in module.critic.head.parameters())
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     assert all(".lora_" in n or n.startswith("critic.head.") for n in trainable), sorted(trainable)[:5]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "grpo"])
+def test_every_stage_trains_lora_through_the_config(stage, tmp_path, saved_models):
+    """`model.lora.enabled=true` on the command line of each stage: one fast_dev_run batch with
+    finite metrics, and an export of the right kind that a later stage can load (which parameters
+    train is checked on PPO above)."""
+    from lit_rlhf.models.builders import build_causal_lm
+    from lit_rlhf.models.lora import is_adapter_dir
+    from lit_rlhf.models.reward import load_reward_model
+    from lit_rlhf.models.spec import ModelSpec
+    from lit_rlhf.runner import run
+    from tests.conftest import compose
+
+    policy, rm = f"algo.policy_path={saved_models[0]}", f"algo.reward_path={saved_models[1]}"
+    extra = {"sft": ["experiment=sft_synthetic_tiny", "model.tiny.hidden_size=32", "model.tiny.num_attention_heads=2"],
+             "rm": ["experiment=rm_synthetic_tiny", "model.tiny=null", "model.tokenizer=null",
+                    f"model.name_or_path={saved_models[0]}"],
+             "dpo": ["experiment=dpo_synthetic_tiny", policy],
+             "grpo": ["experiment=grpo_synthetic_tiny", policy, rm, "validate_before_fit=false"]}[stage]  # fmt: skip
+    cfg = compose([*extra, "model.lora.enabled=true", "model.lora.r=4", "debug=fdr", "trainer.enable_progress_bar=false",
+                   "logger=none"], tmp_path)  # fmt: skip
+    metrics = run(cfg)
+    assert metrics and all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    out = tmp_path / {"sft": "policy", "rm": "reward_model", "dpo": "policy", "grpo": "actor"}[stage]
+    if stage == "rm":
+        assert not is_adapter_dir(str(out))  # a reward model exports merged (backbone + head)
+        assert not lora_layers(load_reward_model(str(out)))
+    elif stage == "sft":
+        assert not is_adapter_dir(str(out))  # a tiny base has no path to name: merged
+        assert not lora_layers(build_causal_lm(ModelSpec(name_or_path=str(out))))
+    else:  # a policy trained from a saved base: the adapter, loadable as a model path (merged on load)
+        assert is_adapter_dir(str(out)) and not (out / "model.safetensors").exists()
+        assert not lora_layers(build_causal_lm(ModelSpec(name_or_path=str(out))))
