@@ -377,6 +377,7 @@ def estimate(cfg: Any, job: Any, setup: Setup | None = None) -> MemoryPlan:
 SWITCHES: list[tuple[str, dict[str, Any]]] = [
     ("strategy=deepspeed_stage_2", {"strategy": "zero2", "offload_optimizer": False, "offload_params": False}),
     ("strategy=deepspeed_stage_2_offload", {"strategy": "zero2", "offload_optimizer": True, "offload_params": False}),
+    ("strategy=deepspeed_stage_3", {"strategy": "zero3", "offload_optimizer": False, "offload_params": False}),
     ("model.gradient_checkpointing=true", {"checkpointing": True}),
     ("model.lora.enabled=true", {"lora": "on"}),
 ]

@@ -74,20 +74,6 @@ def print_memory_plan(cfg: DictConfig) -> bool | None:
     return p.fits
 
 
-def check_strategy_supported(cfg: DictConfig) -> None:
-    """DeepSpeed ZeRO-3 is refused with a clear error: under it Lightning builds the models inside
-    ``deepspeed.zero.Init``, where transformers' model construction fails (an IndexError on the
-    partitioned embedding) and the frozen reference/reward models would be partitioned with no
-    engine to gather them (README "Scaling up")."""
-    from lit_rlhf.memory_plan import _strategy
-
-    if cfg.get("strategy") is not None and _strategy(cfg)[0] == "zero3":
-        raise ConfigError("strategy", "DeepSpeed ZeRO-3 is not supported by lit_rlhf yet (models are built inside "
-                                      "deepspeed.zero.Init, which transformers' construction and the frozen models do not "
-                                      "survive); use strategy=deepspeed_stage_2_offload or model.lora.enabled=true "
-                                      "(`--plan` shows what fits)")  # fmt: skip
-
-
 def check_memory_plan(cfg: DictConfig, job: Plan) -> None:
     """Refuse a GPU launch that the memory plan says cannot fit (``memory_plan.enforce``)."""
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
@@ -196,7 +182,6 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if p.pipeline_cls is not None:
         return p.pipeline_cls(p.pipeline).run(cfg)
     check_checkpoint_path(cfg.get("ckpt_path"))
-    check_strategy_supported(cfg)
     check_memory_plan(cfg, p)  # before any weight is loaded
     p, datamodule, module = build(cfg)
     callbacks = instantiate_callbacks(_resolve_auto_monitor(cfg.get("callbacks"), p.algo_cls))

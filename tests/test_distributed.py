@@ -72,21 +72,60 @@ def assert_ranks_agree_and_trained(ranks, models):
     assert len(changed) == len(init)
 
 
+@pytest.fixture(scope="module")
+def ppo_runs(models, tmp_path_factory):
+    """``ppo_runs(strategy, devices)``: the ranks' results of tests/helpers/ppo_multiproc.py, each
+    run once per module (the tests below compare runs with each other)."""
+    cache: dict = {}
+
+    def get(strategy: str, devices: int):
+        if (strategy, devices) not in cache:
+            cache[strategy, devices] = run(strategy, devices, models, tmp_path_factory.mktemp(f"{strategy}{devices}"))
+        return cache[strategy, devices]
+
+    return get
+
+
+def assert_same_as_unsharded(ranks, reference, atol=1e-6):
+    """The same final weights as the DDP run with as many processes (every helper reseeds at the
+    start of training, so all strategies sample the same rollouts)."""
+    worst = max((ranks[0]["params"][k] - v).abs().max().item() for k, v in reference[0]["params"].items())
+    assert worst <= atol, f"differs from the unsharded run by {worst:.3g}"
+    assert ranks[0]["moments"]["count"] == reference[0]["moments"]["count"]
+    assert ranks[0]["moments"]["mean"] == pytest.approx(reference[0]["moments"]["mean"], abs=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.integration
-def test_ddp_two_processes_identical(models, tmp_path):
-    ranks = run("ddp", 2, models, tmp_path)
+def test_ddp_two_processes_identical(ppo_runs, models):
+    ranks = ppo_runs("ddp", 2)
     assert ranks[0]["wrapper"] == "DistributedDataParallel"
     assert_ranks_agree_and_trained(ranks, models)
 
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("devices", [1, 2])
-def test_deepspeed_zero2_cpu_processes_identical(models, tmp_path, devices):
-    ranks = run("deepspeed", devices, models, tmp_path)
+def test_deepspeed_zero2_two_processes_match_ddp(ppo_runs, models):
+    ranks = ppo_runs("deepspeed", 2)
     assert (ranks[0]["wrapper"], ranks[0]["zero_stage"]) == ("DeepSpeedEngine", 2)
     assert_ranks_agree_and_trained(ranks, models)
+    assert_same_as_unsharded(ranks, ppo_runs("ddp", 2))
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("devices", [1, 2])
+def test_deepspeed_zero3_matches_the_unsharded_run_and_samples_from_whole_weights(ppo_runs, models, devices):
+    """Real ZeRO-3 (every parameter partitioned: no persistence threshold) on 1 and 2 CPU processes:
+    the ranks agree, the result is the unsharded run's, and every no-grad actor forward of the
+    rollouts (each decoding step) found all the actor's weights already gathered: gathered once
+    per rollout, not fetched layer by layer per step (lit_rlhf/modules/base.py zero3_gathered)."""
+    ranks = ppo_runs("deepspeed3", devices)
+    assert (ranks[0]["wrapper"], ranks[0]["zero_stage"]) == ("DeepSpeedEngine", 3)
+    assert_ranks_agree_and_trained(ranks, models)
+    assert_same_as_unsharded(ranks, ppo_runs("ddp", devices))
+    for r in ranks:
+        assert len(r["whole_weights"]) >= 2 * 8 and all(r["whole_weights"])  # 2 rollouts x >= 8 decoding steps
 
 
 @pytest.mark.slow

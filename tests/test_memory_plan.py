@@ -101,7 +101,7 @@ def test_presets_fit_their_hardware_and_plain_zero2_ppo_is_refused_with_switches
     plain = _plan("experiment=ppo_max_llama7b_a100x8", "algo.reward_path=/ckpt/rm", "strategy=deepspeed_stage_2")
     assert plain.fits is False
     switches = [s for s, _ in plain.alternatives]
-    assert switches == ["strategy=deepspeed_stage_2_offload", "model.lora.enabled=true"]  # no ZeRO-3: not supported
+    assert switches == ["strategy=deepspeed_stage_2_offload", "strategy=deepspeed_stage_3", "model.lora.enabled=true"]
     assert "DOES NOT FIT" in plain.render() and "model.lora.enabled=true" in plain.render()
 
 
@@ -116,14 +116,6 @@ def test_a_gpu_launch_that_cannot_fit_is_refused_before_loading():
     cpu = compose(["model=llama7b", "algo=ppo_max", "algo.reward_path=/ckpt/rm", "memory_plan.gpu_memory_gb=80"])
     check_memory_plan(cpu, plan(cpu))  # CPU runs are not planned
 
-
-def test_zero3_is_refused_with_a_clear_error():
-    from lit_rlhf.runner import check_strategy_supported
-    from lit_rlhf.utils.config import ConfigError
-
-    with pytest.raises(ConfigError, match="strategy: DeepSpeed ZeRO-3 is not supported"):
-        check_strategy_supported(compose(["algo=sft", "strategy=deepspeed_stage_3"]))
-    check_strategy_supported(compose(["algo=sft", "strategy=deepspeed_stage_2"]))
 
 
 @pytest.mark.slow

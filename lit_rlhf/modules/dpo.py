@@ -252,7 +252,7 @@ class DPOModule(RLHFModule):
 
         prompts = prompts_of_pairs(batch, self.tokenizer.pad_token_id, limit=left)
         self._drift_seen += len(prompts["prompts"])
-        with torch.no_grad():  # (not inference mode: sharded strategies gather parameters inside forwards)
+        with self.sampling_mode(self.policy):
             rollout = generate_and_score(self.policy, prompts, self.tokenizer, self.config.generation,
                                          reference=self.frozen.get("reference"))  # fmt: skip
-        return {"rollout": rollout}
+        return {"rollout": rollout.normal_tensors()}

@@ -188,21 +188,8 @@ class RLModule(RLHFModule):
 
     # ------------------------------------------------------------------ rollout
     def rollout_grad_mode(self) -> Any:
-        """``torch.inference_mode()`` for generation and the frozen models' forwards (no autograd
-        bookkeeping at all: faster decoding than ``no_grad``), except where parameters are
-        sharded and gathered inside forwards (DeepSpeed ZeRO-3, FSDP, other strategies): there,
-        ``no_grad``."""
-        if self._trainer is None:
-            return torch.inference_mode()
-        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
-
-        strategy = self.trainer.strategy
-        if isinstance(strategy, DeepSpeedStrategy):
-            stage = (strategy.config or {}).get("zero_optimization", {}).get("stage", 0)
-            return torch.no_grad() if stage >= 3 else torch.inference_mode()
-        if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
-            return torch.inference_mode()
-        return torch.no_grad()
+        """The rollout's context (generation and scoring): :meth:`RLHFModule.sampling_mode` of the actor."""
+        return self.sampling_mode(self.actor)
 
     def logprob_temperature(self) -> float:
         c: RLConfig = self.config

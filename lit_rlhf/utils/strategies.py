@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
+
+from lightning.pytorch.strategies import DeepSpeedStrategy
 
 
 def fsdp_strategy(wrap_layers: Sequence[str], activation_checkpointing: bool = False, **kwargs: Any) -> Any:
@@ -20,3 +23,33 @@ def fsdp_strategy(wrap_layers: Sequence[str], activation_checkpointing: bool = F
     if activation_checkpointing:
         kwargs["activation_checkpointing_policy"] = layers
     return FSDPStrategy(auto_wrap_policy=layers, **kwargs)
+
+
+
+class RLHFDeepSpeedStrategy(DeepSpeedStrategy):
+    """Lightning's ``DeepSpeedStrategy`` for RLHF stages (docs/scaling.md §4), every ZeRO stage.
+
+    * Models are built whole on every rank (no ``deepspeed.zero.Init`` around
+      ``configure_model``): transformers' construction fails inside it, and the frozen reference
+      and reward models, which DeepSpeed does not wrap, must stay whole. ``deepspeed.initialize``
+      then partitions the trained models under ZeRO-3. Cost: each rank holds a full copy of the
+      weights in host memory while building.
+    * ``lightning_module_state_dict`` gathers ZeRO-3 partitions (a collective; only rank zero
+      keeps the copy), so exports write whole weights.
+    """
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        self._init_config_if_needed()
+        yield
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self.zero_stage_3:
+            return super().lightning_module_state_dict()
+        import deepspeed
+
+        module = self.lightning_module
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            if not self.is_global_zero:
+                return {}
+            return {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}

@@ -8,7 +8,8 @@ from typing import Any
 
 
 def cpu_strategy(kind: str, micro_batch: int) -> Any:
-    """``kind`` "ddp" or "deepspeed" (ZeRO stage 2, global grad-norm clip 1.0)."""
+    """``kind`` "ddp", "deepspeed" (ZeRO stage 2) or "deepspeed3" (ZeRO stage 3); DeepSpeed with a
+    global grad-norm clip of 1.0."""
     if kind == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 
@@ -16,7 +17,9 @@ def cpu_strategy(kind: str, micro_batch: int) -> Any:
     from tests.helpers.deepspeed_cpu import CPUDeepSpeedStrategy
 
     return CPUDeepSpeedStrategy(config={
-        "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
+        # ZeRO-3 with no persistence threshold: every parameter partitioned, even the tiny ones
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0} if kind == "deepspeed3"
+        else {"stage": 2}, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
         "train_micro_batch_size_per_gpu": micro_batch,
     })  # fmt: skip
 
@@ -25,7 +28,7 @@ def multiproc_args(models_help: str, extra: list[tuple[str, dict[str, Any]]] = (
     """The command line every multi-process helper script takes: ``--strategy ddp|deepspeed``,
     ``--devices N``, ``--models DIR`` (``models_help`` says what it holds), ``--out DIR``, plus ``extra``."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--strategy", choices=["ddp", "deepspeed"], required=True)
+    ap.add_argument("--strategy", choices=["ddp", "deepspeed", "deepspeed3"], required=True)
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--models", required=True, help=models_help)
     ap.add_argument("--out", required=True)

@@ -1,4 +1,5 @@
-"""TEST ONLY: Lightning's DeepSpeedStrategy on a CPU accelerator, running real DeepSpeed ZeRO over gloo.
+"""TEST ONLY: lit_rlhf's DeepSpeed strategy (RLHFDeepSpeedStrategy, Lightning's DeepSpeedStrategy as
+the stages use it) on a CPU accelerator, running real DeepSpeed ZeRO-2/3 over gloo.
 
 Lightning refuses DeepSpeed without CUDA. Three small overrides make its real code path run on
 CPU processes, so CI (no GPU) exercises ZeRO-2 engine wrapping, manual_backward through the
@@ -15,10 +16,12 @@ from __future__ import annotations
 import argparse
 
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.strategies import DDPStrategy
+
+from lit_rlhf.utils.strategies import RLHFDeepSpeedStrategy
 
 
-class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+class CPUDeepSpeedStrategy(RLHFDeepSpeedStrategy):
     strategy_name = "deepspeed_cpu_test"
 
     def setup_environment(self) -> None:

@@ -31,7 +31,21 @@ class Dump(pl.Callback):
     def __init__(self, out: str) -> None:
         self.out = out
 
+    def on_train_start(self, trainer, module) -> None:
+        # strategies consume the global RNG differently while setting up (DeepSpeed's engine does):
+        # the same seed here makes every strategy sample the same rollouts, so results compare
+        torch.manual_seed(1234 + trainer.global_rank)
+
     def on_fit_start(self, trainer, module) -> None:
+        self.whole_weights = []  # ZeRO-3: per no-grad actor forward (rollout), were all its weights gathered?
+        if getattr(trainer.strategy, "zero_stage_3", False):
+            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+            def before_the_engine(mod, args, kwargs):  # prepended: runs before DeepSpeed's fetch hooks
+                if not torch.is_grad_enabled():
+                    self.whole_weights.append(all(p.ds_status == ZeroParamStatus.AVAILABLE for p in mod.parameters()))
+
+            module.actor.register_forward_pre_hook(before_the_engine, prepend=True, with_kwargs=True)
         self.kl_inputs = []  # what the KL controller is fed each iteration: (sequence KL, samples)
         update = module.kl_ctl.update
         module.kl_ctl.update = lambda kl, n: self.kl_inputs.append((kl, n)) or update(kl, n)
@@ -43,12 +57,21 @@ class Dump(pl.Callback):
         self.advantages = [float((r.advantages * m).sum()), float((r.advantages**2 * m).sum()), float(m.sum())]
 
     def on_train_end(self, trainer, module) -> None:
-        state = {f"actor.{k}": v.detach().float().cpu().clone() for k, v in module.actor.state_dict().items()}
-        state.update({f"critic.{k}": v.detach().float().cpu().clone() for k, v in module.critic.state_dict().items()})
+        import contextlib
+
+        gather = contextlib.nullcontext()
+        if getattr(trainer.strategy, "zero_stage_3", False):  # partitions: gather the whole weights
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+        with gather:
+            state = {f"actor.{k}": v.detach().float().cpu().clone() for k, v in module.actor.state_dict().items()}
+            state.update({f"critic.{k}": v.detach().float().cpu().clone() for k, v in module.critic.state_dict().items()})
         torch.save(
             {"params": state, "moments": module.reward_moments.state_dict(), "global_step": trainer.global_step,
              "world_size": trainer.world_size, "iteration": module.iteration,
              "kl_ctl": module.kl_ctl.state_dict(), "kl_inputs": self.kl_inputs, "advantages": self.advantages,
+             "whole_weights": self.whole_weights,
              "wrapper": type(trainer.strategy.model).__name__,
              "zero_stage": trainer.strategy.model.zero_optimization_stage()
              if hasattr(trainer.strategy.model, "zero_optimization_stage") else None},
