@@ -91,6 +91,19 @@ def cfg_factory(tmp_path):
 
 
 @pytest.fixture(scope="session")
+def trained_sft(tmp_path_factory):
+    """(export folder, final metrics) of the tiny SFT trained on 8,000 embedded-task pairs for 2
+    epochs (~12 s), shared by the tests that need a policy which has learned the language."""
+    from lit_rlhf.runner import run
+
+    out = tmp_path_factory.mktemp("trained_sft")
+    metrics = run(compose(["trainer.accelerator=cpu", "logger=none", "callbacks=none", "trainer.enable_progress_bar=false",
+                           "data.sft.n_train=8000", "data.sft.n_val=1000", "data.batch_size=32", "trainer.max_epochs=2"],
+                          out))  # fmt: skip
+    return out / "policy", metrics
+
+
+@pytest.fixture(scope="session")
 def saved_models(tiny_spec, tokenizer, tmp_path_factory):
     """(policy dir, reward model dir): a random tiny policy and causal RM saved like the stages do,
     built once for the whole session (tests only read them)."""

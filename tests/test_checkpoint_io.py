@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 
 @pytest.mark.slow
 def test_a_kill_during_a_save_never_destroys_the_last_checkpoint(tmp_path):
-    """SIGKILL a process that saves 16 MB checkpoints in a loop, at random moments, 5 times, with
+    """SIGKILL a process that saves 16 MB checkpoints in a loop, at random moments, 3 times, with
     TMPDIR on another folder: each time, last.ckpt loads and is one whole save; nothing is left
     in TMPDIR, and stale temporary siblings are cleaned by the next save."""
     ckpt, tmpdir = tmp_path / "run" / "last.ckpt", tmp_path / "elsewhere"
@@ -24,7 +24,7 @@ def test_a_kill_during_a_save_never_destroys_the_last_checkpoint(tmp_path):
     env = dict(os.environ, TMPDIR=str(tmpdir), PYTHONPATH=str(ROOT))
     rng = random.Random(0)
     loaded = []
-    for _ in range(5):
+    for _ in range(3):
         proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "save_loop.py"), str(ckpt)],
                                 stdout=subprocess.PIPE, env=env, text=True)  # fmt: skip
         assert proc.stdout.readline().strip().isdigit()  # one save completed (torch imported, files warm)
@@ -34,7 +34,7 @@ def test_a_kill_during_a_save_never_destroys_the_last_checkpoint(tmp_path):
         state = torch.load(ckpt, weights_only=True)
         assert torch.equal(state["payload"], torch.full((4_000_000,), float(state["i"])))  # whole, not torn
         loaded.append(state["i"])
-    assert loaded == sorted(loaded) and loaded[-1] >= 5  # each run continued from the previous checkpoint
+    assert loaded == sorted(loaded) and loaded[-1] >= 3  # each run continued from the previous checkpoint
     assert list(tmpdir.iterdir()) == []  # TMPDIR is never used
     leftovers = [p.name for p in ckpt.parent.iterdir() if p.name != "last.ckpt"]
     proc = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[2]); import torch; "

@@ -183,16 +183,11 @@ def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_ppo_max_cli_on_the_embedded_task(tmp_path):
+def test_ppo_max_cli_on_the_embedded_task(tmp_path, saved_models):
     """`python train.py experiment=ppo_max_synthetic_tiny algo.policy_path=… algo.reward_path=…` runs on
-    saved stage outputs (the tiny experiment: the algo=ppo_max preset samples 256 tokens for 7B)."""
-    run(compose(["trainer.accelerator=cpu", "logger=none", "trainer.enable_progress_bar=false", "trainer.max_steps=20",
-                 "model.tiny.hidden_size=32", "model.tiny.num_attention_heads=2"], tmp_path / "sft"))  # fmt: skip
-    run(compose(["algo=rm", "trainer.accelerator=cpu", "logger=none", "trainer.enable_progress_bar=false",
-                 "trainer.max_steps=20", "model.tiny.hidden_size=32", "model.tiny.num_attention_heads=2"],
-                tmp_path / "rm"))  # fmt: skip
-    out = cli("experiment=ppo_max_synthetic_tiny", f"algo.policy_path={tmp_path / 'sft' / 'policy'}",
-              f"algo.reward_path={tmp_path / 'rm' / 'reward_model'}", "trainer.max_steps=12", "trainer.log_every_n_steps=1",
+    saved models (the tiny experiment: the algo=ppo_max preset samples 256 tokens for 7B)."""
+    out = cli("experiment=ppo_max_synthetic_tiny", f"algo.policy_path={saved_models[0]}",
+              f"algo.reward_path={saved_models[1]}", "trainer.max_steps=12", "trainer.log_every_n_steps=1",
               "validate_before_fit=false", "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=1",
               "optimized_metric=null",
               "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'ppo'}")  # fmt: skip
@@ -203,14 +198,10 @@ def test_ppo_max_cli_on_the_embedded_task(tmp_path):
 
 
 @pytest.mark.slow
-def test_sft_quality_small_budget(tmp_path):
-    """The tiny model approaches the true language: held-out ppl within 1.3x of the floor (~30 s)."""
-    cfg = compose(
-        ["trainer.accelerator=cpu", "logger=none", "callbacks=none", "trainer.enable_progress_bar=false",
-         "data.sft.n_train=8000", "data.sft.n_val=1000", "data.batch_size=32", "trainer.max_epochs=2", "algo.export_dir=null"],
-        tmp_path,
-    )  # fmt: skip
-    metrics = run(cfg)
+def test_sft_quality_small_budget(trained_sft):
+    """The tiny model approaches the true language: held-out ppl within 1.3x of the floor (8,000
+    pairs, 2 epochs: the shared ``trained_sft`` run)."""
+    metrics = trained_sft[1]
     floor = metrics["val/perplexity_floor"]
     assert 7.0 < floor < 9.0  # the true language's perplexity on these held-out tokens
     assert metrics["val/perplexity_ratio"] <= 1.3, metrics

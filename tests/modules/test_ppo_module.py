@@ -163,16 +163,15 @@ def test_export_actor(saved_models, tokenizer, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_ppo_max_raises_the_gold_reward(tmp_path):
-    """SFT on the embedded task, then PPO-max as the tiny experiment configures it, with the gold
-    reward as the reward: mean gold reward on held-out prompts rises by ≥ 0.5 σ of SFT's."""
-    from lit_rlhf.runner import build, run
+def test_ppo_max_raises_the_gold_reward(tmp_path, trained_sft):
+    """SFT on the embedded task (the shared ``trained_sft``), then PPO-max as the tiny experiment
+    configures it, with the gold reward as the reward: mean gold reward on held-out prompts rises
+    by ≥ 0.5 σ of SFT's."""
+    from lit_rlhf.runner import build
     from tests.conftest import compose
 
-    run(compose(["trainer.accelerator=cpu", "logger=none", "callbacks=none", "trainer.enable_progress_bar=false",
-                 "data.sft.n_train=8000", "data.batch_size=32", "trainer.max_epochs=2"], tmp_path / "sft"))  # fmt: skip
     cfg = compose(
-        ["experiment=ppo_max_synthetic_tiny", f"algo.policy_path={tmp_path / 'sft' / 'policy'}", "algo.reward_path=null",
+        ["experiment=ppo_max_synthetic_tiny", f"algo.policy_path={trained_sft[0]}", "algo.reward_path=null",
          "algo.reward_fn={_target_:lit_rlhf.data.synthetic.gold_reward_fn}", "data.prompt.n_val=128",
          "data.prompt.eval_batch_size=64", "trainer.accelerator=cpu", "trainer.max_steps=400", "logger=none",
          "callbacks=none", "trainer.enable_progress_bar=false", "trainer.check_val_every_n_epoch=100"],
