@@ -66,7 +66,11 @@ def memory_plan(cfg: DictConfig, job: Plan | None = None) -> Any:
 
 def print_memory_plan(cfg: DictConfig) -> bool | None:
     """``train.py --plan``: print the plan; returns whether it fits (None: no GPU memory to check)."""
-    p = memory_plan(cfg)
+    try:
+        p = memory_plan(cfg)
+    except ValueError as err:  # an architecture not readable here (hub id without a local config.json)
+        print(f"No memory plan: {err}. Point model.name_or_path (and the algo.*_path keys) at local folders.")
+        return None
     if p is None:
         print("The pipeline runs several stages: plan one stage at a time (algo=…, or experiment=…).")
         return None
@@ -80,7 +84,11 @@ def check_memory_plan(cfg: DictConfig, job: Plan) -> None:
     node = cfg.get("memory_plan") or {}
     if accelerator not in ("gpu", "cuda") or not node.get("enforce", True) or job.algo_cls is None:
         return
-    p = memory_plan(cfg, job)
+    try:
+        p = memory_plan(cfg, job)
+    except ValueError as err:  # unknown architecture offline: no plan, no refusal
+        log.warning("memory plan skipped: %s", err)
+        return
     if p is not None and p.fits is False:
         raise ConfigError("memory_plan", "this job does not fit the GPU memory (set memory_plan.enforce=false to "
                                          "launch anyway):\n" + p.render())  # fmt: skip

@@ -161,7 +161,7 @@ def test_headline_7b_command_composes_the_7b_recipe(tmp_path):
     assert (p.model.name_or_path, p.model.dtype, p.model.gradient_checkpointing) == ("NousResearch/Llama-2-7b-hf",
                                                                                       "bfloat16", True)  # fmt: skip
     assert cfg.strategy.config.zero_optimization.stage == 2 and cfg.trainer.precision == "bf16-mixed"
-    assert type(instantiate_strategy(cfg.strategy)).__name__ == "DeepSpeedStrategy"
+    assert type(instantiate_strategy(cfg.strategy)).__name__ == "RLHFDeepSpeedStrategy"  # a Lightning DeepSpeedStrategy
     # an SFT export instead of the base model: the same recipe, trained from that folder
     p = plan(compose(["model=llama7b", "algo=ppo_max", "algo.policy_path=/ckpt/sft-7b", *RM], tmp_path))
     assert (p.model.name_or_path, p.model.dtype) == ("/ckpt/sft-7b", "bfloat16")

@@ -115,6 +115,9 @@ def test_a_gpu_launch_that_cannot_fit_is_refused_before_loading():
         check_memory_plan(cfg, plan(cfg))
     cpu = compose(["model=llama7b", "algo=ppo_max", "algo.reward_path=/ckpt/rm", "memory_plan.gpu_memory_gb=80"])
     check_memory_plan(cpu, plan(cpu))  # CPU runs are not planned
+    unknown = compose(["model=llama7b", "model.name_or_path=some-org/unknown-7b", "algo=sft", "trainer.accelerator=gpu",
+                       "memory_plan.gpu_memory_gb=80"])  # fmt: skip
+    check_memory_plan(unknown, plan(unknown))  # an architecture not readable offline: a warning, not a refusal
 
 
 

@@ -199,7 +199,10 @@ class RLHFModule(pl.LightningModule):
 
         strategy = self.trainer.strategy
         if isinstance(strategy, DeepSpeedStrategy):
-            return zero3_gathered(strategy.model) if strategy.zero_stage_3 else torch.inference_mode()
+            if not strategy.zero_stage_3:
+                return torch.inference_mode()
+            engine = getattr(strategy, "model", None)  # None before setup: nothing partitioned yet
+            return zero3_gathered(engine) if hasattr(engine, "module") else torch.no_grad()
         if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
             return torch.inference_mode()
         return torch.no_grad()
