@@ -1,5 +1,5 @@
 """GPU check for a lent accelerator (one CUDA GPU, under 8 minutes): PPO-max with a ~85M-parameter
-Llama for a few iterations under DeepSpeed ZeRO-2 (bf16) and with LoRA (bf16-mixed, one device).
+Llama for a few iterations under DeepSpeed ZeRO-2 and ZeRO-3 (bf16) and with LoRA (bf16-mixed, one device).
 
     bash bench/gpu_check.sh            # = python bench/gpu_check.py, writes bench/results/gpu_check.md
 
@@ -9,8 +9,8 @@ model, peak GPU memory (``torch.cuda.max_memory_allocated``) against the memory 
 FLOPs per iteration = 2·P·(generated tokens) + 4 scoring forwards 2·P·T + actor and critic
 training 2 × 6·P·T (T = all tokens of the rollout batch; P = policy parameters).
 
-ZeRO-3 is not in the list yet: lit_rlhf does not run under ZeRO-3 (see README "Scaling up").
-Each variant runs in its own process (clean CUDA and DeepSpeed state).
+Each variant runs in its own process (clean CUDA and DeepSpeed state). On one GPU ZeRO-3 shards
+nothing, but it exercises the whole-model build, the once-per-rollout gather and the export gather.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 SHAPE = dict(hidden=768, layers=12, heads=12, inter=2048, batch=32, prompt_len=16, new_tokens=128, iterations=6, warmup=2)
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
-VARIANTS = ["zero2", "lora"]
+VARIANTS = ["zero2", "zero3", "lora"]
 
 
 def build(folder: Path) -> None:
@@ -77,14 +77,15 @@ def run_variant(variant: str, folder: Path) -> dict:
     module = PPOModule(cfg, model=spec, tokenizer=tok)
     data = PromptDataModule(n_train=s["batch"] * 20, n_val=0, batch_size=s["batch"],
                             max_prompt_length=s["prompt_len"]).connect(tok)  # fmt: skip
-    if variant == "zero2":
-        from lightning.pytorch.strategies import DeepSpeedStrategy
+    if variant in ("zero2", "zero3"):
+        from lit_rlhf.utils.strategies import RLHFDeepSpeedStrategy
 
-        strategy: object = DeepSpeedStrategy(config={"zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
-                                                     "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
-                                                     "train_micro_batch_size_per_gpu": s["batch"] // 4})  # fmt: skip
+        stage = int(variant[-1])
+        strategy: object = RLHFDeepSpeedStrategy(config={"zero_optimization": {"stage": stage}, "bf16": {"enabled": True},
+                                                         "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
+                                                         "train_micro_batch_size_per_gpu": s["batch"] // 4})  # fmt: skip
         precision = "bf16-mixed"
-        trainer_strategy = "deepspeed_stage_2"
+        trainer_strategy = f"deepspeed_stage_{stage}"
     else:
         strategy, precision, trainer_strategy = "auto", "bf16-mixed", "auto"
 
@@ -137,8 +138,8 @@ def run_variant(variant: str, folder: Path) -> dict:
 
     job = type("Job", (), {"model": spec, "algo": cfg, "data": data.config, "algo_cls": PPOModule})()
     plan_cfg = OmegaConf.create({"trainer": {"devices": 1, "num_nodes": 1, "precision": precision},
-                                 "strategy": {"_target_": "lightning.pytorch.strategies.DeepSpeedStrategy",
-                                              "config": {"zero_optimization": {"stage": 2}}}
+                                 "strategy": {"_target_": "lit_rlhf.utils.strategies.RLHFDeepSpeedStrategy",
+                                              "config": {"zero_optimization": {"stage": int(trainer_strategy[-1])}}}
                                  if trainer_strategy.startswith("deepspeed") else "auto"})  # fmt: skip
     plan = estimate(plan_cfg, job)
     return {"variant": variant, "gpu": name, "policy_params": p, "step_s": step_s, "rollout_tokens_per_s": rollout_tok_s,
