@@ -163,22 +163,37 @@ def build(cfg: DictConfig) -> tuple[Plan, Any, Any]:
     return p, datamodule, module
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
-    """Run one job; returns the final ``trainer.callback_metrics`` as floats."""
-    import lightning.pytorch as pl
+def build_trainer(cfg: DictConfig, algo_cls: type) -> tuple[Any, list[Any]]:
+    """(trainer, loggers) of a stage job: its callbacks plus the progress bar and ResumeState, its
+    strategy with atomic checkpoint saving (a kill never destroys last.ckpt, file or folder)."""
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ProgressBar
 
     from lit_rlhf.callbacks.progress import RLProgressBar
     from lit_rlhf.callbacks.resume import ResumeState
-    from lit_rlhf.utils.checkpoint_io import AtomicCheckpointIO, atomic_deepspeed_saves, check_checkpoint_path
-    from lit_rlhf.utils.instantiate import (
-        finish_loggers,
-        instantiate_callbacks,
-        instantiate_loggers,
-        instantiate_strategy,
-        loggable_config,
-    )
+    from lit_rlhf.utils.checkpoint_io import AtomicCheckpointIO, atomic_deepspeed_saves
+    from lit_rlhf.utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_strategy
+
+    callbacks = instantiate_callbacks(_resolve_auto_monitor(cfg.get("callbacks"), algo_cls))
+    if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(RLProgressBar())  # RL stages count iterations and optimizer steps, not epochs
+    if not any(isinstance(c, ResumeState) for c in callbacks):
+        callbacks.append(ResumeState())  # exact resume: sampling continues where the killed run was
+    loggers = instantiate_loggers(cfg.get("logger"))
+    strategy = instantiate_strategy(cfg.get("strategy"))
+    if _manages_own_checkpoints(strategy):
+        atomic_deepspeed_saves(strategy)  # DeepSpeed writes folders itself: no CheckpointIO applies
+        plugins = []
+    else:
+        plugins = [AtomicCheckpointIO()]
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, plugins=plugins)
+    return trainer, loggers
+
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    """Run one job; returns the final ``trainer.callback_metrics`` as floats."""
+    from lit_rlhf.utils.checkpoint_io import check_checkpoint_path
+    from lit_rlhf.utils.instantiate import finish_loggers, loggable_config
 
     try:  # per-shard "Loading weights" bars drown the training log
         from transformers.utils import logging as hf_logging
@@ -192,20 +207,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     check_checkpoint_path(cfg.get("ckpt_path"))
     check_memory_plan(cfg, p)  # before any weight is loaded
     p, datamodule, module = build(cfg)
-    callbacks = instantiate_callbacks(_resolve_auto_monitor(cfg.get("callbacks"), p.algo_cls))
-    if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
-        callbacks.append(RLProgressBar())  # RL stages count iterations and optimizer steps, not epochs
-    if not any(isinstance(c, ResumeState) for c in callbacks):
-        callbacks.append(ResumeState())  # exact resume: sampling continues where the killed run was
-    loggers = instantiate_loggers(cfg.get("logger"))
-    strategy = instantiate_strategy(cfg.get("strategy"))
-    if _manages_own_checkpoints(strategy):  # a kill never destroys last.ckpt (a file or a DeepSpeed folder)
-        atomic_deepspeed_saves(strategy)
-        plugins = []
-    else:
-        plugins = [AtomicCheckpointIO()]
-    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy,
-                                      plugins=plugins)  # fmt: skip
+    trainer, loggers = build_trainer(cfg, p.algo_cls)
     try:
         for lg in loggers:
             lg.log_hyperparams(loggable_config(cfg))

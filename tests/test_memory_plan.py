@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from lit_rlhf.memory_plan import KNOWN, Setup, trained_bytes
+from lit_rlhf.memory_plan import Setup, trained_bytes
+from lit_rlhf.models.arch import KNOWN
 from lit_rlhf.models.spec import LoraSpec
 from tests.conftest import ROOT, compose
 
@@ -42,7 +43,7 @@ def test_parameter_counts_match_transformers(name):
 
 
 def test_lora_parameter_count_matches_peft(tiny_spec, tokenizer):
-    from lit_rlhf.memory_plan import arch_of
+    from lit_rlhf.models.arch import arch_of
     from lit_rlhf.models.builders import build_causal_lm
     from lit_rlhf.models.lora import add_lora
 

@@ -146,12 +146,8 @@ def build_causal_lm(spec: ModelSpec, tokenizer: Any | None = None) -> torch.nn.M
         if is_adapter_dir(path):  # a LoRA export: its base (itself maybe an adapter export) + the adapter, merged
             from dataclasses import replace
 
-            base = build_causal_lm(replace(spec, name_or_path=adapter_base_path(path), revision=None,
-                                           gradient_checkpointing=False), tokenizer)  # fmt: skip
-            model = merge_adapter_into(base, path)
-            if spec.gradient_checkpointing:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            return model
+            base = build_causal_lm(replace(spec, name_or_path=adapter_base_path(path), revision=None), tokenizer)
+            return merge_adapter_into(base, path)  # merged in place: the base's switches stay on
         model = _from_pretrained(
             AutoModelForCausalLM.from_pretrained,
             path,
