@@ -105,6 +105,27 @@ def build_tokenizer(spec: ModelSpec) -> Any:
     return prepare_tokenizer(tok, spec.kind)
 
 
+def tiny_llama_config(t: Any, tokenizer: Any) -> Any:
+    """The ``LlamaConfig`` of a tiny model (``model.tiny``): vocabulary and special ids from the tokenizer."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=t.hidden_size,
+        num_hidden_layers=t.num_hidden_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads or t.num_attention_heads,
+        intermediate_size=t.intermediate_size,
+        max_position_embeddings=t.max_position_embeddings,
+        tie_word_embeddings=t.tie_word_embeddings,
+        rope_theta=t.rope_theta,
+        initializer_range=t.initializer_range,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
 def build_causal_lm(spec: ModelSpec, tokenizer: Any | None = None) -> torch.nn.Module:
     """A ``*ForCausalLM`` from the spec: a tiny Llama from config, or weights by name/path.
 
@@ -112,28 +133,13 @@ def build_causal_lm(spec: ModelSpec, tokenizer: Any | None = None) -> torch.nn.M
         spec: what to build.
         tokenizer: required for a tiny model (vocabulary size and special-token ids).
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     dtype = _DTYPES[spec.dtype]
     if spec.tiny is not None:
         if tokenizer is None:
             raise ValueError("a tiny model needs the tokenizer for its vocabulary size")
-        t = spec.tiny
-        config = LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=t.hidden_size,
-            num_hidden_layers=t.num_hidden_layers,
-            num_attention_heads=t.num_attention_heads,
-            num_key_value_heads=t.num_key_value_heads or t.num_attention_heads,
-            intermediate_size=t.intermediate_size,
-            max_position_embeddings=t.max_position_embeddings,
-            tie_word_embeddings=t.tie_word_embeddings,
-            rope_theta=t.rope_theta,
-            initializer_range=t.initializer_range,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        config = tiny_llama_config(spec.tiny, tokenizer)
         kwargs = {"attn_implementation": spec.attn_implementation} if spec.attn_implementation else {}
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if dtype == "auto" else dtype, **kwargs)
     else:
