@@ -7,7 +7,8 @@ engine, engine.step and generate() under the engine:
 
 1. ``setup_environment``: DDP's (skips the CUDA check);
 2. ``setup_distributed``: no device-index validation (CPU devices have no index);
-3. ``deepspeed.initialize(args=Namespace(device_rank=local_rank))``: the CPU device has no index.
+3. ``deepspeed.initialize(args=Namespace(device_rank=local_rank))``: the CPU device has no index;
+4. no shared-memory allreduce op (DeepSpeed would JIT-compile it on every fresh machine): gloo's.
 Never use this for real training: DeepSpeed's CPU path is slow and untuned.
 """
 
@@ -28,6 +29,12 @@ class CPUDeepSpeedStrategy(RLHFDeepSpeedStrategy):
         DDPStrategy.setup_environment(self)
 
     def setup_distributed(self) -> None:
+        import importlib
+
+        ds_torch_comm = importlib.import_module("deepspeed.comm.torch")  # (the package's `torch` attribute is torch)
+        # DeepSpeed's CPU accelerator JIT-compiles a shared-memory allreduce op (~30 s with ninja on a
+        # fresh machine, every CI run); gloo's allreduce is what these tests need
+        ds_torch_comm.build_shm_op = lambda: None
         reset_seed()
         self.set_world_ranks()
         self._init_deepspeed_distributed()
