@@ -119,7 +119,7 @@ def test_deepspeed_zero3_matches_the_unsharded_run_and_samples_from_whole_weight
     """Real ZeRO-3 (every parameter partitioned: no persistence threshold) on 1 and 2 CPU processes:
     the ranks agree, the result is the unsharded run's, and every no-grad actor forward of the
     rollouts (each decoding step) found all the actor's weights already gathered: gathered once
-    per rollout, not fetched layer by layer per step (lit_rlhf/modules/base.py zero3_gathered)."""
+    per rollout, not fetched layer by layer per step (lit_rlhf/utils/strategies.py zero3_gathered)."""
     ranks = ppo_runs("deepspeed3", devices)
     assert (ranks[0]["wrapper"], ranks[0]["zero_stage"]) == ("DeepSpeedEngine", 3)
     assert_ranks_agree_and_trained(ranks, models)

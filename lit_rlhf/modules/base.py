@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 import lightning.pytorch as pl
 import torch
@@ -189,7 +188,7 @@ class RLHFModule(pl.LightningModule):
           no autograd bookkeeping at all, faster decoding than ``no_grad``;
         * DeepSpeed ZeRO-3: ``no_grad`` with the trained models' partitions gathered ONCE for the
           whole context and the engine's per-module fetch/release hooks removed meanwhile
-          (:func:`zero3_gathered`; docs/scaling.md §4), instead of gathering layer by layer at
+          (:func:`lit_rlhf.utils.strategies.zero3_gathered`; docs/scaling.md §4), instead of gathering layer by layer at
           every decoding step; partitioned again on exit;
         * other sharded strategies (FSDP): ``no_grad`` (they gather inside each forward).
         """
@@ -202,7 +201,11 @@ class RLHFModule(pl.LightningModule):
             if not strategy.zero_stage_3:
                 return torch.inference_mode()
             engine = getattr(strategy, "model", None)  # None before setup: nothing partitioned yet
-            return zero3_gathered(engine) if hasattr(engine, "module") else torch.no_grad()
+            if not hasattr(engine, "module"):
+                return torch.no_grad()
+            from lit_rlhf.utils.strategies import zero3_gathered
+
+            return zero3_gathered(engine)
         if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
             return torch.inference_mode()
         return torch.no_grad()
@@ -256,33 +259,6 @@ class RLHFModule(pl.LightningModule):
             if module is model:
                 return f"{name}." if name else ""
         raise ValueError("the exported model is not a submodule of this LightningModule")
-
-
-@contextlib.contextmanager
-def zero3_gathered(engine: Any) -> Iterator[None]:
-    """Sampling from a ZeRO-3 engine's models (docs/scaling.md §4): gather every partition of the
-    engine's module once, remove the engine's per-module hooks (which would release the weights
-    after each submodule's forward and fetch them again at the next decoding step), run without
-    gradients, then register the hooks again and re-partition. Costs the trained models' whole
-    weights on every rank for the duration (the rollout), like DeepSpeed-Chat's hybrid engine.
-    Uses DeepSpeed's ``parameter_offload`` hook lists (deepspeed is pinned; tested on CPU)."""
-    import deepspeed
-
-    module = engine.module
-    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
-    params = list(module.parameters())
-    with torch.no_grad(), deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        if offload is not None:
-            for p in params:
-                p.ds_active_sub_modules.clear()
-            for hook in offload.forward_hooks + offload.backward_hooks:
-                hook.remove()
-            offload.forward_hooks, offload.backward_hooks = [], []
-        try:
-            yield
-        finally:
-            if offload is not None:
-                offload._register_deepspeed_module(offload.module)
 
 
 def check_model_path(path: str, key: str) -> str:

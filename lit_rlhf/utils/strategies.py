@@ -1,4 +1,6 @@
-"""Strategy factories for what YAML cannot spell directly (sets of layer classes for FSDP)."""
+"""Strategies as the stages use them: an FSDP factory (layer classes YAML cannot spell), and the
+DeepSpeed strategy with what ZeRO-3 needs (whole-model build, gathered exports and rollouts;
+docs/scaling.md §4). Everything here that touches DeepSpeed's internals is in this module."""
 
 from __future__ import annotations
 
@@ -53,3 +55,31 @@ class RLHFDeepSpeedStrategy(DeepSpeedStrategy):
             if not self.is_global_zero:
                 return {}
             return {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}
+
+
+@contextlib.contextmanager
+def zero3_gathered(engine: Any) -> Iterator[None]:
+    """Sampling from a ZeRO-3 engine's models (docs/scaling.md §4): gather every partition of the
+    engine's module once, remove the engine's per-module hooks (which would release the weights
+    after each submodule's forward and fetch them again at the next decoding step), run without
+    gradients, then register the hooks again and re-partition. Costs the trained models' whole
+    weights on every rank for the duration (the rollout), like DeepSpeed-Chat's hybrid engine.
+    Uses DeepSpeed's ``parameter_offload`` hook lists (deepspeed is pinned; tested on CPU)."""
+    import deepspeed
+    import torch
+
+    module = engine.module
+    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+    params = list(module.parameters())
+    with torch.no_grad(), deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        if offload is not None:
+            for p in params:
+                p.ds_active_sub_modules.clear()
+            for hook in offload.forward_hooks + offload.backward_hooks:
+                hook.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            if offload is not None:
+                offload._register_deepspeed_module(offload.module)
