@@ -248,6 +248,10 @@ class DPOConfig(OptimConfig):
     ref_cache: str | None = None
     """File of the precomputed reference log-probs; None = <run dir>/ref_logprobs.pt. Reused when
     its fingerprint (reference, tokenized pairs) matches."""
+    padding_free: bool = True
+    """Score the pairs without padding: their real tokens packed end to end, positions restarting
+    per sequence (docs/architecture.md, "Padding-free forwards"). Each model is checked against the
+    padded forward on its first batch and keeps the padded one if they disagree."""
     lr: float = field(default=1e-6, metadata={"gt": 0.0})
     """Peak learning rate."""
     scheduler: Literal["constant", "linear", "cosine"] = "constant"

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from lit_rlhf.core.logprobs import sequence_logprobs
 from lit_rlhf.core.losses import dpo_loss
 from lit_rlhf.modules.base import RLHFModule, policy_spec
 from lit_rlhf.modules.configs import DPOConfig
@@ -86,6 +85,9 @@ class DPOModule(RLHFModule):
         self.ref_table: dict[str, Tensor] = {}  # split -> (N, 2) precomputed reference log-probs
         self.train_metrics, self.val_metrics, self.test_metrics = DPOMetrics(), DPOMetrics(), DPOMetrics()
         self._drift_seen = 0  # drift prompts sampled in the current validation (per process)
+        from lit_rlhf.models.packed import PaddingFree
+
+        self.packing = PaddingFree(self.config.padding_free)
 
     # ------------------------------------------------------------ runner hooks
     @classmethod
@@ -135,9 +137,8 @@ class DPOModule(RLHFModule):
     # --------------------------------------------------------------- log-probs
     def sequence_logps(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
         """(B,) chosen and (B,) rejected log-probs of the response tokens, in ONE forward of the
-        2B stacked sequences (right-padded: default positions are exact)."""
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        logps = sequence_logprobs(logits, batch["input_ids"], batch["response_mask"])
+        2B stacked sequences: packed without padding (``padding_free``), or right-padded."""
+        logps = self.packing.sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["response_mask"])
         b = logps.shape[0] // 2
         return logps[:b], logps[b:]
 

@@ -34,8 +34,8 @@ def fit(module, dm, max_steps, tmp_path, ckpt_path=None, **kw):
 
 
 def test_concatenated_forward_equals_separate_forwards(saved_models, tokenizer):
-    """ONE forward of the 2B stacked rows gives each response's log-prob exactly as its own forward
-    (padded alone) does; and each is the naive sum over response tokens."""
+    """ONE forward of the 2B stacked rows (packed without padding) gives each response's log-prob
+    as its own forward does; and each is the naive sum over response tokens."""
     from lit_rlhf.data.collate import collate_sft
 
     m = make(saved_models, tokenizer)
@@ -44,6 +44,7 @@ def test_concatenated_forward_equals_separate_forwards(saved_models, tokenizer):
     dm.setup("fit")
     batch = next(iter(dm.ordered_dataloader("train")))
     chosen, rejected = m.sequence_logps(m.policy, batch)
+    assert m.packing.uses_packing(m.policy) is True  # the padding-free forward (algo.padding_free)
     for i, pair in enumerate(dm.splits["train"][:8]):
         for enc, got in ((pair.chosen, chosen[i]), (pair.rejected, rejected[i])):
             alone = collate_sft([enc], tokenizer.pad_token_id)
