@@ -1,110 +1,133 @@
-"""Padding-free sequence log-probs of a causal LM (docs/architecture.md, "Padding-free forwards").
+"""Padding-free forwards of a causal LM (docs/architecture.md, "Padding-free forwards").
 
-:class:`PaddingFree` scores a right- or left-padded batch through the packed layout of
-:mod:`lit_rlhf.core.packing`: the linear layers see only real tokens, which is most of a
-preference batch's cost saved when its lengths differ. Packed sequences are kept apart by
-position ids that restart at 0 with no 2-D attention mask, which transformers' attention
-implementations (eager, sdpa, flex: a block-diagonal mask; flash-attention: varlen from the
-positions, one row) turn into per-sequence attention.
+:func:`packed_logits` runs a padded batch through the packed layout of
+:mod:`lit_rlhf.core.packing`: the decoder sees only real tokens, and the LM head runs only at
+the positions asked for (response tokens; prompt positions are most of a long-prompt batch's
+LM-head cost and nothing reads them). Packed sequences are kept apart by position ids that
+restart at 0 with no 2-D attention mask, which transformers' attention implementations (eager,
+sdpa, flex: a block-diagonal mask; flash-attention: varlen from the positions, one row) turn
+into per-sequence attention.
 
-A model whose attention does not do that would let packed sequences see each other, silently.
-So the first batch each model scores is checked: packed and padded per-token log-probs must
-agree (|Δ| ≤ 1e-3 in fp32, 5e-2 in half precision); a model that fails keeps the padded forward
-for the run, with a warning.
+A model whose attention ignored the restarting positions, or whose logits are more than
+``lm_head(decoder(x))`` (soft-capping, scaling), would score wrongly and silently. So
+:func:`packing_ok` checks each model on the first batch it scores: packed and padded
+log-softmaxes must agree (|Δ| ≤ 1e-3 in fp32, 5e-2 in half precision); a model that fails, or
+has no ``get_decoder``/``get_output_embeddings``, keeps the padded forward for the run, with a
+warning.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lit_rlhf.core.logprobs import logprobs_from_logits, sequence_logprobs
+from lit_rlhf.core.masked import position_ids_from_mask
 from lit_rlhf.core.packing import pack
 
 log = logging.getLogger(__name__)
 # attention implementations that read packed sequences from one row's restarting positions
 ONE_ROW_ATTENTION = ("flash_attention_2", "flash_attention_3")
+_VERDICTS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
 
 def _attn_implementation(model: Any) -> str:
     return str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
 
 
-def scored_positions(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
+def _parts(model: Any) -> tuple[Any, Any] | None:
+    """(decoder, LM head) of a transformers causal LM, or None."""
+    try:
+        decoder, head = model.get_decoder(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    return (decoder, head) if decoder is not None and head is not None and decoder is not model else None
+
+
+def packed_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
+    """(N, V) logits at flat (B·T) indices ``positions`` (real tokens) of ``input_ids`` (B, T),
+    from ONE decoder forward over the packed rows and the LM head at those N positions only.
+
+    Naive equivalent: ``model(input_ids, attention_mask, position_ids=…).logits.flatten(0, 1)[positions]``.
+    """
+    decoder, head = _parts(model)
+    packed = pack(input_ids, attention_mask, one_row=_attn_implementation(model) in ONE_ROW_ATTENTION)
+    out = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return head(hidden.reshape(-1, hidden.shape[-1])[packed.packed_index(positions)])
+
+
+def padded_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
+    """The same (N, V) logits from the usual padded forward."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits  # fmt: skip
+    return logits.reshape(-1, logits.shape[-1])[positions]
+
+
+def packing_ok(model: Any, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> bool:
+    """Whether ``model`` scores packed batches as it scores padded ones: decided on the first
+    batch it sees (no grad, eval mode: no dropout, nothing drawn from the RNG), then remembered."""
+    verdict = _VERDICTS.get(model)
+    if verdict is None:
+        verdict = _VERDICTS[model] = _check(model, input_ids, attention_mask, positions)
+    return verdict
+
+
+def packing_verdict(model: Any) -> bool | None:
+    """What :func:`packing_ok` decided for ``model`` (None: not checked yet)."""
+    return _VERDICTS.get(model)
+
+
+@torch.no_grad()
+def _check(model: Any, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> bool:
+    name = f"{type(model).__name__} (attention {_attn_implementation(model) or '?'})"
+    if _parts(model) is None:
+        log.info("padding-free forward: %s has no get_decoder/get_output_embeddings; using padded forwards", name)
+        return False
+    training = model.training
+    model.eval()
+    try:
+        packed = packed_logits(model, input_ids, attention_mask, positions).float().log_softmax(-1)
+        padded = padded_logits(model, input_ids, attention_mask, positions).float().log_softmax(-1)
+    finally:
+        model.train(training)
+    dtype = next((p.dtype for p in model.parameters()), torch.float32)
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    gap = float((packed - padded).abs().max()) if positions.numel() else 0.0
+    if gap <= tol:
+        log.info("padding-free forward of %s matches the padded forward (max |Δ log p| %.1e)", name, gap)
+        return True
+    log.warning("padding-free forward of %s differs from the padded one by %.3g in a log-prob (its attention does "
+                "not keep packed sequences apart, or its logits are more than lm_head(decoder(x))); using padded "
+                "forwards", name, gap)  # fmt: skip
+    return False
+
+
+def scored_positions(attention_mask: Tensor, response_mask: Tensor) -> Tensor:
     """Flat (B·T) indices of the tokens a sequence log-prob sums: response tokens that have a
-    real token before them in their row."""
+    real token before them in their row (the logits there score them)."""
     keep = response_mask.bool() & attention_mask.bool()
     keep[:, 0] = False
     keep[:, 1:] &= attention_mask[:, :-1].bool()
     return keep.reshape(-1).nonzero().squeeze(1)
 
 
-def packed_token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, flat: Tensor, pad_id: int) -> Tensor:
-    """(N,) log p(token | its prefix) of the tokens at flat padded indices ``flat``, from ONE
-    forward over the packed rows."""
-    packed = pack(input_ids, attention_mask, pad_id, one_row=_attn_implementation(model) in ONE_ROW_ATTENTION)
-    logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
-    predicting = packed.packed_index(flat - 1)  # the logits at the previous position score the token
-    picked = logits.reshape(-1, logits.shape[-1])[predicting]
-    return logprobs_from_logits(picked[None], input_ids.reshape(-1)[flat][None])[0]
+def sequence_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
+                      padding_free: bool = True) -> Tensor:  # fmt: skip
+    """(B,) log p(response | prompt) = Σ over response tokens of log p(token | its prefix), from
+    one packed forward (``padding_free`` and :func:`packing_ok`) or one padded forward."""
+    from lit_rlhf.core.logprobs import logprobs_from_logits
+    from lit_rlhf.core.logprobs import sequence_logprobs as padded_sequence_logprobs
 
-
-def padded_token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, flat: Tensor) -> Tensor:
-    """The same (N,) values from the usual padded forward."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    predicting = flat - 1
-    picked = logits.reshape(-1, logits.shape[-1])[predicting]
-    return logprobs_from_logits(picked[None], input_ids.reshape(-1)[flat][None])[0]
-
-
-class PaddingFree:
-    """Sequence log-probs Σ_{t ∈ response} log π(y_t | y_<t), packed when ``enabled`` and the
-    model passed its check, else padded (:func:`~lit_rlhf.core.logprobs.sequence_logprobs`)."""
-
-    def __init__(self, enabled: bool = True, pad_id: int = 0):
-        self.enabled = enabled
-        self.pad_id = pad_id
-        self.verdicts: dict[int, bool] = {}  # id(model) -> packed forward agrees with padded
-
-    def uses_packing(self, model: Any) -> bool | None:
-        """True/False once ``model`` was checked; None before (or when packing is off: False)."""
-        return self.verdicts.get(id(model)) if self.enabled else False
-
-    def sequence_logprobs(self, model: Any, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
-        """(B,) log p(response | prompt) of each row."""
-        if not self.enabled or self.verdicts.get(id(model)) is False:
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-            return sequence_logprobs(logits, input_ids, response_mask)
-        flat = scored_positions(input_ids, attention_mask, response_mask)
-        if id(model) not in self.verdicts:
-            self.verdicts[id(model)] = self._check(model, input_ids, attention_mask, flat)
-            if not self.verdicts[id(model)]:
-                return self.sequence_logprobs(model, input_ids, attention_mask, response_mask)
-        token_lp = packed_token_logprobs(model, input_ids, attention_mask, flat, self.pad_id)
-        rows = flat // input_ids.shape[1]
-        return torch.zeros(input_ids.shape[0], dtype=token_lp.dtype, device=token_lp.device).index_add(0, rows, token_lp)
-
-    @torch.no_grad()
-    def _check(self, model: Any, input_ids: Tensor, attention_mask: Tensor, flat: Tensor) -> bool:
-        training = model.training
-        model.eval()  # no dropout: the two forwards must be comparable, and draw nothing from the RNG
-        try:
-            packed = packed_token_logprobs(model, input_ids, attention_mask, flat, self.pad_id)
-            padded = padded_token_logprobs(model, input_ids, attention_mask, flat)
-        finally:
-            model.train(training)
-        dtype = next((p.dtype for p in model.parameters()), torch.float32)
-        tol = 1e-3 if dtype == torch.float32 else 5e-2
-        gap = float((packed - padded).abs().max()) if flat.numel() else 0.0
-        ok = gap <= tol
-        if ok:
-            log.info("padding-free forward of %s (attention %s): matches the padded forward (max |Δ log p| %.1e)",
-                     type(model).__name__, _attn_implementation(model) or "?", gap)  # fmt: skip
-        else:
-            log.warning("padding-free forward of %s (attention %s) differs from the padded one by %.3g in a token "
-                        "log-prob (its attention does not keep packed sequences apart); using padded forwards",
-                        type(model).__name__, _attn_implementation(model) or "?", gap)  # fmt: skip
-        return ok
+    flat = scored_positions(attention_mask, response_mask)
+    if not (padding_free and packing_ok(model, input_ids, attention_mask, flat - 1)):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits  # fmt: skip
+        return padded_sequence_logprobs(logits, input_ids, response_mask)
+    logits = packed_logits(model, input_ids, attention_mask, flat - 1)
+    token_lp = logprobs_from_logits(logits[None], input_ids.reshape(-1)[flat][None])[0]
+    rows = flat // input_ids.shape[1]
+    return torch.zeros(input_ids.shape[0], dtype=token_lp.dtype, device=token_lp.device).index_add(0, rows, token_lp)

@@ -103,7 +103,23 @@ class RLHFModule(pl.LightningModule):
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             return DeepSpeedCPUAdam(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
-        return torch.optim.AdamW(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+        groups = list(params)
+        return torch.optim.AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
+                                 fused=self._fused_adamw_ok(groups) or None)  # fmt: skip
+
+    def _fused_adamw_ok(self, groups: list[Any]) -> bool:
+        """torch's fused AdamW kernel (one call for all parameters instead of a Python loop over
+        them; what transformers' Trainer uses): for plain floating parameters on CPU/CUDA outside
+        DeepSpeed and FSDP, which hold and step their parameters their own way."""
+        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if strategy is not None and (isinstance(strategy, DeepSpeedStrategy)
+                                     or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))):  # fmt: skip
+            return False
+        params = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+        return bool(params) and all(type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda")
+                                    and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params)  # fmt: skip
 
     def configure_optimizers(self) -> Any:
         """AdamW over :meth:`exportable_model`'s trainable parameters (no decay on norms/biases)

@@ -117,6 +117,10 @@ class RLConfig(OptimConfig):
     """Sampling settings of the rollouts (validation samples with them too)."""
     logprobs_at_sampling_temperature: bool = False
     """False: log-probs at temperature 1 (docs/algorithms.md §2.1); True: logits / sampling temperature."""
+    padding_free: bool = True
+    """Score rollouts (policy, reference) on the packed real tokens, without padding
+    (docs/architecture.md, "Padding-free forwards"); each model is checked against the padded
+    forward once and keeps it if they disagree."""
     max_grad_norm: float | None = field(default=1.0, metadata={"gt": 0.0})
     """Global grad-norm clip over everything trained (DeepSpeed strategies clip in their config)."""
     max_bad_iterations: int = field(default=3, metadata={"ge": 1})

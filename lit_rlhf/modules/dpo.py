@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from lit_rlhf.core.losses import dpo_loss
+from lit_rlhf.models.packed import sequence_logprobs
 from lit_rlhf.modules.base import RLHFModule, policy_spec
 from lit_rlhf.modules.configs import DPOConfig
 from lit_rlhf.utils.config import ConfigError
@@ -85,9 +86,6 @@ class DPOModule(RLHFModule):
         self.ref_table: dict[str, Tensor] = {}  # split -> (N, 2) precomputed reference log-probs
         self.train_metrics, self.val_metrics, self.test_metrics = DPOMetrics(), DPOMetrics(), DPOMetrics()
         self._drift_seen = 0  # drift prompts sampled in the current validation (per process)
-        from lit_rlhf.models.packed import PaddingFree
-
-        self.packing = PaddingFree(self.config.padding_free)
 
     # ------------------------------------------------------------ runner hooks
     @classmethod
@@ -138,7 +136,8 @@ class DPOModule(RLHFModule):
     def sequence_logps(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
         """(B,) chosen and (B,) rejected log-probs of the response tokens, in ONE forward of the
         2B stacked sequences: packed without padding (``padding_free``), or right-padded."""
-        logps = self.packing.sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["response_mask"])
+        logps = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["response_mask"],
+                                  self.config.padding_free)  # fmt: skip
         b = logps.shape[0] // 2
         return logps[:b], logps[b:]
 
@@ -255,5 +254,6 @@ class DPOModule(RLHFModule):
         self._drift_seen += len(prompts["prompts"])
         with self.sampling_mode(self.policy):
             rollout = generate_and_score(self.policy, prompts, self.tokenizer, self.config.generation,
-                                         reference=self.frozen.get("reference"))  # fmt: skip
+                                         reference=self.frozen.get("reference"),
+                                         padding_free=self.config.padding_free)  # fmt: skip
         return {"rollout": rollout.normal_tensors()}

@@ -92,6 +92,7 @@ class GRPOModule(RLModule):
             rollout = generate_and_score(
                 self.actor, group, self.tokenizer, self.config.generation, reference=self.frozen.get("reference"),
                 scorer=self.scorer, policy_logprobs=policy_logprobs, logprob_temperature=self.logprob_temperature(),
+                padding_free=self.config.padding_free,
             )  # fmt: skip
         return rollout.normal_tensors()
 
@@ -173,7 +174,8 @@ class GRPOModule(RLModule):
 
     def policy_forward(self, mb: Rollout) -> PolicyForward:
         logprobs, entropy = response_logprobs(self.actor, mb.input_ids, mb.attention_mask, mb.prompt_ids.shape[1],
-                                              self.logprob_temperature(), with_entropy=True, entropy_grad=False)  # fmt: skip
+                                              self.logprob_temperature(), with_entropy=True, entropy_grad=False,
+                                              padding_free=self.config.padding_free)  # fmt: skip
         return PolicyForward(logprobs, entropy, logprobs.new_zeros(()))  # no critic
 
     def minibatch_loss(self, mb: Rollout, fwd: PolicyForward) -> tuple[Tensor, dict[str, Tensor]]:

@@ -146,7 +146,7 @@ class PPOModule(RLModule):
             rollout = generate_and_score(
                 self.actor, batch, self.tokenizer, self.config.generation, reference=self.frozen["reference"],
                 critic=None if fused else self.critic, scorer=self.scorer, policy_logprobs=not fused,
-                logprob_temperature=self.logprob_temperature(),
+                logprob_temperature=self.logprob_temperature(), padding_free=self.config.padding_free,
             )  # fmt: skip
         rollout = rollout.normal_tensors()
         if fused:
@@ -205,7 +205,8 @@ class PPOModule(RLModule):
         ids, mask, width = mb.input_ids, mb.attention_mask, mb.prompt_ids.shape[1]
         # the entropy needs a graph only when it is in the loss; otherwise it is a statistic
         logprobs, entropy = response_logprobs(self.actor, ids, mask, width, self.logprob_temperature(),
-                                              with_entropy=True, entropy_grad=bool(c.entropy_coef))  # fmt: skip
+                                              with_entropy=True, entropy_grad=bool(c.entropy_coef),
+                                              padding_free=c.padding_free)  # fmt: skip
         return PolicyForward(logprobs, entropy, response_values(self.critic, ids, mask, width))
 
     def ptx_term(self, ptx: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:

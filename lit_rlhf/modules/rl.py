@@ -201,6 +201,7 @@ class RLModule(RLHFModule):
             rollout = generate_and_score(
                 self.actor, batch, self.tokenizer, self.config.generation, reference=self.frozen.get("reference"),
                 scorer=self.scorer, logprob_temperature=self.logprob_temperature(),
+                padding_free=self.config.padding_free,
             )  # fmt: skip
         return rollout.normal_tensors()
 

@@ -50,6 +50,7 @@ def generate_and_score(
     scorer: Scorer | None = None,
     policy_logprobs: bool = True,
     logprob_temperature: float = 1.0,
+    padding_free: bool = False,
 ) -> Rollout:
     """Sample one response per prompt and score it with each model given.
 
@@ -62,6 +63,7 @@ def generate_and_score(
             (a :class:`~lit_rlhf.rollout.score.ModelScorer` or ``CallableScorer``); None = not computed.
         policy_logprobs: False leaves ``logprobs`` to the caller (PPO's fused first forward).
         logprob_temperature: divide logits by this before the log-softmax (1.0 = the model's own).
+        padding_free: score with packed forwards (docs/architecture.md "Padding-free forwards").
     Returns:
         the :class:`Rollout`; fields of models not given are None, ``rewards``/``advantages``/``returns`` too.
     """
@@ -74,7 +76,8 @@ def generate_and_score(
     width = prompt_ids.shape[1]
 
     def logprobs_of(model: Any) -> Tensor:
-        return _eval_forward(model, lambda: response_logprobs(model, ids, mask, width, logprob_temperature)[0])
+        return _eval_forward(model, lambda: response_logprobs(model, ids, mask, width, logprob_temperature,
+                                                                   padding_free=padding_free)[0])  # fmt: skip
 
     texts = decode_responses(tokenizer, response_ids, response_mask, ended)
     prompts = list(batch["prompts"])

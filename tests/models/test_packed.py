@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lit_rlhf.core.logprobs import sequence_logprobs
-from lit_rlhf.models.packed import PaddingFree
+from lit_rlhf.core.logprobs import sequence_logprobs as padded_sequence_logprobs
+from lit_rlhf.models.packed import packed_logits, packing_verdict, sequence_logprobs
 
 
 def tiny_llama(attn: str) -> LlamaForCausalLM:
@@ -46,46 +46,68 @@ def alone(model, ids, mask, rmask):
 def test_packed_equals_each_sequence_alone_and_gradients_match(attn):
     model = tiny_llama(attn)
     ids, mask, rmask = batch()
-    pf = PaddingFree(enabled=True)
-    got = pf.sequence_logprobs(model, ids, mask, rmask)
-    assert pf.uses_packing(model) is True
+    got = sequence_logprobs(model, ids, mask, rmask)
+    assert packing_verdict(model) is True
     want = alone(model, ids, mask, rmask)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     grads = torch.autograd.grad(got.sum(), list(model.parameters()), allow_unused=True)
     model.zero_grad()
-    padded = sequence_logprobs(model(input_ids=ids, attention_mask=mask).logits, ids, rmask)
+    padded = padded_sequence_logprobs(model(input_ids=ids, attention_mask=mask).logits, ids, rmask)
     ref = torch.autograd.grad(padded.sum(), list(model.parameters()), allow_unused=True)
     for a, b in zip(grads, ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 class IgnoresPositions(torch.nn.Module):
-    """A causal LM that numbers positions itself (0..C-1 per row): packed sequences see each other."""
+    """A decoder that numbers positions itself (0..C-1 per row): packed sequences see each other."""
 
-    def __init__(self, model):
+    def __init__(self, decoder):
         super().__init__()
-        self.model, self.config = model, model.config
+        self.decoder = decoder
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache)
+    def forward(self, input_ids, position_ids=None, **kw):
+        return self.decoder(input_ids=input_ids, **kw)
 
 
 def test_a_model_that_mixes_packed_sequences_is_caught_and_scored_padded(caplog):
-    model = IgnoresPositions(tiny_llama("sdpa")).train()
+    model = tiny_llama("sdpa").train()
+    broken = IgnoresPositions(model.model)
+    model.get_decoder = lambda: broken
     ids, mask, rmask = batch()
-    pf = PaddingFree(enabled=True)
     with caplog.at_level(logging.WARNING, logger="lit_rlhf.models.packed"):
-        got = pf.sequence_logprobs(model, ids, mask, rmask)
-    assert pf.uses_packing(model) is False
+        got = sequence_logprobs(model, ids, mask, rmask)
+    assert packing_verdict(model) is False
     assert "using padded forwards" in caplog.text
     assert model.training  # the check ran in eval mode and put the mode back
-    torch.testing.assert_close(got, alone(model.model, ids, mask, rmask), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, alone(model, ids, mask, rmask), atol=1e-5, rtol=0)
+
+
+def test_logits_beyond_the_lm_head_are_caught():
+    """Scaled logits (Cohere's logit_scale) are not lm_head(decoder(x)): packing must not be used."""
+    model = tiny_llama("sdpa")
+    forward = model.forward
+    model.forward = lambda *a, **k: type(forward(*a, **k))(logits=4.0 * forward(*a, **k).logits)
+    ids, mask, rmask = batch()
+    sequence_logprobs(model, ids, mask, rmask)
+    assert packing_verdict(model) is False
 
 
 def test_disabled_never_packs():
     model = tiny_llama("sdpa")
     ids, mask, rmask = batch()
-    pf = PaddingFree(enabled=False)
-    got = pf.sequence_logprobs(model, ids, mask, rmask)
-    assert pf.uses_packing(model) is False and not pf.verdicts
+    got = sequence_logprobs(model, ids, mask, rmask, padding_free=False)
+    assert packing_verdict(model) is None
     torch.testing.assert_close(got, alone(model, ids, mask, rmask), atol=1e-5, rtol=0)
+
+
+def test_the_lm_head_runs_only_at_the_positions_asked_for():
+    model = tiny_llama("sdpa")
+    rows = []
+    model.lm_head.register_forward_hook(lambda mod, inp, out: rows.append(inp[0].reshape(-1, 32).shape[0]))
+    ids, mask, rmask = batch()
+    positions = torch.tensor([0, 1, 15, 30])
+    with torch.no_grad():
+        got = packed_logits(model, ids, mask, positions)
+        want = model(input_ids=ids, attention_mask=mask).logits.reshape(-1, 50)[positions]
+    assert rows == [4, ids.numel()]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

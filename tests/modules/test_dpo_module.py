@@ -8,6 +8,7 @@ import torch
 
 from lit_rlhf.callbacks import KLMonitor, PerplexityMonitor, ResponseLengthMonitor
 from lit_rlhf.data.preference import PreferenceDataModule
+from lit_rlhf.models.packed import packing_verdict
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.modules.configs import DPOConfig
 from lit_rlhf.modules.dpo import DPOModule
@@ -44,7 +45,7 @@ def test_concatenated_forward_equals_separate_forwards(saved_models, tokenizer):
     dm.setup("fit")
     batch = next(iter(dm.ordered_dataloader("train")))
     chosen, rejected = m.sequence_logps(m.policy, batch)
-    assert m.packing.uses_packing(m.policy) is True  # the padding-free forward (algo.padding_free)
+    assert packing_verdict(m.policy) is True  # the padding-free forward (algo.padding_free)
     for i, pair in enumerate(dm.splits["train"][:8]):
         for enc, got in ((pair.chosen, chosen[i]), (pair.rejected, rejected[i])):
             alone = collate_sft([enc], tokenizer.pad_token_id)

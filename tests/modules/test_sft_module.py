@@ -110,6 +110,39 @@ def test_lr_schedule_warmup_and_cosine(tiny_spec, tokenizer):
     assert [lin.lr_factor(s, 4) for s in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
 
 
+def test_fused_adamw_steps_like_the_per_parameter_loop_and_stays_off_under_deepspeed(tiny_spec, tokenizer):
+    """The fused AdamW kernel (single device / DDP) updates exactly as torch's per-parameter
+    loop with the same settings; DeepSpeed keeps the unfused optimizer (it steps its own flat
+    partitions)."""
+    from unittest import mock
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    m = make_module(tiny_spec, tokenizer, lr=1e-2, weight_decay=0.1)
+    decay = [p for p in m.parameters() if p.ndim >= 2]
+    no_decay = [p for p in m.parameters() if p.ndim < 2]
+    opt = m.build_optimizer([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}])
+    assert opt.defaults["fused"] is True
+    params = decay + no_decay
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    loop = torch.optim.AdamW([{"params": twins[: len(opt.param_groups[0]["params"])], "weight_decay": 0.1},
+                              {"params": twins[len(opt.param_groups[0]["params"]):], "weight_decay": 0.0}],
+                             lr=1e-2, betas=opt.defaults["betas"], eps=opt.defaults["eps"], foreach=False)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for p, q in zip(params, twins):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        opt.step()
+        loop.step()
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(p, q, atol=1e-7, rtol=1e-6)
+    trainer = mock.Mock()
+    trainer.strategy = mock.Mock(spec=DeepSpeedStrategy)
+    m._trainer = trainer
+    assert not m.build_optimizer(opt.param_groups).defaults["fused"]
+
+
 def test_hparams_are_small_and_reload(tiny_spec, tokenizer):
     m = SFTModule(model=tiny_spec, tokenizer=tokenizer, lr=0.5)
     assert set(m.hparams) == {"config", "model"}

@@ -59,13 +59,18 @@ def test_sampling_settings_reach_generate(policy, tokenizer):
     assert top1.tolist() == greedy.tolist()
 
 
-def test_response_logprobs_match_naive_and_ignore_padding(policy):
-    prompts, responses = [[2, 10, 11], [2, 12]], [[20, 21, 3], [22, 3]]
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_response_logprobs_match_naive_and_ignore_padding(policy, padding_free):
+    from lit_rlhf.models.packed import packing_verdict
+
+    prompts, responses = [[2, 10, 11], [2, 12], [2, 13, 14, 15]], [[20, 21, 3], [22, 3], [23]]
     p_ids, p_mask = pad(prompts, 0, "left")
     r_ids, r_mask = pad(responses, 0, "right")
     ids, mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
     with torch.no_grad():
-        lp, ent = response_logprobs(policy, ids, mask, p_ids.shape[1], with_entropy=True)
+        lp, ent = response_logprobs(policy, ids, mask, p_ids.shape[1], with_entropy=True, padding_free=padding_free)
+        if padding_free:
+            assert packing_verdict(policy) is True
         for i, (p, r) in enumerate(zip(prompts, responses)):
             full = torch.tensor([p + r])
             logp = policy(input_ids=full).logits[0].log_softmax(-1)
@@ -73,6 +78,21 @@ def test_response_logprobs_match_naive_and_ignore_padding(policy):
                 assert lp[i, t].item() == pytest.approx(logp[len(p) + t - 1, tok].item(), abs=1e-5)
                 probs = logp[len(p) + t - 1].exp()
                 assert ent[i, t].item() == pytest.approx(-(probs * logp[len(p) + t - 1]).sum().item(), abs=1e-4)
+
+
+def test_packed_response_logprobs_have_the_padded_gradients(policy):
+    """The update's forward (with grad) packed: same gradients of a masked loss as padded."""
+    prompts, responses = [[2, 10, 11], [2, 12], [2, 13, 14, 15]], [[20, 21, 3], [22, 3], [23]]
+    p_ids, p_mask = pad(prompts, 0, "left")
+    r_ids, r_mask = pad(responses, 0, "right")
+    ids, mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
+    grads = []
+    for padding_free in (False, True):
+        lp, _ = response_logprobs(policy, ids, mask, p_ids.shape[1], padding_free=padding_free)
+        loss = (lp * r_mask * torch.tensor([[1.0], [-2.0], [0.5]])).sum()
+        grads.append(torch.autograd.grad(loss, [p for p in policy.parameters() if p.requires_grad]))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_greedy_matches_transformers_generate(policy, tokenizer):
@@ -170,6 +190,46 @@ def test_preallocated_cache_refuses_overflow_and_keeps_sliding_layers():
     assert torch.equal(keys, torch.cat([k, k[:, :, :2]], 2))
     with pytest.raises(RuntimeError, match="capacity 5 exceeded"):
         layer.update(k[:, :, :1], k[:, :, :1])
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_prebuilt_decode_masks_sample_exactly_as_transformers_masks(attn, tokenizer, monkeypatch):
+    """The decoding forwards' 4-D masks built once give the same tokens (same seed, left-padded
+    prompts, sampling) as transformers' masks rebuilt from the 2-D mask at every step."""
+    import lit_rlhf.rollout.generate as generate
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=64, attn_implementation=attn)  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    ids, mask = pad([[2, 10, 11, 12, 13], [2, 20], [2, 30, 31]], tokenizer.pad_token_id, "left")
+    gen = GenerationConfig(max_new_tokens=16, temperature=1.5)
+    table = generate._decode_mask_table(model, mask, 16)
+    assert table.shape == (3, 1, 1, 5 + 16)
+    if attn == "sdpa":
+        assert table.dtype == torch.bool and table[1, 0, 0].tolist() == [False] * 3 + [True] * 18
+    else:
+        assert table.dtype == torch.float32 and table[1, 0, 0, 0] == torch.finfo(torch.float32).min
+        assert bool((table[1, 0, 0, 3:] == 0).all())
+    torch.manual_seed(5)
+    prebuilt = sample(model, ids, mask, gen, eos_id=-1, pad_id=0)[0]
+    monkeypatch.setattr(generate, "_decode_mask_table", lambda *a: None)
+    torch.manual_seed(5)
+    rebuilt = sample(model, ids, mask, gen, eos_id=-1, pad_id=0)[0]
+    assert prebuilt.tolist() == rebuilt.tolist()
+
+
+def test_decode_masks_left_to_transformers_for_sliding_window_models():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from lit_rlhf.rollout.generate import _decode_mask_table
+
+    cfg = MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, sliding_window=4)  # fmt: skip
+    assert _decode_mask_table(MistralForCausalLM(cfg), torch.ones(1, 3), 5) is None
+    cfg.sliding_window = None
+    assert _decode_mask_table(MistralForCausalLM(cfg), torch.ones(1, 3), 5) is not None
 
 
 def test_response_logits_same_with_and_without_logits_to_keep(policy):
