@@ -38,9 +38,9 @@ def run_helper(script: str, out, *args: str) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-def run(strategy: str, devices: int, models, out, max_steps: int = 4):
+def run(strategy: str, devices: int, models, out, max_steps: int = 4, *extra: str):
     run_helper("ppo_multiproc.py", out, "--strategy", strategy, "--devices", str(devices), "--models", str(models),
-               "--max-steps", str(max_steps))  # fmt: skip
+               "--max-steps", str(max_steps), *extra)  # fmt: skip
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
 
@@ -80,7 +80,11 @@ def ppo_runs(models, tmp_path_factory):
 
     def get(strategy: str, devices: int):
         if (strategy, devices) not in cache:
-            cache[strategy, devices] = run(strategy, devices, models, tmp_path_factory.mktemp(f"{strategy}{devices}"))
+            out = tmp_path_factory.mktemp(f"{strategy}{devices}")
+            extra = ("--ckpt-dir", str(out / "ckpt")) if strategy == "ddp" else ()  # for the resume test
+            cache[strategy, devices] = run(strategy, devices, models, out, 4, *extra)
+            for r in cache[strategy, devices]:
+                r["ckpt_dir"] = out / "ckpt"
         return cache[strategy, devices]
 
     return get
@@ -101,6 +105,24 @@ def test_ddp_two_processes_identical(ppo_runs, models):
     ranks = ppo_runs("ddp", 2)
     assert ranks[0]["wrapper"] == "DistributedDataParallel"
     assert_ranks_agree_and_trained(ranks, models)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_ddp_two_processes_resume_exactly(ppo_runs, models, tmp_path):
+    """Killed after its first iteration and resumed, a 2-process DDP run ends bit for bit where the
+    uninterrupted one ends, on both ranks: weights, running reward moments and KL controller (each
+    rank's RNG state comes back from the checkpoint, all-gathered when it was saved)."""
+    full = ppo_runs("ddp", 2)
+    ckpt = sorted(full[0]["ckpt_dir"].glob("*step=2.ckpt"))
+    assert len(ckpt) == 1, sorted(full[0]["ckpt_dir"].iterdir())
+    resumed = run("ddp", 2, models, tmp_path, 4, "--resume", str(ckpt[0]))
+    for r in range(2):
+        assert resumed[r]["global_step"] == 4 and resumed[r]["iteration"] == full[r]["iteration"] == 2
+        for k, v in full[r]["params"].items():
+            torch.testing.assert_close(resumed[r]["params"][k], v, rtol=0, atol=0, msg=f"rank {r}: {k}")
+        assert resumed[r]["moments"] == full[r]["moments"] and resumed[r]["kl_ctl"] == full[r]["kl_ctl"]
+        assert resumed[r]["kl_inputs"] == full[r]["kl_inputs"][1:]  # the second iteration, same on resume
 
 
 @pytest.mark.slow

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from lit_rlhf.core.masked import position_ids_from_mask
-from lit_rlhf.core.packing import pack
+from lit_rlhf.core.packing import pack, unpack
 
 log = logging.getLogger(__name__)
 # attention implementations that read packed sequences from one row's restarting positions
@@ -70,10 +70,42 @@ def padded_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, positio
 def packing_ok(model: Any, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> bool:
     """Whether ``model`` scores packed batches as it scores padded ones: decided on the first
     batch it sees (no grad, eval mode: no dropout, nothing drawn from the RNG), then remembered."""
-    verdict = _VERDICTS.get(model)
-    if verdict is None:
-        verdict = _VERDICTS[model] = _check(model, input_ids, attention_mask, positions)
-    return verdict
+    if _parts(model) is None:
+        return _verdict(model, lambda: None)
+    return _verdict(model, lambda: (packed_logits(model, input_ids, attention_mask, positions).float().log_softmax(-1),
+                                    padded_logits(model, input_ids, attention_mask, positions).float().log_softmax(-1)))
+
+
+def packed_hidden_states(trunk: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """(B, T, H) last hidden states of a causal transformer without LM head (``LlamaModel``), from
+    ONE forward over the packed real tokens, laid back out as the padded batch (zeros at padding).
+
+    Naive equivalent: ``trunk(input_ids, attention_mask, position_ids=…).last_hidden_state``.
+    """
+    packed = pack(input_ids, attention_mask, one_row=_attn_implementation(trunk) in ONE_ROW_ATTENTION)
+    out = trunk(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+    return unpack(out.last_hidden_state, packed)
+
+
+def hidden_packing_ok(trunk: Any, input_ids: Tensor, attention_mask: Tensor) -> bool:
+    """:func:`packing_ok` for a trunk's hidden states (compared at the real tokens)."""
+
+    def both() -> tuple[Tensor, Tensor]:
+        real = attention_mask.bool()
+        padded = trunk(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state  # fmt: skip
+        return packed_hidden_states(trunk, input_ids, attention_mask)[real].float(), padded[real].float()
+
+    return _verdict(trunk, both)
+
+
+def trunk_hidden_states(trunk: Any, input_ids: Tensor, attention_mask: Tensor, padding_free: bool) -> Tensor:
+    """(B, T, H) last hidden states of a causal trunk: packed (``padding_free`` and
+    :func:`hidden_packing_ok`; zeros at padding) or padded (positions count real tokens)."""
+    if padding_free and hidden_packing_ok(trunk, input_ids, attention_mask):
+        return packed_hidden_states(trunk, input_ids, attention_mask)
+    return trunk(input_ids=input_ids, attention_mask=attention_mask,
+                 position_ids=position_ids_from_mask(attention_mask)).last_hidden_state  # fmt: skip
 
 
 def packing_verdict(model: Any) -> bool | None:
@@ -81,28 +113,36 @@ def packing_verdict(model: Any) -> bool | None:
     return _VERDICTS.get(model)
 
 
+def _verdict(model: Any, both: Callable[[], tuple[Tensor, Tensor] | None]) -> bool:
+    verdict = _VERDICTS.get(model)
+    if verdict is None:
+        verdict = _VERDICTS[model] = _check(model, both)
+    return verdict
+
+
 @torch.no_grad()
-def _check(model: Any, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> bool:
+def _check(model: Any, both: Callable[[], tuple[Tensor, Tensor] | None]) -> bool:
+    """Run ``both()`` → (packed, padded) values in eval mode and compare them."""
     name = f"{type(model).__name__} (attention {_attn_implementation(model) or '?'})"
-    if _parts(model) is None:
-        log.info("padding-free forward: %s has no get_decoder/get_output_embeddings; using padded forwards", name)
-        return False
     training = model.training
     model.eval()
     try:
-        packed = packed_logits(model, input_ids, attention_mask, positions).float().log_softmax(-1)
-        padded = padded_logits(model, input_ids, attention_mask, positions).float().log_softmax(-1)
+        values = both()
     finally:
         model.train(training)
+    if values is None:
+        log.info("padding-free forward: %s has no get_decoder/get_output_embeddings; using padded forwards", name)
+        return False
+    packed, padded = values
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
     tol = 1e-3 if dtype == torch.float32 else 5e-2
-    gap = float((packed - padded).abs().max()) if positions.numel() else 0.0
+    gap = float((packed - padded).abs().max()) if packed.numel() else 0.0
     if gap <= tol:
-        log.info("padding-free forward of %s matches the padded forward (max |Δ log p| %.1e)", name, gap)
+        log.info("padding-free forward of %s matches the padded forward (max |Δ| %.1e)", name, gap)
         return True
-    log.warning("padding-free forward of %s differs from the padded one by %.3g in a log-prob (its attention does "
-                "not keep packed sequences apart, or its logits are more than lm_head(decoder(x))); using padded "
-                "forwards", name, gap)  # fmt: skip
+    log.warning("padding-free forward of %s differs from the padded one by %.3g (its attention does not keep packed "
+                "sequences apart, or its logits are more than lm_head(decoder(x))); using padded forwards",
+                name, gap)  # fmt: skip
     return False
 
 

@@ -18,7 +18,6 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lit_rlhf.core.masked import position_ids_from_mask
 from lit_rlhf.models.heads import Pooling, ScalarHead, pool
 
 FORMAT = "lit_rlhf.reward_model"
@@ -40,6 +39,7 @@ class RewardModel(nn.Module):
         self.backbone = backbone
         self.kind = kind
         self.pooling = pooling
+        self.padding_free = False  # a run-time switch, not saved
         self.head = ScalarHead(backbone.config.hidden_size, head_init_std)
 
     @property
@@ -48,13 +48,15 @@ class RewardModel(nn.Module):
         return self.backbone.base_model if self.kind == "causal_lm" else self.backbone
 
     def hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """(B, T, H) last-layer hidden states (after the final norm for Llama)."""
-        kwargs: dict[str, Any] = {}
+        """(B, T, H) last-layer hidden states (after the final norm for Llama). A causal trunk
+        runs padding-free when ``self.padding_free`` is set (zeros at padding; the stages set it
+        from ``algo.padding_free``; lit_rlhf/models/packed.py)."""
         if self.kind == "causal_lm":
+            from lit_rlhf.models.packed import trunk_hidden_states
+
             # positions count real tokens only, so left- and right-padded rows score the same
-            kwargs["position_ids"] = position_ids_from_mask(attention_mask)
-        out = self.trunk(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        return out.last_hidden_state
+            return trunk_hidden_states(self.trunk, input_ids, attention_mask, self.padding_free)
+        return self.trunk(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
     def score_hidden(self, hidden: Tensor, attention_mask: Tensor) -> Tensor:
         """(B, T, H) → (B,) scores."""

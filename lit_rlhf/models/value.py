@@ -6,7 +6,6 @@ import copy
 
 from torch import Tensor, nn
 
-from lit_rlhf.core.masked import position_ids_from_mask
 from lit_rlhf.models.heads import ScalarHead
 
 
@@ -24,6 +23,7 @@ class ValueModel(nn.Module):
         self.backbone = backbone
         self.head = head if head is not None else ScalarHead(backbone.config.hidden_size)
         freeze_untied_lm_head(backbone)  # values read the trunk only
+        self.padding_free = False  # run-time switch (algo.padding_free): packed trunk forwards
 
     @classmethod
     def from_reward_model(cls, reward_model: nn.Module) -> "ValueModel":
@@ -35,9 +35,8 @@ class ValueModel(nn.Module):
         return cls(reward_model.backbone, copy.deepcopy(reward_model.head))
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """(B, T) ids and mask → (B, T) float32 values (positions follow the mask)."""
-        position_ids = position_ids_from_mask(attention_mask)
-        hidden = self.backbone.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-        ).last_hidden_state
-        return self.head(hidden)
+        """(B, T) ids and mask → (B, T) float32 values (positions follow the mask; padded
+        positions hold the head's value of a zero state when ``padding_free``)."""
+        from lit_rlhf.models.packed import trunk_hidden_states
+
+        return self.head(trunk_hidden_states(self.backbone.base_model, input_ids, attention_mask, self.padding_free))

@@ -84,6 +84,9 @@ class RMConfig(OptimConfig):
     """``save_pretrained`` folder of the trained reward model (backbone + head + reward_config.json)."""
     export_best: bool = True
     """Export the best checkpoint by validation accuracy (when checkpointing monitors it), not the last."""
+    padding_free: bool = True
+    """Run a causal-LM trunk on the packed real tokens of the pairs, without padding (docs/architecture.md,
+    "Padding-free forwards"; checked once against the padded forward). Encoders always run padded."""
 
 
 def _rollout_generation() -> GenerationConfig:
@@ -118,9 +121,9 @@ class RLConfig(OptimConfig):
     logprobs_at_sampling_temperature: bool = False
     """False: log-probs at temperature 1 (docs/algorithms.md §2.1); True: logits / sampling temperature."""
     padding_free: bool = True
-    """Score rollouts (policy, reference) on the packed real tokens, without padding
-    (docs/architecture.md, "Padding-free forwards"); each model is checked against the padded
-    forward once and keeps it if they disagree."""
+    """Run the policy, reference, critic and a causal reward model on the packed real tokens of the
+    rollouts, without padding (docs/architecture.md, "Padding-free forwards"); each model is checked
+    against the padded forward once and keeps it if they disagree."""
     max_grad_norm: float | None = field(default=1.0, metadata={"gt": 0.0})
     """Global grad-norm clip over everything trained (DeepSpeed strategies clip in their config)."""
     max_bad_iterations: int = field(default=3, metadata={"ge": 1})

@@ -113,6 +113,7 @@ class PPOModule(RLModule):
             spec = self.model_spec.at_path(critic_path) if critic_path else self.model_spec
             self.critic = ValueModel(build_causal_lm(spec, self.ensure_tokenizer()))
         self.with_lora(self.critic.backbone)  # its own adapters on its own trunk; the value head trains in full
+        self.critic.padding_free = c.padding_free
         self.critic.train()
 
     def on_fit_start(self) -> None:

@@ -118,6 +118,7 @@ class RewardModelModule(RLHFModule):
             self.model_spec, self.ensure_tokenizer(), self.config.pooling, self.config.head_init_std
         )
         self.with_lora(self.reward_model.backbone)  # the head trains in full
+        self.reward_model.padding_free = self.config.padding_free
         self.reward_model.train()  # from_pretrained returns eval mode; Lightning keeps module modes
         if self.reward_model.kind == "causal_lm" and self.config.beta_rm == 0:
             from lit_rlhf.models.builders import freeze_untied_lm_head

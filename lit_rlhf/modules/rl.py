@@ -141,6 +141,7 @@ class RLModule(RLHFModule):
         if c.reward_path is not None:
             path = resolve_path(c.reward_path)
             rm = freeze(load_reward_model(path, dtype=self.model_spec.dtype))
+            rm.padding_free = c.padding_free
             self.frozen["reward"] = rm
             rm_tok = build_tokenizer(ModelSpec(name_or_path=path, kind=rm.kind))
             self.scorer = ModelScorer(rm, rm_tok, self.ensure_tokenizer(), None, c.reward_max_length)

@@ -18,6 +18,9 @@ sys.path.insert(0, str(ROOT))  # tests.helpers importable when run as a script
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+from lit_rlhf.callbacks.resume import ResumeState  # noqa: E402
 from lit_rlhf.data.prompts import PromptDataModule  # noqa: E402
 from lit_rlhf.models.builders import build_tokenizer  # noqa: E402
 from lit_rlhf.models.spec import ModelSpec  # noqa: E402
@@ -80,7 +83,11 @@ class Dump(pl.Callback):
 
 
 def main() -> None:
-    args = multiproc_args("folder with policy/ and rm/", [("--max-steps", {"type": int, "default": 4})])
+    args = multiproc_args("folder with policy/ and rm/", [
+        ("--max-steps", {"type": int, "default": 4}),
+        ("--ckpt-dir", {"help": "save a checkpoint every 2 optimizer steps here"}),
+        ("--resume", {"help": "checkpoint to resume from"}),
+    ])  # fmt: skip
     torch.set_num_threads(1)
     policy, rm = os.path.join(args.models, "policy"), os.path.join(args.models, "rm")
     cfg = build_config(PPOConfig, {
@@ -93,11 +100,14 @@ def main() -> None:
     module = PPOModule(cfg, model=spec, tokenizer=tok)
     data = PromptDataModule(n_train=64, n_val=0, batch_size=8).connect(tok)
     strategy = cpu_strategy(args.strategy, micro_batch=8)
+    callbacks = [Dump(args.out), ResumeState()]  # ResumeState: as runner.build_trainer adds it to every job
+    if args.ckpt_dir:
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=2, save_top_k=-1))
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, callbacks=[Dump(args.out)], limit_val_batches=0,
+        enable_checkpointing=bool(args.ckpt_dir), enable_progress_bar=False, callbacks=callbacks, limit_val_batches=0,
     )  # fmt: skip
-    trainer.fit(module, data)
+    trainer.fit(module, data, ckpt_path=args.resume)
 
 
 if __name__ == "__main__":

@@ -111,3 +111,33 @@ def test_the_lm_head_runs_only_at_the_positions_asked_for():
         want = model(input_ids=ids, attention_mask=mask).logits.reshape(-1, 50)[positions]
     assert rows == [4, ids.numel()]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_reward_model_and_critic_score_the_same_packed():
+    """A causal reward model's scores and a critic's values at real tokens, and their gradients,
+    are the padded forward's; an encoder reward model is never packed."""
+    from lit_rlhf.models.reward import RewardModel
+    from lit_rlhf.models.value import ValueModel
+
+    ids, mask, _ = batch()
+    rm = RewardModel(tiny_llama("sdpa"), "causal_lm", "last")
+    critic = ValueModel(tiny_llama("eager"))
+    out = {}
+    for padding_free in (False, True):
+        rm.padding_free = critic.padding_free = padding_free
+        scores, values = rm(ids, mask), critic(ids, mask)
+        loss = scores.sum() + (values * mask).sum()
+        params = [p for p in list(rm.parameters()) + list(critic.parameters()) if p.requires_grad]
+        out[padding_free] = (scores, values[mask.bool()], torch.autograd.grad(loss, params, allow_unused=True))
+    assert packing_verdict(rm.trunk) is True and packing_verdict(critic.backbone.base_model) is True
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[True][1], out[False][1], atol=1e-5, rtol=0)
+    for a, b in zip(out[True][2], out[False][2]):
+        if a is not None or b is not None:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    from transformers import BertConfig, BertModel
+
+    encoder = RewardModel(BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                               intermediate_size=32)), "encoder", "mean")  # fmt: skip
+    encoder.padding_free = True
+    assert encoder(ids, mask).shape == (ids.shape[0],) and packing_verdict(encoder.trunk) is None
