@@ -59,14 +59,21 @@ def test_sampling_settings_reach_generate(policy, tokenizer):
     assert top1.tolist() == greedy.tolist()
 
 
+PROMPTS, RESPONSES = [[2, 10, 11], [2, 12], [2, 13, 14, 15]], [[20, 21, 3], [22, 3], [23]]
+
+
+def prompt_response_batch():
+    """Left-padded prompts + right-padded responses, as a rollout lays them out."""
+    p_ids, p_mask = pad(PROMPTS, 0, "left")
+    r_ids, r_mask = pad(RESPONSES, 0, "right")
+    return PROMPTS, RESPONSES, p_ids, r_mask, torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
+
+
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_response_logprobs_match_naive_and_ignore_padding(policy, padding_free):
     from lit_rlhf.models.packed import packing_verdict
 
-    prompts, responses = [[2, 10, 11], [2, 12], [2, 13, 14, 15]], [[20, 21, 3], [22, 3], [23]]
-    p_ids, p_mask = pad(prompts, 0, "left")
-    r_ids, r_mask = pad(responses, 0, "right")
-    ids, mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
+    prompts, responses, p_ids, r_mask, ids, mask = prompt_response_batch()
     with torch.no_grad():
         lp, ent = response_logprobs(policy, ids, mask, p_ids.shape[1], with_entropy=True, padding_free=padding_free)
         if padding_free:
@@ -82,10 +89,7 @@ def test_response_logprobs_match_naive_and_ignore_padding(policy, padding_free):
 
 def test_packed_response_logprobs_have_the_padded_gradients(policy):
     """The update's forward (with grad) packed: same gradients of a masked loss as padded."""
-    prompts, responses = [[2, 10, 11], [2, 12], [2, 13, 14, 15]], [[20, 21, 3], [22, 3], [23]]
-    p_ids, p_mask = pad(prompts, 0, "left")
-    r_ids, r_mask = pad(responses, 0, "right")
-    ids, mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
+    _, _, p_ids, r_mask, ids, mask = prompt_response_batch()
     grads = []
     for padding_free in (False, True):
         lp, _ = response_logprobs(policy, ids, mask, p_ids.shape[1], padding_free=padding_free)
@@ -169,17 +173,19 @@ def test_preallocated_cache_samples_exactly_as_the_growing_cache(policy, tokeniz
     assert ours.tolist() == growing.tolist()
 
 
-def test_preallocated_cache_refuses_overflow_and_keeps_sliding_layers():
+def test_preallocated_cache_refuses_overflow_and_sliding_window_models_keep_transformers_caches_and_masks():
     from transformers import MistralConfig, MistralForCausalLM
     from transformers.cache_utils import DynamicLayer
 
-    from lit_rlhf.rollout.generate import _preallocated_cache
+    from lit_rlhf.rollout.generate import _decode_mask_table, _preallocated_cache
 
     cfg = MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                         num_attention_heads=2, num_key_value_heads=1, sliding_window=4)  # fmt: skip
     cache = _preallocated_cache(MistralForCausalLM(cfg), 5)
     assert all(type(layer).__name__ != "PreallocatedLayer" and isinstance(layer, DynamicLayer) for layer in cache.layers)
+    assert _decode_mask_table(MistralForCausalLM(cfg), torch.ones(1, 3), 5) is None
     cfg.sliding_window = None
+    assert _decode_mask_table(MistralForCausalLM(cfg), torch.ones(1, 3), 5) is not None
     cache = _preallocated_cache(MistralForCausalLM(cfg), 5)
     layer = cache.layers[0]
     assert type(layer).__name__ == "PreallocatedLayer"
@@ -218,18 +224,6 @@ def test_prebuilt_decode_masks_sample_exactly_as_transformers_masks(attn, tokeni
     torch.manual_seed(5)
     rebuilt = sample(model, ids, mask, gen, eos_id=-1, pad_id=0)[0]
     assert prebuilt.tolist() == rebuilt.tolist()
-
-
-def test_decode_masks_left_to_transformers_for_sliding_window_models():
-    from transformers import MistralConfig, MistralForCausalLM
-
-    from lit_rlhf.rollout.generate import _decode_mask_table
-
-    cfg = MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                        num_attention_heads=2, num_key_value_heads=1, sliding_window=4)  # fmt: skip
-    assert _decode_mask_table(MistralForCausalLM(cfg), torch.ones(1, 3), 5) is None
-    cfg.sliding_window = None
-    assert _decode_mask_table(MistralForCausalLM(cfg), torch.ones(1, 3), 5) is not None
 
 
 def test_response_logits_same_with_and_without_logits_to_keep(policy):
