@@ -25,6 +25,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from lit_rlhf.core.logprobs import logprobs_from_logits
+from lit_rlhf.core.logprobs import sequence_logprobs as padded_sequence_logprobs
 from lit_rlhf.core.masked import position_ids_from_mask
 from lit_rlhf.core.packing import pack, unpack
 
@@ -60,10 +62,15 @@ def packed_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, positio
     return head(hidden.reshape(-1, hidden.shape[-1])[packed.packed_index(positions)])
 
 
+def _padded(module: Any, input_ids: Tensor, attention_mask: Tensor) -> Any:
+    """The usual padded forward (positions count real tokens) of a causal LM or its trunk."""
+    return module(input_ids=input_ids, attention_mask=attention_mask,
+                  position_ids=position_ids_from_mask(attention_mask), use_cache=False)  # fmt: skip
+
+
 def padded_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
     """The same (N, V) logits from the usual padded forward."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits  # fmt: skip
+    logits = _padded(model, input_ids, attention_mask).logits
     return logits.reshape(-1, logits.shape[-1])[positions]
 
 
@@ -92,8 +99,7 @@ def hidden_packing_ok(trunk: Any, input_ids: Tensor, attention_mask: Tensor) -> 
 
     def both() -> tuple[Tensor, Tensor]:
         real = attention_mask.bool()
-        padded = trunk(input_ids=input_ids, attention_mask=attention_mask,
-                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state  # fmt: skip
+        padded = _padded(trunk, input_ids, attention_mask).last_hidden_state
         return packed_hidden_states(trunk, input_ids, attention_mask)[real].float(), padded[real].float()
 
     return _verdict(trunk, both)
@@ -104,8 +110,7 @@ def trunk_hidden_states(trunk: Any, input_ids: Tensor, attention_mask: Tensor, p
     :func:`hidden_packing_ok`; zeros at padding) or padded (positions count real tokens)."""
     if padding_free and hidden_packing_ok(trunk, input_ids, attention_mask):
         return packed_hidden_states(trunk, input_ids, attention_mask)
-    return trunk(input_ids=input_ids, attention_mask=attention_mask,
-                 position_ids=position_ids_from_mask(attention_mask)).last_hidden_state  # fmt: skip
+    return _padded(trunk, input_ids, attention_mask).last_hidden_state
 
 
 def packing_verdict(model: Any) -> bool | None:
@@ -159,14 +164,9 @@ def sequence_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, res
                       padding_free: bool = True) -> Tensor:  # fmt: skip
     """(B,) log p(response | prompt) = Σ over response tokens of log p(token | its prefix), from
     one packed forward (``padding_free`` and :func:`packing_ok`) or one padded forward."""
-    from lit_rlhf.core.logprobs import logprobs_from_logits
-    from lit_rlhf.core.logprobs import sequence_logprobs as padded_sequence_logprobs
-
     flat = scored_positions(attention_mask, response_mask)
     if not (padding_free and packing_ok(model, input_ids, attention_mask, flat - 1)):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits  # fmt: skip
-        return padded_sequence_logprobs(logits, input_ids, response_mask)
+        return padded_sequence_logprobs(_padded(model, input_ids, attention_mask).logits, input_ids, response_mask)
     logits = packed_logits(model, input_ids, attention_mask, flat - 1)
     token_lp = logprobs_from_logits(logits[None], input_ids.reshape(-1)[flat][None])[0]
     rows = flat // input_ids.shape[1]
