@@ -41,7 +41,12 @@ def _attn_implementation(model: Any) -> str:
 
 
 def _parts(model: Any) -> tuple[Any, Any] | None:
-    """(decoder, LM head) of a transformers causal LM, or None."""
+    """(decoder, LM head) of a transformers causal LM, or None; None for an FSDP unit too, whose
+    weights only its own forward gathers (calling decoder and head separately would bypass it)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):
+        return None
     try:
         decoder, head = model.get_decoder(), model.get_output_embeddings()
     except (AttributeError, NotImplementedError):
@@ -136,7 +141,8 @@ def _check(model: Any, both: Callable[[], tuple[Tensor, Tensor] | None]) -> bool
     finally:
         model.train(training)
     if values is None:
-        log.info("padding-free forward: %s has no get_decoder/get_output_embeddings; using padded forwards", name)
+        log.info("padding-free forward: %s has no separate decoder and LM head to call (or is an FSDP unit); "
+                 "using padded forwards", name)
         return False
     packed, padded = values
     dtype = next((p.dtype for p in model.parameters()), torch.float32)

@@ -135,6 +135,22 @@ class RLHFModule(pl.LightningModule):
         optimizer = self.build_optimizer(groups)
         return {"optimizer": optimizer, "lr_scheduler": self.build_scheduler(optimizer, self.total_optimizer_steps())}
 
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:  # fmt: skip
+        """``trainer.gradient_clip_val`` (automatic optimization): Lightning's, except norm clipping
+        under FSDP, which Lightning refuses: lit_rlhf clips by the norm across shards there."""
+        from lit_rlhf.utils.strategies import RLHFFSDPStrategy
+
+        strategy = self.trainer.strategy
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and isinstance(strategy, RLHFFSDPStrategy):
+            from lit_rlhf.modules.health import clip_by_norm
+            from lit_rlhf.utils.strategies import sharded_grad_norm
+
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            clip_by_norm(params, sharded_grad_norm(params, strategy), float(gradient_clip_val))
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def lr_factor(self, step: int, total_steps: int) -> float:
         """Multiplier of the base lr at optimizer step ``step`` of ``total_steps``."""
         c: OptimConfig = self.config
@@ -206,7 +222,9 @@ class RLHFModule(pl.LightningModule):
           whole context and the engine's per-module fetch/release hooks removed meanwhile
           (:func:`lit_rlhf.utils.strategies.zero3_gathered`; docs/scaling.md §4), instead of gathering layer by layer at
           every decoding step; partitioned again on exit;
-        * other sharded strategies (FSDP): ``no_grad`` (they gather inside each forward).
+        * FSDP (:class:`lit_rlhf.utils.strategies.RLHFFSDPStrategy`): ``no_grad`` with every unit's
+          weights gathered once for the context (:func:`lit_rlhf.utils.strategies.fsdp_gathered`);
+        * any other strategy: ``no_grad``.
         """
         if self._trainer is None:
             return torch.inference_mode()
@@ -224,6 +242,10 @@ class RLHFModule(pl.LightningModule):
             return zero3_gathered(engine)
         if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
             return torch.inference_mode()
+        from lit_rlhf.utils.strategies import RLHFFSDPStrategy, fsdp_gathered
+
+        if isinstance(strategy, RLHFFSDPStrategy) and strategy.wrapped:  # before setup: nothing sharded yet
+            return fsdp_gathered(self)
         return torch.no_grad()
 
     def with_lora(self, model: torch.nn.Module) -> torch.nn.Module:

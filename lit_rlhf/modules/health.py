@@ -45,6 +45,16 @@ def grads_finite(params: Iterable[torch.nn.Parameter]) -> bool:
     return bool(torch.isfinite(torch.nn.utils.get_total_norm(grads))) if grads else True
 
 
+def clip_by_norm(params: Iterable[torch.nn.Parameter], norm: Tensor, max_norm: float) -> None:
+    """Scale the gradients by ``max_norm / (norm + 1e-6)`` when that is below 1, given their
+    global 2-norm ``norm`` (``torch.nn.utils.clip_grad_norm_``'s rule, for a norm computed across
+    shards: lit_rlhf.utils.strategies.sharded_grad_norm)."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    grads = [p.grad for p in params if p.grad is not None]
+    for g in grads:
+        g.mul_(coef.to(g.device))
+
+
 def check_finite_state(state: Mapping[str, Tensor], what: str) -> None:
     """Refuse to write ``what`` when any floating tensor of ``state`` holds NaN or inf."""
     bad = [k for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())]

@@ -1,4 +1,4 @@
-"""Strategies as the stages use them: an FSDP factory (layer classes YAML cannot spell), and the
+"""Strategies as the stages use them: FSDP with one unit per model and gathered rollouts, and the
 DeepSpeed strategy with what ZeRO-3 needs (whole-model build, gathered exports and rollouts;
 docs/scaling.md §4). Everything here that touches DeepSpeed's internals is in this module."""
 
@@ -7,25 +7,133 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Sequence
 
-from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
 
-def fsdp_strategy(wrap_layers: Sequence[str], activation_checkpointing: bool = False, **kwargs: Any) -> Any:
-    """``FSDPStrategy`` wrapping every instance of the named transformer-block classes.
+class RLHFFSDPStrategy(FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` (FSDP1, ``use_orig_params``) for RLHF stages (docs/scaling.md §4).
+
+    * Every model the LightningModule holds as a child (actor, critic; the DPO/SFT policy) becomes
+      its OWN root FSDP instance, with each of its transformer blocks (``wrap_layers``) a nested
+      unit; the LightningModule itself is not wrapped. With one root around the whole
+      LightningModule, the backward passes PPO/GRPO run inside ``training_step`` (manual
+      optimization) would happen inside the root's forward, where FSDP1 never finalizes a
+      backward (its post-backward callback is queued by the root's own pre-backward hook only)
+      and the next backward fails. Frozen models the module keeps outside its children
+      (reference, reward) stay whole on every rank, as under DeepSpeed.
+    * Sampling from the sharded models gathers their weights once per rollout: :func:`fsdp_gathered`.
+    * Gradient-norm clipping and the finite check use the norm across shards
+      (:func:`sharded_grad_norm`); Lightning refuses norm clipping under FSDP.
+    * A module registered under two parents (a LoRA reference sharing the actor) is refused:
+      FSDP would wrap it once and the other path would bypass its unit.
 
     Args:
-        wrap_layers: import paths, e.g. ``transformers.models.llama.modeling_llama.LlamaDecoderLayer``.
+        wrap_layers: import paths of the transformer-block classes, e.g.
+            ``transformers.models.llama.modeling_llama.LlamaDecoderLayer``.
         activation_checkpointing: also checkpoint those blocks' activations.
         **kwargs: passed to ``FSDPStrategy`` (sharding_strategy, state_dict_type, cpu_offload, …).
     """
-    from hydra.utils import get_class
-    from lightning.pytorch.strategies import FSDPStrategy
 
-    layers = {get_class(name) for name in wrap_layers}
-    if activation_checkpointing:
-        kwargs["activation_checkpointing_policy"] = layers
-    return FSDPStrategy(auto_wrap_policy=layers, **kwargs)
+    def __init__(self, wrap_layers: Sequence[str] = (), activation_checkpointing: bool = False, **kwargs: Any) -> None:
+        from hydra.utils import get_class
 
+        if kwargs.get("auto_wrap_policy") is not None:
+            raise ValueError("RLHFFSDPStrategy builds its own wrapping policy: pass strategy.wrap_layers "
+                             "(the transformer-block classes), not auto_wrap_policy")  # fmt: skip
+        if str(kwargs.get("sharding_strategy", "FULL_SHARD")).upper().split(".")[-1].lstrip("_").startswith("HYBRID"):
+            raise ValueError("strategy.sharding_strategy: hybrid sharding is not supported by lit_rlhf's "
+                             "gradient-norm reduction; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD")  # fmt: skip
+        self.wrap_layers = tuple(get_class(name) for name in wrap_layers)
+        if activation_checkpointing:
+            kwargs["activation_checkpointing_policy"] = set(self.wrap_layers)
+        super().__init__(**kwargs)
+
+    def fsdp_device_id(self) -> Any:
+        """The ``device_id`` FSDP places its units on (the CUDA index; tests override it for CPU)."""
+        return self.root_device.index
+
+    def _setup_model(self, model: Any) -> Any:
+        from lightning.pytorch.strategies.fsdp import _setup_activation_checkpointing
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        seen: dict[int, str] = {}
+        for name, m in model.named_modules(remove_duplicate=False):
+            if id(m) in seen and any(True for _ in m.parameters(recurse=False)):
+                raise ValueError(f"FSDP: '{seen[id(m)]}' is also registered as '{name}' (a LoRA reference sharing "
+                                 "the actor?): FSDP cannot shard a module with two parents; use "
+                                 "strategy=deepspeed_stage_2/3 for LoRA RL, or model.lora.enabled=false")  # fmt: skip
+            seen.setdefault(id(m), name)
+        if any(True for _ in model.parameters(recurse=False)):
+            raise ValueError(f"FSDP: {type(model).__name__} holds parameters of its own; lit_rlhf shards the models "
+                             "it holds as children, each its own FSDP root")  # fmt: skip
+        policy = ModuleWrapPolicy(set(self.wrap_layers)) if self.wrap_layers else None
+        for name, child in list(model.named_children()):
+            if isinstance(child, FullyShardedDataParallel) or not any(True for _ in child.parameters()):
+                continue
+            unit = FullyShardedDataParallel(
+                module=child, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy, device_id=self.fsdp_device_id(), auto_wrap_policy=policy,
+                **self.kwargs,
+            )  # fmt: skip
+            _setup_activation_checkpointing(unit, self._activation_checkpointing_kwargs)
+            setattr(model, name, unit)
+        return model
+
+    @property
+    def wrapped(self) -> bool:
+        """Whether :meth:`setup` has wrapped the LightningModule's models in FSDP."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = self.model
+        return model is not None and any(isinstance(c, FullyShardedDataParallel) for c in model.children())
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Whether each rank holds only its shard of every gradient after backward."""
+        from torch.distributed.fsdp import ShardingStrategy
+
+        return self.world_size > 1 and self.sharding_strategy != ShardingStrategy.NO_SHARD
+
+
+@contextlib.contextmanager
+def fsdp_gathered(module: Any) -> Iterator[None]:
+    """Sampling from the FSDP models inside ``module`` (docs/scaling.md §4): each root gathers
+    its full weights ONCE for the context (``summon_full_params``, recursively, no write-back),
+    and every unit's forward runs its wrapped module directly meanwhile, instead of all-gathering
+    and freeing each block's weights around every decoding step's forward; sharded again on exit.
+    Without gradients. Costs the sharded models' whole weights on every rank for the duration, as
+    under ZeRO-3 (:func:`zero3_gathered`)."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    units = FullyShardedDataParallel.fsdp_modules(module)
+    roots = FullyShardedDataParallel.fsdp_modules(module, root_only=True)
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        for root in roots:
+            stack.enter_context(FullyShardedDataParallel.summon_full_params(root, recurse=True, writeback=False))
+        for unit in units:
+            unit.forward = unit.module.forward  # an instance attribute: nn.Module.__call__ finds it first
+        try:
+            yield
+        finally:
+            for unit in units:
+                del unit.forward
+
+
+def sharded_grad_norm(params: Sequence[Any], strategy: Any) -> Any:
+    """The global 2-norm of ``params``' gradients: under FSDP each rank holds a disjoint shard of
+    every gradient, so the local sum of squares is all-reduced (what ``FSDP.clip_grad_norm_``
+    computes, for a subset of the root's parameters: one model's, as PPO clips actor and critic
+    separately). Elsewhere the local norm (gradients already reduced)."""
+    import torch
+
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else strategy.root_device
+    sq = torch.nn.utils.get_total_norm(grads).float() ** 2 if grads else torch.zeros((), device=device)
+    if getattr(strategy, "shards_gradients", False):
+        torch.distributed.all_reduce(sq)
+    return sq.sqrt()
 
 
 class RLHFDeepSpeedStrategy(DeepSpeedStrategy):

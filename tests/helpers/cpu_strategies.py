@@ -1,5 +1,5 @@
-"""The multi-process strategies the helper scripts run on CPU: DDP over gloo, or real DeepSpeed ZeRO-2
-through the test-only CPU strategy (tests/helpers/deepspeed_cpu.py)."""
+"""The multi-process strategies the helper scripts run on CPU: DDP over gloo, real DeepSpeed ZeRO-2/3
+and real FSDP through the test-only CPU strategies (tests/helpers/deepspeed_cpu.py, fsdp_cpu.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,16 @@ from typing import Any
 
 
 def cpu_strategy(kind: str, micro_batch: int) -> Any:
-    """``kind`` "ddp", "deepspeed" (ZeRO stage 2) or "deepspeed3" (ZeRO stage 3); DeepSpeed with a
-    global grad-norm clip of 1.0."""
+    """``kind`` "ddp", "deepspeed" (ZeRO stage 2), "deepspeed3" (ZeRO stage 3) or "fsdp" (full
+    shard, tests/helpers/fsdp_cpu.py); DeepSpeed with a global grad-norm clip of 1.0."""
     if kind == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy(process_group_backend="gloo", find_unused_parameters=False)
+    if kind == "fsdp":
+        from tests.helpers.fsdp_cpu import cpu_fsdp_strategy
+
+        return cpu_fsdp_strategy()
     from tests.helpers.deepspeed_cpu import CPUDeepSpeedStrategy
 
     return CPUDeepSpeedStrategy(config={
@@ -28,7 +32,7 @@ def multiproc_args(models_help: str, extra: list[tuple[str, dict[str, Any]]] = (
     """The command line every multi-process helper script takes: ``--strategy ddp|deepspeed``,
     ``--devices N``, ``--models DIR`` (``models_help`` says what it holds), ``--out DIR``, plus ``extra``."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--strategy", choices=["ddp", "deepspeed", "deepspeed3"], required=True)
+    ap.add_argument("--strategy", choices=["ddp", "deepspeed", "deepspeed3", "fsdp"], required=True)
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--models", required=True, help=models_help)
     ap.add_argument("--out", required=True)

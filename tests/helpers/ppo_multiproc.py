@@ -1,4 +1,4 @@
-"""Run a few PPO iterations under DDP or (CPU) DeepSpeed ZeRO-2 with N processes; each rank
+"""Run a few PPO iterations under DDP, (CPU) DeepSpeed ZeRO-2/3 or (CPU) FSDP with N processes; each rank
 writes its final actor/critic parameters and RL statistics to OUT/rank<r>.pt.
 
     python tests/helpers/ppo_multiproc.py --strategy ddp --devices 2 --models DIR --out DIR
@@ -30,9 +30,18 @@ from lit_rlhf.utils.config import build_config  # noqa: E402
 from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args  # noqa: E402
 
 
+def fsdp(trainer) -> bool:
+    from lit_rlhf.utils.strategies import RLHFFSDPStrategy
+
+    return isinstance(trainer.strategy, RLHFFSDPStrategy)
+
+
 class Dump(pl.Callback):
-    def __init__(self, out: str) -> None:
+    def __init__(self, out: str, policy: str) -> None:
+        from transformers import AutoModelForCausalLM
+
         self.out = out
+        self.full_shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_pretrained(policy).named_parameters()}
 
     def on_train_start(self, trainer, module) -> None:
         # strategies consume the global RNG differently while setting up (DeepSpeed's engine does):
@@ -49,6 +58,16 @@ class Dump(pl.Callback):
                     self.whole_weights.append(all(p.ds_status == ZeroParamStatus.AVAILABLE for p in mod.parameters()))
 
             module.actor.register_forward_pre_hook(before_the_engine, prepend=True, with_kwargs=True)
+        if fsdp(trainer) and trainer.world_size > 1:  # (one process: FSDP never shards)
+
+            def before_the_unit(mod, args, kwargs):  # the actor's root unit: before it would gather anything
+                if not torch.is_grad_enabled():
+                    self.whole_weights.append(all(
+                        p.shape == self.full_shapes[k.replace("_fsdp_wrapped_module.", "")]
+                        for k, p in mod.named_parameters()))  # fmt: skip
+
+            assert type(module.actor).__name__ == "FullyShardedDataParallel"
+            module.actor.register_forward_pre_hook(before_the_unit, prepend=True, with_kwargs=True)
         self.kl_inputs = []  # what the KL controller is fed each iteration: (sequence KL, samples)
         update = module.kl_ctl.update
         module.kl_ctl.update = lambda kl, n: self.kl_inputs.append((kl, n)) or update(kl, n)
@@ -67,6 +86,11 @@ class Dump(pl.Callback):
             import deepspeed
 
             gather = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+        if fsdp(trainer):  # whole (clean-named) state dicts on every rank
+            from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            gather = FSDP.state_dict_type(module, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False))
         with gather:
             state = {f"actor.{k}": v.detach().float().cpu().clone() for k, v in module.actor.state_dict().items()}
             state.update({f"critic.{k}": v.detach().float().cpu().clone() for k, v in module.critic.state_dict().items()})
@@ -75,7 +99,7 @@ class Dump(pl.Callback):
              "world_size": trainer.world_size, "iteration": module.iteration,
              "kl_ctl": module.kl_ctl.state_dict(), "kl_inputs": self.kl_inputs, "advantages": self.advantages,
              "whole_weights": self.whole_weights,
-             "wrapper": type(trainer.strategy.model).__name__,
+             "wrapper": type(module.actor if fsdp(trainer) else trainer.strategy.model).__name__,
              "zero_stage": trainer.strategy.model.zero_optimization_stage()
              if hasattr(trainer.strategy.model, "zero_optimization_stage") else None},
             os.path.join(self.out, f"rank{trainer.global_rank}.pt"),
@@ -100,7 +124,7 @@ def main() -> None:
     module = PPOModule(cfg, model=spec, tokenizer=tok)
     data = PromptDataModule(n_train=64, n_val=0, batch_size=8).connect(tok)
     strategy = cpu_strategy(args.strategy, micro_batch=8)
-    callbacks = [Dump(args.out), ResumeState()]  # ResumeState: as runner.build_trainer adds it to every job
+    callbacks = [Dump(args.out, policy), ResumeState()]  # ResumeState: as runner.build_trainer adds it to every job
     if args.ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=2, save_top_k=-1))
     trainer = pl.Trainer(
