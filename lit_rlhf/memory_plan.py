@@ -26,7 +26,8 @@ trained models' base weights count as frozen, their adapters as trained, and the
 nothing (it is the actor with its adapters off). Activations are the estimate of Korthikanti et
 al. 2022 (arXiv:2205.05198) with fused attention: 34·s·b·h bytes per layer and micro-batch
 (2·s·b·h with gradient checkpointing, plus one layer recomputed), plus fp32 logits and their
-gradient (8·s·b·V). These are estimates: the plan keeps ``memory_plan.reserve_gb`` free for the
+gradient (8·s·b·V). Under ZeRO-3 and FSDP the rollout gathers the trained models whole (bf16
+under ZeRO-3, full precision under FSDP1) on top of the KV cache. These are estimates: the plan keeps ``memory_plan.reserve_gb`` free for the
 CUDA context and allocator fragmentation.
 """
 
@@ -111,6 +112,7 @@ class MemoryPlan:
     activation_note: str
     kv_cache: float
     kv_note: str
+    rollout_gather: float = 0.0  # ZeRO-3/FSDP: trained weights gathered whole for the rollout, beyond the shard
     notes: list[str] = field(default_factory=list)
     gpu_memory_gb: float | None = None
     reserve_gb: float = 2.0
@@ -122,7 +124,7 @@ class MemoryPlan:
 
     @property
     def peak(self) -> float:
-        return self.model_states + max(self.activations, self.kv_cache)
+        return self.model_states + max(self.activations, self.kv_cache + self.rollout_gather)
 
     @property
     def fits(self) -> bool | None:
@@ -139,8 +141,13 @@ class MemoryPlan:
             lines.append(f"| {r.name} | {r.role} | {_count(r.params)} | {_count(r.trainable)} | {g(r.weights)} | "
                          f"{g(r.grads)} | {g(r.optimizer)} | {g(r.total)} |")  # fmt: skip
         lines += [f"| activations | {self.activation_note} | | | | | | {g(self.activations)} |",
-                  f"| KV cache | {self.kv_note} | | | | | | {g(self.kv_cache)} |",
-                  f"| **peak** | model states + max(activations, KV cache) | | | | | | **{g(self.peak)}** |"]  # fmt: skip
+                  f"| KV cache | {self.kv_note} | | | | | | {g(self.kv_cache)} |"]  # fmt: skip
+        rollout = "KV cache"
+        if self.rollout_gather:
+            lines.append(f"| rollout gather | trained weights gathered whole while sampling | | | | | | "
+                         f"{g(self.rollout_gather)} |")  # fmt: skip
+            rollout = "KV cache + rollout gather"
+        lines.append(f"| **peak** | model states + max(activations, {rollout}) | | | | | | **{g(self.peak)}** |")
         lines.append("")
         if self.gpu_memory_gb is None:
             lines.append("GPU memory not set (memory_plan.gpu_memory_gb, or a visible GPU): no fit check.")
@@ -274,10 +281,16 @@ def estimate(cfg: Any, job: Any, setup: Setup | None = None) -> MemoryPlan:
     per_layer = (2 if s.checkpointing else 34) * t * b * h
     acts = trained_models * (layers * per_layer + (34 * t * b * h if s.checkpointing else 0) + 8 * t * b * a.vocab)
     kv = 2 * layers * (s.gen_batch * (t if s.gen_batch else 0)) * a.kv_heads * a.head_dim * 2
+    # sampling from sharded weights gathers the trained models whole for the rollout (docs/scaling.md §4):
+    # ZeRO-3 its bf16 weights; FSDP1's summon_full_params the full-precision (fp32 under mixed) ones
+    gather = 0.0
+    if s.gen_batch and s.strategy in ("zero3", "fsdp"):
+        full = 2 if s.strategy == "zero3" else (4 if s.mixed or s.weight_bytes == 4 else s.weight_bytes)
+        gather = float(sum(max(0.0, full * r.params - r.weights) for r in rows if r.role == "trained"))
     title = f"{spec.name_or_path or 'tiny Llama (model.tiny)'} ({_count(a.params())} parameters), {job.algo_cls.__name__}"
     return MemoryPlan(title=title, setup=s, rows=rows, activations=float(acts),
                       activation_note=f"{trained_models} trained model(s), micro-batch {b} x {t} tokens",
-                      kv_cache=float(kv),
+                      kv_cache=float(kv), rollout_gather=gather,
                       kv_note=f"generation, {s.gen_batch} x {t} tokens" if s.gen_batch else "no generation",
                       notes=notes)  # fmt: skip
 

@@ -1,4 +1,5 @@
-"""Multi-process PPO: DDP over gloo and real DeepSpeed ZeRO-2 on CPU (tests/helpers/deepspeed_cpu.py).
+"""Multi-process PPO, GRPO and DPO: DDP over gloo, and real DeepSpeed ZeRO-2/3 and real FSDP on CPU
+(tests/helpers/deepspeed_cpu.py, tests/helpers/fsdp_cpu.py).
 
 Each run writes every rank's final actor/critic parameters and reward moments; ranks must agree
 exactly (gradients and statistics are all-reduced), and training must have moved the weights.
@@ -27,6 +28,10 @@ def models(tmp_path_factory):
                      tokenizer="synthetic")  # fmt: skip
     save_tiny_models(spec, build_tokenizer(spec), out)
     return out
+
+
+# what each strategy wraps (FSDP: each model the module holds; the others: the LightningModule)
+WRAPPERS = {"ddp": "DistributedDataParallel", "deepspeed": "DeepSpeedEngine", "fsdp": "FullyShardedDataParallel"}
 
 
 def run_helper(script: str, out, *args: str) -> None:
@@ -81,7 +86,7 @@ def ppo_runs(models, tmp_path_factory):
     def get(strategy: str, devices: int):
         if (strategy, devices) not in cache:
             out = tmp_path_factory.mktemp(f"{strategy}{devices}")
-            extra = ("--ckpt-dir", str(out / "ckpt")) if strategy == "ddp" else ()  # for the resume test
+            extra = ("--ckpt-dir", str(out / "ckpt")) if strategy in ("ddp", "fsdp") else ()  # for the resume tests
             cache[strategy, devices] = run(strategy, devices, models, out, 4, *extra)
             for r in cache[strategy, devices]:
                 r["ckpt_dir"] = out / "ckpt"
@@ -109,14 +114,16 @@ def test_ddp_two_processes_identical(ppo_runs, models):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_ddp_two_processes_resume_exactly(ppo_runs, models, tmp_path):
-    """Killed after its first iteration and resumed, a 2-process DDP run ends bit for bit where the
-    uninterrupted one ends, on both ranks: weights, running reward moments and KL controller (each
-    rank's RNG state comes back from the checkpoint, all-gathered when it was saved)."""
-    full = ppo_runs("ddp", 2)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_resume_exactly(ppo_runs, models, tmp_path, strategy):
+    """Killed after its first iteration and resumed, a 2-process DDP or FSDP run ends bit for bit
+    where the uninterrupted one ends, on both ranks: weights, running reward moments and KL
+    controller (each rank's RNG state comes back from the checkpoint, all-gathered when it was
+    saved; under FSDP the full weights and Adam states are gathered and re-sharded)."""
+    full = ppo_runs(strategy, 2)
     ckpt = sorted(full[0]["ckpt_dir"].glob("*step=2.ckpt"))
     assert len(ckpt) == 1, sorted(full[0]["ckpt_dir"].iterdir())
-    resumed = run("ddp", 2, models, tmp_path, 4, "--resume", str(ckpt[0]))
+    resumed = run(strategy, 2, models, tmp_path, 4, "--resume", str(ckpt[0]))
     for r in range(2):
         assert resumed[r]["global_step"] == 4 and resumed[r]["iteration"] == full[r]["iteration"] == 2
         for k, v in full[r]["params"].items():
@@ -152,6 +159,25 @@ def test_deepspeed_zero3_matches_the_unsharded_run_and_samples_from_whole_weight
 
 @pytest.mark.slow
 @pytest.mark.integration
+def test_fsdp_matches_the_unsharded_run_and_samples_from_whole_weights(ppo_runs, models):
+    """Real FSDP (full shard, each model its own root: lit_rlhf.utils.strategies.RLHFFSDPStrategy) on
+    2 CPU processes: PPO's manual backward passes work, the ranks agree, the result is the DDP run's
+    (the gradient-norm clip, active at every update here, uses the norm across shards; the
+    optimizer splits matrices from vectors as DDP does, though FSDP flattens its shards), and every
+    no-grad actor forward of the rollouts found the actor's whole weights (fsdp_gathered: gathered
+    once per rollout, not per decoding step)."""
+    ranks = ppo_runs("fsdp", 2)
+    assert ranks[0]["wrapper"] == "FullyShardedDataParallel"
+    assert_ranks_agree_and_trained(ranks, models)
+    reference = ppo_runs("ddp", 2)
+    assert_same_as_unsharded(ranks, reference)
+    assert ranks[0]["groups"] == reference[0]["groups"] and min(reference[0]["groups"]) > 0
+    for r in ranks:
+        assert len(r["whole_weights"]) >= 2 * 8 and all(r["whole_weights"])  # 2 rollouts x >= 8 decoding steps
+
+
+@pytest.mark.slow
+@pytest.mark.integration
 def test_deepspeed_zero2_rm_exports_the_best_checkpoint(tmp_path):
     """Under ZeRO-2 a checkpoint is a folder of shards: the export must be the best one's weights
     (merged to fp32, as Lightning's own converter does), not the last ones, with 2 ranks agreeing."""
@@ -174,18 +200,19 @@ def test_deepspeed_zero2_rm_exports_the_best_checkpoint(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("strategy, precompute", [("ddp", True), ("deepspeed", False)])
+@pytest.mark.parametrize("strategy, precompute", [("ddp", True), ("deepspeed", False), ("fsdp", False)])
 def test_dpo_two_processes_identical(models, tmp_path, strategy, precompute):
-    """DPO with 2 processes (DDP with the precomputed reference; real DeepSpeed ZeRO-2 with the live
-    one): identical policies on both ranks, trained, and the validation's metrics (pairs and drift)
-    reduced over both ranks' batches."""
+    """DPO with 2 processes (DDP with the precomputed reference; real DeepSpeed ZeRO-2 and real FSDP
+    with the live one; FSDP also clips by trainer.gradient_clip_val, which Lightning alone refuses
+    under FSDP): identical policies on both ranks, trained, and the validation's metrics (pairs and
+    drift, sampled from gathered weights under FSDP) reduced over both ranks' batches."""
     from transformers import AutoModelForCausalLM
 
     args = ["--strategy", strategy, "--devices", "2", "--models", str(models)] + (["--precompute"] if precompute else [])
     run_helper("dpo_multiproc.py", tmp_path, *args)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 4
-    assert ranks[0]["wrapper"] == ("DistributedDataParallel" if strategy == "ddp" else "DeepSpeedEngine")
+    assert ranks[0]["wrapper"] == WRAPPERS[strategy]
     for k, v in ranks[0]["params"].items():
         torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
     init = AutoModelForCausalLM.from_pretrained(models / "policy").state_dict()
@@ -198,15 +225,17 @@ def test_dpo_two_processes_identical(models, tmp_path, strategy, precompute):
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("strategy", ["ddp", "deepspeed"])
+@pytest.mark.parametrize("strategy", ["ddp", "deepspeed", "fsdp"])
 def test_grpo_two_processes_identical(models, tmp_path, strategy):
     """GRPO with 2 processes (μ = 2 passes of 2 minibatches per rollout): every rank ends with the
-    same trained actor (gradients all-reduced; DeepSpeed ZeRO-2 shards optimizer state and grads)."""
+    same trained actor (gradients all-reduced; DeepSpeed ZeRO-2 shards optimizer state and grads,
+    FSDP also the weights)."""
     from transformers import AutoModelForCausalLM
 
     run_helper("grpo_multiproc.py", tmp_path, "--strategy", strategy, "--devices", "2", "--models", str(models))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == 2
+    assert ranks[0]["wrapper"] == WRAPPERS[strategy]
     for k, v in ranks[0]["params"].items():
         torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
     init = AutoModelForCausalLM.from_pretrained(models / "policy").state_dict()

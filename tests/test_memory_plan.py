@@ -102,8 +102,17 @@ def test_presets_fit_their_hardware_and_plain_zero2_ppo_is_refused_with_switches
     plain = _plan("experiment=ppo_max_llama7b_a100x8", "algo.reward_path=/ckpt/rm", "strategy=deepspeed_stage_2")
     assert plain.fits is False
     switches = [s for s, _ in plain.alternatives]
-    assert switches == ["strategy=deepspeed_stage_2_offload", "strategy=deepspeed_stage_3", "model.lora.enabled=true"]
+    # ZeRO-3 is no switch here: its rollout gathers actor and critic whole (bf16), 2 x (12.55 - 2.32) GiB
+    # beyond their shards, on top of the 8 GiB KV cache
+    assert switches == ["strategy=deepspeed_stage_2_offload", "model.lora.enabled=true"]
     assert "DOES NOT FIT" in plain.render() and "model.lora.enabled=true" in plain.render()
+    zero3 = _plan("experiment=ppo_max_llama7b_a100x8", "algo.reward_path=/ckpt/rm", "strategy=deepspeed_stage_3")
+    assert zero3.rollout_gather / 2**30 == pytest.approx(2 * (12.55 - 2.32), abs=0.01)
+    assert zero3.peak == zero3.model_states + zero3.kv_cache + zero3.rollout_gather
+    assert "| rollout gather |" in zero3.render() and "| rollout gather |" not in plain.render()
+    # FSDP1 gathers the full-precision (fp32) weights: 4 bytes x 6.74B = 25.1 GiB each, less the 3.51 GiB shard
+    fsdp = _plan("experiment=ppo_max_llama7b_a100x8", "algo.reward_path=/ckpt/rm", "strategy=fsdp")
+    assert fsdp.rollout_gather / 2**30 == pytest.approx(2 * (4 * 6.738e9 / 2**30 - 3.51), abs=0.02)
 
 
 def test_a_gpu_launch_that_cannot_fit_is_refused_before_loading():

@@ -121,18 +121,20 @@ class RLHFModule(pl.LightningModule):
         return bool(params) and all(type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda")
                                     and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params)  # fmt: skip
 
+    def decay_groups(self, model: torch.nn.Module, **extra: Any) -> list[dict[str, Any]]:
+        """``model``'s trainable parameters as two optimizer groups: matrices with
+        ``algo.weight_decay``, vectors (norm weights, biases) without; ``extra`` keys (e.g. ``lr``)
+        in both. Judged on the shape as built, which FSDP's flat shards hide (strategies.built_ndim)."""
+        from lit_rlhf.utils.strategies import built_ndim
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        return [{"params": [p for p in params if built_ndim(p) >= 2], "weight_decay": self.config.weight_decay, **extra},
+                {"params": [p for p in params if built_ndim(p) < 2], "weight_decay": 0.0, **extra}]  # fmt: skip
+
     def configure_optimizers(self) -> Any:
         """AdamW over :meth:`exportable_model`'s trainable parameters (no decay on norms/biases)
         and a per-step warm-up + decay schedule."""
-        decay, no_decay = [], []
-        for p in self.exportable_model().parameters():
-            if p.requires_grad:
-                (no_decay if p.ndim < 2 else decay).append(p)
-        groups = [
-            {"params": decay, "weight_decay": self.config.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        optimizer = self.build_optimizer(groups)
+        optimizer = self.build_optimizer(self.decay_groups(self.exportable_model()))
         return {"optimizer": optimizer, "lr_scheduler": self.build_scheduler(optimizer, self.total_optimizer_steps())}
 
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,

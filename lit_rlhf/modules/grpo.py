@@ -65,11 +65,7 @@ class GRPOModule(RLModule):
         self.build_rewards()
 
     def configure_optimizers(self) -> Any:
-        c: GRPOConfig = self.config
-        params = [p for p in self.actor.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": c.weight_decay},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]  # fmt: skip
-        optimizer = self.build_optimizer(groups)
+        optimizer = self.build_optimizer(self.decay_groups(self.actor))
         return {"optimizer": optimizer, "lr_scheduler": self.build_scheduler(optimizer, self.total_updates())}
 
     # --------------------------------------------------------------- the step

@@ -277,11 +277,7 @@ class PPOModule(RLModule):
     # ------------------------------------------------------------- optimizer
     def configure_optimizers(self) -> Any:
         c: PPOConfig = self.config
-        groups = []
-        for module, lr in ((self.actor, c.lr), (self.critic, c.critic_lr)):
-            params = [p for p in module.parameters() if p.requires_grad]
-            groups.append({"params": [p for p in params if p.ndim >= 2], "lr": lr, "weight_decay": c.weight_decay})
-            groups.append({"params": [p for p in params if p.ndim < 2], "lr": lr, "weight_decay": 0.0})
+        groups = self.decay_groups(self.actor, lr=c.lr) + self.decay_groups(self.critic, lr=c.critic_lr)
         optimizer = self.build_optimizer(groups)
         total = self.total_updates()
         # critic warm-up: the actor's lr is 0 for those updates (AdamW's weight decay would still

@@ -67,6 +67,8 @@ class RLHFFSDPStrategy(FSDPStrategy):
         if any(True for _ in model.parameters(recurse=False)):
             raise ValueError(f"FSDP: {type(model).__name__} holds parameters of its own; lit_rlhf shards the models "
                              "it holds as children, each its own FSDP root")  # fmt: skip
+        for p in model.parameters():  # FSDP turns sharded parameters into flat 1-D views: keep the shape built
+            p.built_ndim = p.ndim
         policy = ModuleWrapPolicy(set(self.wrap_layers)) if self.wrap_layers else None
         for name, child in list(model.named_children()):
             if isinstance(child, FullyShardedDataParallel) or not any(True for _ in child.parameters()):
@@ -119,6 +121,12 @@ def fsdp_gathered(module: Any) -> Iterator[None]:
         finally:
             for unit in units:
                 del unit.forward
+
+
+def built_ndim(p: Any) -> int:
+    """A parameter's dimensionality as its model built it (``p.ndim``, except for parameters
+    :class:`RLHFFSDPStrategy` has sharded into flat 1-D views: recorded before wrapping)."""
+    return getattr(p, "built_ndim", p.ndim)
 
 
 def sharded_grad_norm(params: Sequence[Any], strategy: Any) -> Any:

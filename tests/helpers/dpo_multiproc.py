@@ -25,7 +25,7 @@ from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import DPOConfig  # noqa: E402
 from lit_rlhf.modules.dpo import DPOModule  # noqa: E402
 from lit_rlhf.utils.config import build_config  # noqa: E402
-from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args  # noqa: E402
+from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args, wrapper_name  # noqa: E402
 
 
 def main() -> None:
@@ -44,12 +44,12 @@ def main() -> None:
 
     class Wrapper(pl.Callback):  # the strategy's wrapper during fit (teardown unwraps it)
         def on_train_start(self, trainer, module):
-            wrapper.append(type(trainer.strategy.model).__name__)
+            wrapper.append(wrapper_name(trainer, module.policy))
 
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=4, logger=False, log_every_n_steps=2,
         enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0, check_val_every_n_epoch=None,
-        val_check_interval=4, default_root_dir=args.out, callbacks=[KLMonitor(), ResponseLengthMonitor(), Wrapper()],
+        val_check_interval=4, default_root_dir=args.out, gradient_clip_val=0.5 if args.strategy == "fsdp" else None, callbacks=[KLMonitor(), ResponseLengthMonitor(), Wrapper()],
     )  # fmt: skip
     trainer.fit(module, data)
     params = {k: v.detach().float().cpu().clone() for k, v in module.policy.state_dict().items()}

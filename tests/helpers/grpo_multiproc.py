@@ -24,7 +24,7 @@ from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import GRPOConfig  # noqa: E402
 from lit_rlhf.modules.grpo import GRPOModule  # noqa: E402
 from lit_rlhf.utils.config import build_config  # noqa: E402
-from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args  # noqa: E402
+from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args, wrapper_name  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
     trainer.fit(module, data)
     params = {k: v.detach().float().cpu().clone() for k, v in module.actor.state_dict().items()}
     torch.save({"params": params, "world_size": trainer.world_size, "global_step": trainer.global_step,
-                "iteration": module.rl_iteration, "wrapper": type(trainer.strategy.model).__name__},
+                "iteration": module.rl_iteration, "wrapper": wrapper_name(trainer, module.actor)},
                os.path.join(args.out, f"rank{trainer.global_rank}.pt"))  # fmt: skip
 
 

@@ -229,6 +229,8 @@ def test_rollout_runs_in_inference_mode_unless_parameters_are_sharded(saved_mode
 
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
 
+    from lit_rlhf.utils.strategies import RLHFFSDPStrategy  # (not set up: nothing to gather)
+
     m = make(saved_models, tokenizer, minibatch_size=8)
     m.configure_model()
     dm = data(tokenizer)
@@ -246,7 +248,7 @@ def test_rollout_runs_in_inference_mode_unless_parameters_are_sharded(saved_mode
     assert m.actor.get_input_embeddings().weight.grad is not None
     for strategy, inference in ((SingleDeviceStrategy("cpu"), True), (DDPStrategy(), True),
                                 (DeepSpeedStrategy(stage=2), True), (DeepSpeedStrategy(stage=3), False),
-                                (FSDPStrategy(), False)):  # fmt: skip
+                                (FSDPStrategy(), False), (RLHFFSDPStrategy(), False)):  # fmt: skip
         m._trainer = SimpleNamespace(strategy=strategy)
         with m.rollout_grad_mode():
             assert torch.is_inference_mode_enabled() is inference and not torch.is_grad_enabled(), strategy
