@@ -87,9 +87,11 @@ def ppo_runs(models, tmp_path_factory):
         if (strategy, devices) not in cache:
             out = tmp_path_factory.mktemp(f"{strategy}{devices}")
             extra = ("--ckpt-dir", str(out / "ckpt")) if strategy in ("ddp", "fsdp") else ()  # for the resume tests
+            if strategy == "fsdp":
+                extra += ("--export-dir", str(out / "export"))
             cache[strategy, devices] = run(strategy, devices, models, out, 4, *extra)
             for r in cache[strategy, devices]:
-                r["ckpt_dir"] = out / "ckpt"
+                r["ckpt_dir"], r["export_dir"] = out / "ckpt", out / "export"
         return cache[strategy, devices]
 
     return get
@@ -174,6 +176,13 @@ def test_fsdp_matches_the_unsharded_run_and_samples_from_whole_weights(ppo_runs,
     assert ranks[0]["groups"] == reference[0]["groups"] and min(reference[0]["groups"]) > 0
     for r in ranks:
         assert len(r["whole_weights"]) >= 2 * 8 and all(r["whole_weights"])  # 2 rollouts x >= 8 decoding steps
+    # the export gathered the shards: the final actor, whole
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(ranks[0]["export_dir"]).state_dict()
+    assert exported.keys() == {k[len("actor."):] for k in ranks[0]["params"] if k.startswith("actor.")}
+    for k, v in exported.items():
+        torch.testing.assert_close(v, ranks[0]["params"][f"actor.{k}"], rtol=0, atol=0, msg=k)
 
 
 @pytest.mark.slow

@@ -112,6 +112,7 @@ def main() -> None:
         ("--max-steps", {"type": int, "default": 4}),
         ("--ckpt-dir", {"help": "save a checkpoint every 2 optimizer steps here"}),
         ("--resume", {"help": "checkpoint to resume from"}),
+        ("--export-dir", {"help": "export the actor here at the end of the fit (algo.export_dir)"}),
     ])  # fmt: skip
     torch.set_num_threads(1)
     policy, rm = os.path.join(args.models, "policy"), os.path.join(args.models, "rm")
@@ -119,6 +120,7 @@ def main() -> None:
         "policy_path": policy, "reward_path": rm, "lr": 1e-3, "critic_lr": 1e-3, "rollout_batch_size": 8, "minibatch_size": 4,
         "score_norm": "normalize", "kl_coef": 0.05, "generation": {"max_new_tokens": 8},
         "adaptive_kl": True, "kl_target": 0.01, "kl_horizon": 100, "whiten_advantages": True, "advantage_clip": None,
+        "export_dir": args.export_dir,
     }, "algo")  # fmt: skip
     spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=policy))
     tok = build_tokenizer(spec)
