@@ -1,5 +1,6 @@
 """GPU check for a lent accelerator (one CUDA GPU, under 8 minutes): PPO-max with a ~85M-parameter
-Llama for a few iterations under DeepSpeed ZeRO-2 and ZeRO-3 (bf16) and with LoRA (bf16-mixed, one device).
+Llama for a few iterations under DeepSpeed ZeRO-2 and ZeRO-3 (bf16), FSDP (fp32 weights, bf16-mixed)
+and with LoRA (bf16-mixed, one device).
 
     bash bench/gpu_check.sh            # = python bench/gpu_check.py, writes bench/results/gpu_check.md
 
@@ -9,8 +10,9 @@ model, peak GPU memory (``torch.cuda.max_memory_allocated``) against the memory 
 FLOPs per iteration = 2·P·(generated tokens) + 4 scoring forwards 2·P·T + actor and critic
 training 2 × 6·P·T (T = all tokens of the rollout batch; P = policy parameters).
 
-Each variant runs in its own process (clean CUDA and DeepSpeed state). On one GPU ZeRO-3 shards
-nothing, but it exercises the whole-model build, the once-per-rollout gather and the export gather.
+Each variant runs in its own process (clean CUDA and DeepSpeed state). On one GPU ZeRO-3 and FSDP
+shard nothing, but they exercise the whole-model build or per-model wrapping, the once-per-rollout
+gather and the export gather.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 SHAPE = dict(hidden=768, layers=12, heads=12, inter=2048, batch=32, prompt_len=16, new_tokens=128, iterations=6, warmup=2)
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
-VARIANTS = ["zero2", "zero3", "lora"]
+VARIANTS = ["zero2", "zero3", "fsdp", "lora"]
 
 
 def build(folder: Path) -> None:
@@ -72,7 +74,8 @@ def run_variant(variant: str, folder: Path) -> dict:
                                        generation={"max_new_tokens": s["new_tokens"], "top_p": 1.0, "top_k": 0}),
                        "algo")  # fmt: skip
     lora = LoraSpec(enabled=variant == "lora", r=16, alpha=32.0)
-    spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=str(folder / "policy"), dtype="bfloat16", lora=lora))
+    dtype = "float32" if variant == "fsdp" else "bfloat16"  # FSDP's mixed precision keeps fp32 weights
+    spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=str(folder / "policy"), dtype=dtype, lora=lora))
     tok = build_tokenizer(spec)
     module = PPOModule(cfg, model=spec, tokenizer=tok)
     data = PromptDataModule(n_train=s["batch"] * 20, n_val=0, batch_size=s["batch"],
@@ -86,6 +89,12 @@ def run_variant(variant: str, folder: Path) -> dict:
                                                          "train_micro_batch_size_per_gpu": s["batch"] // 4})  # fmt: skip
         precision = "bf16-mixed"
         trainer_strategy = f"deepspeed_stage_{stage}"
+    elif variant == "fsdp":
+        from lit_rlhf.utils.strategies import RLHFFSDPStrategy
+
+        strategy = RLHFFSDPStrategy(wrap_layers=["transformers.models.llama.modeling_llama.LlamaDecoderLayer"],
+                                    sharding_strategy="FULL_SHARD", state_dict_type="full")  # fmt: skip
+        precision, trainer_strategy = "bf16-mixed", "fsdp"
     else:
         strategy, precision, trainer_strategy = "auto", "bf16-mixed", "auto"
 
@@ -140,7 +149,9 @@ def run_variant(variant: str, folder: Path) -> dict:
     plan_cfg = OmegaConf.create({"trainer": {"devices": 1, "num_nodes": 1, "precision": precision},
                                  "strategy": {"_target_": "lit_rlhf.utils.strategies.RLHFDeepSpeedStrategy",
                                               "config": {"zero_optimization": {"stage": int(trainer_strategy[-1])}}}
-                                 if trainer_strategy.startswith("deepspeed") else "auto"})  # fmt: skip
+                                 if trainer_strategy.startswith("deepspeed") else
+                                 {"_target_": "lit_rlhf.utils.strategies.RLHFFSDPStrategy"} if trainer_strategy == "fsdp"
+                                 else "auto"})  # fmt: skip
     plan = estimate(plan_cfg, job)
     return {"variant": variant, "gpu": name, "policy_params": p, "step_s": step_s, "rollout_tokens_per_s": rollout_tok_s,
             "bare_generate_tokens_per_s": bare_tok_s, "peak_gib": peak / 2**30, "plan_gib": plan.peak / 2**30,
