@@ -218,3 +218,10 @@ def test_rollout_batch_is_one_key(tmp_path):
 def test_rl_from_an_untrained_tiny_model_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"algo.policy_path: is required here: the model group builds an untrained tiny"):
         plan(compose(["algo=ppo", *RM], tmp_path))
+
+
+def test_lora_under_fsdp_is_refused_before_anything_is_built(tmp_path):
+    """The adapters-off reference would bypass the FSDP units: a config error naming the key."""
+    with pytest.raises(ConfigError, match="strategy: model.lora.enabled=true with strategy=fsdp"):
+        plan(compose(["algo=ppo", "strategy=fsdp", "model.lora.enabled=true", "algo.policy_path=/m/sft", *RM], tmp_path))
+    plan(compose(["algo=ppo", "strategy=fsdp", "algo.policy_path=/m/sft", *RM], tmp_path))  # full fine-tuning under FSDP: fine
