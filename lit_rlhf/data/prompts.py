@@ -176,12 +176,17 @@ class PromptDataModule(pl.LightningDataModule):
     def extra_dataloader(self) -> DataLoader:
         """The training prompts in another shuffled order (seed + 1,000,003), for stages that draw
         extra prompts within an iteration (DAPO's dynamic sampling) without disturbing the order
-        of the main loader."""
+        of the main loader. Under several processes each rank draws its own share of that order
+        (Lightning shards only the loaders it is given)."""
         assert self.train_set is not None, "setup() first"
-        return self._prompt_loader(self.train_set, True, self.config.batch_size, seed=self.config.seed + 1_000_003)
+        trainer = getattr(self, "trainer", None)
+        shard = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        return self._prompt_loader(self.train_set, True, self.config.batch_size, seed=self.config.seed + 1_000_003,
+                                   shard=shard)  # fmt: skip
 
-    def _prompt_loader(self, data: list, shuffle: bool, size: int, seed: int | None = None) -> DataLoader:
-        sampler = EpochSampler(len(data), seed=self.config.seed if seed is None else seed) if shuffle else None
+    def _prompt_loader(self, data: list, shuffle: bool, size: int, seed: int | None = None,
+                       shard: tuple[int, int] = (0, 1)) -> DataLoader:  # fmt: skip
+        sampler = EpochSampler(len(data), seed=self.config.seed if seed is None else seed, shard=shard) if shuffle else None
         return ResumableDataLoader(
             data, batch_size=size, sampler=sampler, num_workers=self.config.num_workers,
             collate_fn=functools.partial(collate_prompts, pad_id=self.tokenizer.pad_token_id), drop_last=shuffle,

@@ -26,30 +26,43 @@ def epoch_generator(seed: int, epoch: int) -> torch.Generator:
 class EpochSampler(Sampler[int]):
     """A random order of ``range(n)`` per epoch (without replacement), or ``num_samples`` indices
     drawn with replacement; ``set_epoch`` selects the epoch. Same role as ``RandomSampler`` but
-    resumable (see the module docstring)."""
+    resumable (see the module docstring).
 
-    def __init__(self, n: int, seed: int = 0, replacement: bool = False, num_samples: int | None = None) -> None:
+    ``shard=(rank, world_size)``: this rank's share of the epoch's order, every world_size-th
+    index from ``rank`` (disjoint across ranks, ``num_samples // world_size`` each), for loaders
+    Lightning does not wrap in its distributed sampler (e.g. DAPO's extra prompts).
+    """
+
+    def __init__(self, n: int, seed: int = 0, replacement: bool = False, num_samples: int | None = None,
+                 shard: tuple[int, int] = (0, 1)) -> None:  # fmt: skip
         if n <= 0:
             raise ValueError(f"EpochSampler needs a non-empty dataset, got n={n}")
         if num_samples is not None and not replacement and num_samples > n:
             raise ValueError(f"num_samples={num_samples} > n={n} needs replacement=True")
+        rank, world = shard
+        if not 0 <= rank < world:
+            raise ValueError(f"EpochSampler shard: rank {rank} outside world size {world}")
         self.n = n
         self.seed = seed
         self.replacement = replacement
         self.num_samples = n if num_samples is None else num_samples
+        self.shard = (rank, world)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return self.num_samples
+        return self.num_samples // self.shard[1]
 
     def __iter__(self) -> Iterator[int]:
         g = epoch_generator(self.seed, self.epoch)
         if self.replacement:
-            return iter(torch.randint(self.n, (self.num_samples,), generator=g).tolist())
-        return iter(torch.randperm(self.n, generator=g)[: self.num_samples].tolist())
+            order = torch.randint(self.n, (self.num_samples,), generator=g)
+        else:
+            order = torch.randperm(self.n, generator=g)[: self.num_samples]
+        rank, world = self.shard
+        return iter(order[rank: len(self) * world: world].tolist())
 
 
 class LengthGroupedSampler(Sampler[int]):

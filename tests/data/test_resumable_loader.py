@@ -44,6 +44,45 @@ def test_epoch_sampler_with_replacement_draws_num_samples():
     assert len(draws) != len(set(draws))  # 40 draws from 5: repeats
 
 
+def test_epoch_sampler_shards_split_the_epoch_disjointly():
+    """Each rank's share is every world_size-th index of the unsharded order: together the
+    first 3 x 7 of it, disjoint, the same length on every rank (the tail of 2 is dropped)."""
+    whole = EpochSampler(23, seed=5)
+    whole.set_epoch(4)
+    order = list(whole)
+    shards = []
+    for rank in range(3):
+        s = EpochSampler(23, seed=5, shard=(rank, 3))
+        s.set_epoch(4)
+        shards.append(list(s))
+        assert len(s) == 7 and shards[-1] == [order[i] for i in range(rank, 21, 3)]
+    assert sorted(sum(shards, [])) == sorted(order[:21])
+    import pytest
+
+    with pytest.raises(ValueError, match="rank 2 outside world size 2"):
+        EpochSampler(10, shard=(2, 2))
+
+
+def test_extra_prompts_differ_across_ranks():
+    """DAPO's extra prompt loader is not wrapped by Lightning: each rank must draw its own share."""
+    from types import SimpleNamespace
+
+    from lit_rlhf.data.prompts import PromptDataModule
+    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.models.spec import ModelSpec
+
+    tok = build_tokenizer(ModelSpec(tokenizer="synthetic"))
+    batches = []
+    for rank in range(2):
+        dm = PromptDataModule(n_train=40, n_val=0, batch_size=4).connect(tok)
+        dm.setup("fit")
+        dm.trainer = SimpleNamespace(global_rank=rank, world_size=2)
+        loader = dm.extra_dataloader()
+        assert loader.sampler.shard == (rank, 2)  # disjoint shares of one order (the sampler test above)
+        batches.append([p for b in loader for p in b["prompts"]])
+    assert len(batches[0]) == len(batches[1]) == 20 and batches[0] != batches[1]
+
+
 def test_length_grouped_sampler_same_order_in_a_fresh_process():
     lengths = [(i * 37) % 19 for i in range(64)]
     a, b = LengthGroupedSampler(lengths, 8, seed=2), LengthGroupedSampler(lengths, 8, seed=2)
