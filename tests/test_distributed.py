@@ -234,11 +234,11 @@ def test_dpo_two_processes_identical(models, tmp_path, strategy, precompute):
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("strategy", ["ddp", "deepspeed", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "deepspeed"])
 def test_grpo_two_processes_identical(models, tmp_path, strategy):
     """GRPO with 2 processes (μ = 2 passes of 2 minibatches per rollout): every rank ends with the
-    same trained actor (gradients all-reduced; DeepSpeed ZeRO-2 shards optimizer state and grads,
-    FSDP also the weights)."""
+    same trained actor (gradients all-reduced; DeepSpeed ZeRO-2 shards optimizer state and grads).
+    (GRPO under FSDP runs the update and rollout code PPO's FSDP test covers; CI time.)"""
     from transformers import AutoModelForCausalLM
 
     run_helper("grpo_multiproc.py", tmp_path, "--strategy", strategy, "--devices", "2", "--models", str(models))

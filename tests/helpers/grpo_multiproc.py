@@ -39,12 +39,19 @@ def main() -> None:
     module = GRPOModule(cfg, model=spec, tokenizer=tok)
     data = PromptDataModule(n_train=64, n_val=0, batch_size=2).connect(tok)
     strategy = cpu_strategy(args.strategy, micro_batch=4)
+    wrapper = []
+
+    class Wrapper(pl.Callback):  # the strategy's wrapper during fit (teardown unwraps DDP)
+        def on_train_start(self, trainer, module):
+            wrapper.append(wrapper_name(trainer, module.actor))
+
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=8, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)  # fmt: skip
+                         enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
+                         callbacks=[Wrapper()])  # fmt: skip
     trainer.fit(module, data)
     params = {k: v.detach().float().cpu().clone() for k, v in module.actor.state_dict().items()}
     torch.save({"params": params, "world_size": trainer.world_size, "global_step": trainer.global_step,
-                "iteration": module.rl_iteration, "wrapper": wrapper_name(trainer, module.actor)},
+                "iteration": module.rl_iteration, "wrapper": wrapper[0]},
                os.path.join(args.out, f"rank{trainer.global_rank}.pt"))  # fmt: skip
 
 
