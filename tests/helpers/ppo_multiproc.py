@@ -49,25 +49,29 @@ class Dump(pl.Callback):
         torch.manual_seed(1234 + trainer.global_rank)
 
     def on_fit_start(self, trainer, module) -> None:
-        self.whole_weights = []  # ZeRO-3: per no-grad actor forward (rollout), were all its weights gathered?
+        # ZeRO-3/FSDP: per no-grad forward of the actor's first decoder layer (every decoding step
+        # and scoring forward of the rollouts runs it), were ALL the actor's weights already whole?
+        self.whole_weights = []
+        actor = module.actor
+        first_layer = actor.model.layers[0]  # (FSDP: found through the units' attribute forwarding)
         if getattr(trainer.strategy, "zero_stage_3", False):
             from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
             def before_the_engine(mod, args, kwargs):  # prepended: runs before DeepSpeed's fetch hooks
                 if not torch.is_grad_enabled():
-                    self.whole_weights.append(all(p.ds_status == ZeroParamStatus.AVAILABLE for p in mod.parameters()))
+                    self.whole_weights.append(all(p.ds_status == ZeroParamStatus.AVAILABLE for p in actor.parameters()))
 
-            module.actor.register_forward_pre_hook(before_the_engine, prepend=True, with_kwargs=True)
+            first_layer.register_forward_pre_hook(before_the_engine, prepend=True, with_kwargs=True)
         if fsdp(trainer) and trainer.world_size > 1:  # (one process: FSDP never shards)
 
-            def before_the_unit(mod, args, kwargs):  # the actor's root unit: before it would gather anything
+            def before_the_unit(mod, args, kwargs):  # the layer's unit: before it would gather anything
                 if not torch.is_grad_enabled():
                     self.whole_weights.append(all(
                         p.shape == self.full_shapes[k.replace("_fsdp_wrapped_module.", "")]
-                        for k, p in mod.named_parameters()))  # fmt: skip
+                        for k, p in actor.named_parameters()))  # fmt: skip
 
-            assert type(module.actor).__name__ == "FullyShardedDataParallel"
-            module.actor.register_forward_pre_hook(before_the_unit, prepend=True, with_kwargs=True)
+            assert type(actor).__name__ == type(first_layer).__name__ == "FullyShardedDataParallel"
+            first_layer.register_forward_pre_hook(before_the_unit, prepend=True, with_kwargs=True)
         self.kl_inputs = []  # what the KL controller is fed each iteration: (sequence KL, samples)
         update = module.kl_ctl.update
         module.kl_ctl.update = lambda kl, n: self.kl_inputs.append((kl, n)) or update(kl, n)

@@ -200,8 +200,9 @@ def test_preallocated_cache_refuses_overflow_and_sliding_window_models_keep_tran
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_prebuilt_decode_masks_sample_exactly_as_transformers_masks(attn, tokenizer, monkeypatch):
-    """The decoding forwards' 4-D masks built once give the same tokens (same seed, left-padded
-    prompts, sampling) as transformers' masks rebuilt from the 2-D mask at every step."""
+    """The decoding forwards' 4-D masks built once, with the layer-level decoding step they enable,
+    give the same tokens (same seed, left-padded prompts, sampling) as the model's own forward
+    with transformers' masks rebuilt from the 2-D mask at every step."""
     import lit_rlhf.rollout.generate as generate
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -220,10 +221,53 @@ def test_prebuilt_decode_masks_sample_exactly_as_transformers_masks(attn, tokeni
         assert bool((table[1, 0, 0, 3:] == 0).all())
     torch.manual_seed(5)
     prebuilt = sample(model, ids, mask, gen, eos_id=-1, pad_id=0)[0]
+    assert generate._LAYER_STEP_VERDICTS[model] is True  # decoded through its layers
     monkeypatch.setattr(generate, "_decode_mask_table", lambda *a: None)
     torch.manual_seed(5)
     rebuilt = sample(model, ids, mask, gen, eos_id=-1, pad_id=0)[0]
     assert prebuilt.tolist() == rebuilt.tolist()
+
+
+def test_layer_step_that_differs_from_the_forward_is_not_used(tokenizer, monkeypatch, caplog):
+    """The layer-level decoding step is checked against the model's own forward on the first
+    decoding step: a step that differs (simulated) is dropped with a warning, for good, and the
+    tokens are the model forward's; models with a position-dependent rotary scaling never use it."""
+    import logging
+
+    import lit_rlhf.rollout.generate as generate
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=64)  # fmt: skip
+    torch.manual_seed(0)
+    model, twin = LlamaForCausalLM(cfg), LlamaForCausalLM(cfg)
+    twin.load_state_dict(model.state_dict())
+    ids, mask = pad([[2, 10, 11, 12, 13], [2, 20]], tokenizer.pad_token_id, "left")
+    gen = GenerationConfig(max_new_tokens=10, temperature=1.3)
+    real = generate._LayerStep.__call__
+    calls = []
+
+    def off_by_a_bit(self, **kw):
+        calls.append(1)
+        out = real(self, **kw)
+        out.logits = out.logits + 0.5
+        return out
+
+    monkeypatch.setattr(generate._LayerStep, "__call__", lambda self, **kw: off_by_a_bit(self, **kw))
+    with caplog.at_level(logging.WARNING, logger="lit_rlhf.rollout.generate"):
+        torch.manual_seed(4)
+        got = sample(model, ids, mask, gen, eos_id=-1, pad_id=0)[0]
+    assert generate._LAYER_STEP_VERDICTS[model] is False and "decoding with its forward" in caplog.text
+    assert len(calls) == 1  # the check only
+    generate._LAYER_STEP_VERDICTS[twin] = False  # the model's forward throughout
+    torch.manual_seed(4)
+    assert got.tolist() == sample(twin, ids, mask, gen, eos_id=-1, pad_id=0)[0].tolist()
+    torch.manual_seed(4)
+    sample(model, ids, mask, gen, eos_id=-1, pad_id=0)
+    assert len(calls) == 1  # remembered: not tried again
+    dynamic = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                           intermediate_size=64, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))  # fmt: skip
+    assert generate._LayerStep.supported(model) and not generate._LayerStep.supported(dynamic)
 
 
 def test_response_logits_same_with_and_without_logits_to_keep(policy):
