@@ -59,6 +59,11 @@ class Setup:
     gen_batch: int
     gen_len: int
 
+    @property
+    def master_weight_bytes(self) -> int:
+        """Bytes per trained weight outside DeepSpeed (DDP/FSDP): fp32 under mixed precision."""
+        return 4 if self.mixed or self.weight_bytes == 4 else self.weight_bytes
+
     def describe(self) -> str:
         s = {"ddp": "DDP", "fsdp": "FSDP full shard", "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3"}[self.strategy]
         if self.offload_optimizer:
@@ -83,7 +88,7 @@ def trained_bytes(p: int, s: Setup, largest: int) -> tuple[float, float, float]:
             return 2 * p / n + 4 * largest, 0.0, 0.0
         return 2 * p / n + 4 * largest, 2 * p / n, 14 * p / n
     shard = n if s.strategy == "fsdp" else 1
-    w = 4 if s.mixed or s.weight_bytes == 4 else s.weight_bytes
+    w = s.master_weight_bytes
     extra = 2 * largest if s.strategy == "fsdp" else 0  # one gathered layer (bf16)
     return w * p / shard + extra, 4 * p / shard, 8 * p / shard
 
@@ -174,7 +179,8 @@ def _count(n: int) -> str:
 
 
 # ------------------------------------------------------------------ from a config
-def _strategy(cfg: Any) -> tuple[str, bool, bool]:
+def strategy_kind(cfg: Any) -> tuple[str, bool, bool]:
+    """(ddp | fsdp | zero2 | zero3, optimizer offload, parameter offload) of a composed config's strategy."""
     node = cfg.get("strategy")
     target = str(node.get("_target_", "")) if hasattr(node, "get") else str(node or "")
     if "DeepSpeed" in target or "deepspeed" in target.lower():
@@ -190,7 +196,7 @@ def _strategy(cfg: Any) -> tuple[str, bool, bool]:
 
 def setup_from(cfg: Any, job: Any) -> Setup:
     """The :class:`Setup` of a composed config ``cfg`` whose validated pieces are ``job`` (runner.plan)."""
-    strategy, opt_off, par_off = _strategy(cfg)
+    strategy, opt_off, par_off = strategy_kind(cfg)
     t = cfg.trainer
     devices = t.get("devices", 1)
     if not (isinstance(devices, int) and devices > 0):  # "auto" / -1: every visible GPU
@@ -285,7 +291,7 @@ def estimate(cfg: Any, job: Any, setup: Setup | None = None) -> MemoryPlan:
     # ZeRO-3 its bf16 weights; FSDP1's summon_full_params the full-precision (fp32 under mixed) ones
     gather = 0.0
     if s.gen_batch and s.strategy in ("zero3", "fsdp"):
-        full = 2 if s.strategy == "zero3" else (4 if s.mixed or s.weight_bytes == 4 else s.weight_bytes)
+        full = 2 if s.strategy == "zero3" else s.master_weight_bytes
         gather = float(sum(max(0.0, full * r.params - r.weights) for r in rows if r.role == "trained"))
     title = f"{spec.name_or_path or 'tiny Llama (model.tiny)'} ({_count(a.params())} parameters), {job.algo_cls.__name__}"
     return MemoryPlan(title=title, setup=s, rows=rows, activations=float(acts),

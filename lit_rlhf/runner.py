@@ -126,13 +126,13 @@ def plan(cfg: DictConfig) -> Plan:
     data = algo_cls.resolve_data_config(algo, build_config(data_cls.config_class, cfg.data[kind], f"data.{kind}"))
     model = algo_cls.resolve_model_spec(algo, model)
     algo_cls.check_compatible(algo, model)
-    strategy = cfg.get("strategy")
-    target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else str(strategy or "")
-    if model.lora.enabled and "fsdp" in target.lower():
-        raise ConfigError("strategy", "model.lora.enabled=true with strategy=fsdp is not supported: the LoRA "
-                                      "reference (the actor with its adapters off) would call the actor's modules "
-                                      "around the FSDP units that gather their weights; use "
-                                      "strategy=deepspeed_stage_2/3, or auto/ddp")  # fmt: skip
+    from lit_rlhf.memory_plan import strategy_kind
+
+    if model.lora.enabled and strategy_kind(cfg)[0] == "fsdp":
+        raise ConfigError("strategy", "model.lora.enabled=true with strategy=fsdp is not supported (the RL stages' "
+                                      "LoRA reference, the actor with its adapters off, would call the actor's "
+                                      "modules around the FSDP units that gather their weights; the other stages "
+                                      "are untested there); use strategy=deepspeed_stage_2/3, or auto/ddp")  # fmt: skip
     return Plan(model, algo_cls, algo, data_cls, data)
 
 

@@ -234,18 +234,27 @@ def test_dpo_two_processes_identical(models, tmp_path, strategy, precompute):
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("strategy", ["ddp"])
-def test_grpo_two_processes_identical(models, tmp_path, strategy):
-    """GRPO with 2 processes (μ = 2 passes of 2 minibatches per rollout): every rank ends with the
-    same trained actor (gradients all-reduced). Under DeepSpeed and FSDP, GRPO runs the update
-    (RLModule.optimizer_step) and rollout code PPO's ZeRO-2/3 and FSDP tests cover; not repeated
-    here for CI time (``--strategy deepspeed|fsdp`` of the helper runs them)."""
+@pytest.mark.parametrize("dapo", [False, True])
+def test_grpo_two_processes_identical(models, tmp_path, dapo):
+    """GRPO under DDP with 2 processes (μ = 2 passes of 2 minibatches per rollout): every rank ends
+    with the same trained actor (gradients all-reduced). With DAPO's dynamic sampling and a reward
+    that leaves rank 1 short of groups while rank 0 has its own at once: both ranks draw the same
+    number of extra batches (every rank samples while any rank is short; sampling is collective)
+    and train on as many groups (the fewest: 1 of 2), so their updates stay in step instead of
+    hanging. (Under DeepSpeed and FSDP GRPO runs the update and rollout code PPO's ZeRO-2/3 and
+    FSDP tests cover; the helper's ``--strategy deepspeed|fsdp`` runs them, not repeated in CI.)"""
     from transformers import AutoModelForCausalLM
 
-    run_helper("grpo_multiproc.py", tmp_path, "--strategy", strategy, "--devices", "2", "--models", str(models))
+    run_helper("grpo_multiproc.py", tmp_path, "--strategy", "ddp", "--devices", "2", "--models", str(models),
+               *(["--dapo"] if dapo else []))  # fmt: skip
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == 2
-    assert ranks[0]["wrapper"] == WRAPPERS[strategy]
+    iterations = 4 if dapo else 2  # DAPO: 1 group (4 rows) each = 1 minibatch x μ 2 = 2 steps an iteration
+    assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == iterations
+    assert ranks[0]["wrapper"] == WRAPPERS["ddp"]
+    if dapo:
+        for r in ranks:
+            assert r["sampling"] == [{"grpo/kept_groups": 1.0, "grpo/resample_rounds": 2.0}] * 4
+            assert r["extra_batches"] == 2 * 4
     for k, v in ranks[0]["params"].items():
         torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
     init = AutoModelForCausalLM.from_pretrained(models / "policy").state_dict()

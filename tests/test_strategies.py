@@ -1,11 +1,11 @@
-"""lit_rlhf/utils/strategies.py without processes: the FSDP strategy's refusals, the gradient-norm
-clip it uses (against torch's own), and the shape rule the optimizer groups read. The strategies'
+"""lit_rlhf/utils/strategies.py without processes: the FSDP strategy's refusals, the gradient norm
+every non-DeepSpeed update checks and clips with (against torch's own), and the shape rule the
+optimizer groups read. The strategies'
 real runs (FSDP, ZeRO-2/3 on 2 CPU processes) are in tests/test_distributed.py."""
 
 import pytest
 import torch
 
-from lit_rlhf.modules.health import clip_by_norm
 from lit_rlhf.utils.strategies import RLHFFSDPStrategy, built_ndim, sharded_grad_norm
 
 LAYER = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
@@ -20,41 +20,34 @@ def _params_with_grads(seed: int, scale: float) -> list[torch.nn.Parameter]:
     return params
 
 
-@pytest.mark.parametrize("scale, max_norm", [(1.0, 0.5), (1.0, 100.0), (1e-3, 1.0)])
-def test_norm_and_clip_equal_torch_clip_grad_norm(scale, max_norm):
-    """Unsharded (gradients already whole): the norm and the scaled gradients are torch's."""
-    ours, theirs = _params_with_grads(0, scale), _params_with_grads(0, scale)
-    norm = sharded_grad_norm(ours, RLHFFSDPStrategy(wrap_layers=[LAYER], sharding_strategy="NO_SHARD"))
-    clip_by_norm(ours, norm, max_norm)
-    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
-    assert float(norm) == pytest.approx(float(expected), rel=1e-6)
-    for a, b in zip(ours[:3], theirs[:3]):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
-    assert ours[3].grad is None
-
-
-def test_norm_of_shards_is_the_norm_of_the_whole():
-    """Each rank holds disjoint pieces: the squares add up across ranks (simulated here by summing
-    the per-"rank" squared norms, which is what the all-reduce does)."""
-    whole = torch.randn(40)
-    pieces = [whole[:13], whole[13:13], whole[13:]]  # an empty shard too
-    per_rank = [float(sharded_grad_norm([_with_grad(p)], _Local())) ** 2 for p in pieces]
-    assert sum(per_rank) ** 0.5 == pytest.approx(float(whole.norm()), rel=1e-6)
-
-
-class _Local:
+class _Unsharded:
     shards_gradients = False
     root_device = torch.device("cpu")
 
 
-def _with_grad(t: torch.Tensor) -> torch.nn.Parameter:
-    p = torch.nn.Parameter(torch.zeros_like(t))
-    p.grad = t.clone()
-    return p
+@pytest.mark.parametrize("scale, max_norm", [(1.0, 0.5), (1.0, 100.0), (1e-3, 1.0)])
+def test_norm_then_clip_is_torch_clip_grad_norm_exactly(scale, max_norm):
+    """Unsharded (gradients already whole): the norm the update checks and clips with is
+    torch's, bit for bit, so DDP/single-device runs clip exactly as ``clip_grad_norm_`` does."""
+    ours, theirs = _params_with_grads(0, scale), _params_with_grads(0, scale)
+    norm = sharded_grad_norm(ours, _Unsharded())
+    torch.nn.utils.clip_grads_with_norm_(ours, max_norm, norm)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    assert torch.equal(norm, expected) and float(norm) == pytest.approx(
+        sum(float(p.grad.double().pow(2).sum()) for p in _params_with_grads(0, scale)[:3]) ** 0.5, rel=1e-6)
+    for a, b in zip(ours[:3], theirs[:3]):
+        assert torch.equal(a.grad, b.grad)
+    assert ours[3].grad is None
+    assert float(sharded_grad_norm([torch.nn.Parameter(torch.zeros(2))], _Unsharded())) == 0.0  # no gradients
 
 
-def test_norm_without_gradients_is_zero():
-    assert float(sharded_grad_norm([torch.nn.Parameter(torch.zeros(2))], _Local())) == 0.0
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_one_bad_gradient_element_makes_the_norm_non_finite(bad):
+    """The update's finite check reads the norm: one NaN/inf among many elements must show."""
+    params = _params_with_grads(1, 1.0)
+    assert bool(torch.isfinite(sharded_grad_norm(params, _Unsharded())))
+    params[2].grad[4, 1, 0] = bad
+    assert not bool(torch.isfinite(sharded_grad_norm(params, _Unsharded())))
 
 
 def test_fsdp_strategy_refuses_what_it_cannot_honour():
@@ -81,6 +74,20 @@ def test_fsdp_strategy_refuses_what_it_cannot_honour():
 
     with pytest.raises(ValueError, match="Own holds parameters of its own"):
         s._setup_model(Own())
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lit_rlhf.models.lora import add_lora
+    from lit_rlhf.models.spec import LoraSpec
+
+    class WithLora(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            cfg = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+            self.actor = add_lora(LlamaForCausalLM(cfg), LoraSpec(enabled=True, r=2))
+
+    with pytest.raises(ValueError, match=r"\['actor'\] carry LoRA adapters"):
+        s._setup_model(WithLora())
 
 
 def test_built_ndim_is_the_shape_before_sharding():

@@ -145,11 +145,10 @@ class RLHFModule(pl.LightningModule):
 
         strategy = self.trainer.strategy
         if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and isinstance(strategy, RLHFFSDPStrategy):
-            from lit_rlhf.modules.health import clip_by_norm
             from lit_rlhf.utils.strategies import sharded_grad_norm
 
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip_by_norm(params, sharded_grad_norm(params, strategy), float(gradient_clip_val))
+            torch.nn.utils.clip_grads_with_norm_(params, float(gradient_clip_val), sharded_grad_norm(params, strategy))
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
@@ -216,7 +215,8 @@ class RLHFModule(pl.LightningModule):
             trainer.strategy.barrier("export")
 
     def sampling_mode(self, model: torch.nn.Module) -> Any:
-        """The context for sampling from ``model`` (and the frozen models' scoring forwards):
+        """The context for sampling from ``model`` (and the frozen models' scoring forwards); under
+        ZeRO-3 and FSDP it gathers every trained model of the module, ``model`` or not:
 
         * ``torch.inference_mode()`` where every rank holds whole weights (one device, DDP, ZeRO-1/2):
           no autograd bookkeeping at all, faster decoding than ``no_grad``;

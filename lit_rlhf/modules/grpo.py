@@ -33,6 +33,7 @@ from lit_rlhf.modules.rl import RLModule
 from lit_rlhf.rollout.collect import generate_and_score
 from lit_rlhf.rollout.minibatches import iterate_minibatches
 from lit_rlhf.rollout.score import response_logprobs
+from lit_rlhf.utils.distributed import all_reduce_min, all_reduce_sum
 
 AGGREGATION = {"seq_mean_token_mean": "seq_mean", "token_mean": "token_mean", "seq_sum_constant": "seq_sum_const"}
 
@@ -113,7 +114,9 @@ class GRPOModule(RLModule):
 
     def dynamic_sampling(self, rollout: Rollout, groups_wanted: int, fused: bool) -> tuple[Rollout, dict[str, Tensor]]:
         """DAPO: keep the groups whose rewards differ; sample more prompts (their own stream) until
-        ``groups_wanted`` groups are kept or ``max_resample_rounds`` extra batches were drawn."""
+        ``groups_wanted`` groups are kept or ``max_resample_rounds`` extra batches were drawn.
+        Under several processes every rank samples again while any rank is short (sampling is
+        collective), and all ranks train on the fewest groups any rank kept."""
         c: GRPOConfig = self.config
         g = c.num_generations
         kept, dropped, rounds = [], 0, 0
@@ -123,14 +126,21 @@ class GRPOModule(RLModule):
             dropped += int((~signal).sum())
             if rows.numel():
                 kept.append(rollout.select(rows))
-            if sum(r.scores.shape[0] for r in kept) >= groups_wanted * g or rounds >= c.max_resample_rounds:
+            short = sum(r.scores.shape[0] for r in kept) < groups_wanted * g
+            # every rank samples again while ANY rank is short: sampling is collective (the decoding
+            # loop's step agreement, gathered weights), and the extra-prompt streams stay in step
+            if not bool(all_reduce_sum(torch.tensor(float(short), device=rollout.scores.device))) \
+                    or rounds >= c.max_resample_rounds:
                 break
             rounds += 1
             rollout = self.sample_groups(self.next_extra_prompts(), policy_logprobs=not fused)
         if not kept:  # no group had a signal: train on the last batch (zero advantages: only the KL acts)
             kept = [rollout]
         out = cat_rollouts(kept, self.tokenizer.pad_token_id)
-        out = out.select(torch.arange(min(out.scores.shape[0], groups_wanted * g)))
+        # every rank trains on as many groups (the fewest any rank has): the update's minibatch
+        # count, hence its collectives (gradient all-reduces), must agree
+        n = torch.tensor(min(out.scores.shape[0], groups_wanted * g), device=out.scores.device)
+        out = out.select(torch.arange(int(all_reduce_min(n))))
         n_groups = out.scores.shape[0] // g
         return out, {"grpo/dropped_groups": torch.tensor(float(dropped)), "grpo/resample_rounds": torch.tensor(float(rounds)),
                      "grpo/kept_groups": torch.tensor(float(n_groups))}  # fmt: skip
@@ -227,7 +237,7 @@ def _cycle(loader: Any, skip: int = 0) -> Any:
     resumed run continues the same sequence."""
     per_pass = len(loader)
     if per_pass == 0:
-        raise ValueError("the extra prompt loader is empty (fewer training prompts than one batch)")
+        raise ValueError("the extra prompt loader is empty (fewer training prompts than one batch per rank)")
     epoch, skip = divmod(skip, per_pass)
     while True:
         if hasattr(loader.sampler, "set_epoch"):

@@ -15,7 +15,7 @@ counted skip, never an update (docs/algorithms.md §2.9).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor
@@ -31,28 +31,6 @@ def all_ranks_finite(x: Tensor) -> bool:
     """Whether ``x`` is finite on every rank (every rank must take the same branch after it)."""
     bad = torch.tensor([0.0 if bool(torch.isfinite(x).all()) else 1.0], device=x.device)
     return float(all_reduce_sum(bad)) == 0.0
-
-
-def grads_finite(params: Iterable[torch.nn.Parameter]) -> bool:
-    """Whether every gradient present is finite (gradients are already reduced across ranks).
-
-    Read from the global 2-norm (one pass over the gradients; NaN/inf anywhere makes it
-    non-finite) instead of a per-element ``isfinite`` per tensor, ~8× slower on CPU. A norm that
-    overflows fp32 (|g| ≳ 1e19) also counts as non-finite: such a step would be nonsense anyway.
-    Naive equivalent: ``all(torch.isfinite(p.grad).all() for p in params)``.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    return bool(torch.isfinite(torch.nn.utils.get_total_norm(grads))) if grads else True
-
-
-def clip_by_norm(params: Iterable[torch.nn.Parameter], norm: Tensor, max_norm: float) -> None:
-    """Scale the gradients by ``max_norm / (norm + 1e-6)`` when that is below 1, given their
-    global 2-norm ``norm`` (``torch.nn.utils.clip_grad_norm_``'s rule, for a norm computed across
-    shards: lit_rlhf.utils.strategies.sharded_grad_norm)."""
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    grads = [p.grad for p in params if p.grad is not None]
-    for g in grads:
-        g.mul_(coef.to(g.device))
 
 
 def check_finite_state(state: Mapping[str, Tensor], what: str) -> None:

@@ -33,7 +33,7 @@ from lit_rlhf.core.types import Rollout
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.modules.base import RLHFModule, policy_spec
 from lit_rlhf.modules.configs import RLConfig
-from lit_rlhf.modules.health import TrainingHealth, all_ranks_finite, clip_by_norm, grads_finite
+from lit_rlhf.modules.health import TrainingHealth, all_ranks_finite
 from lit_rlhf.rollout.collect import generate_and_score
 from lit_rlhf.utils.config import ConfigError
 
@@ -189,7 +189,8 @@ class RLModule(RLHFModule):
 
     # ------------------------------------------------------------------ rollout
     def rollout_grad_mode(self) -> Any:
-        """The rollout's context (generation and scoring): :meth:`RLHFModule.sampling_mode` of the actor."""
+        """The rollout's context (generation and scoring): :meth:`RLHFModule.sampling_mode` (under
+        ZeRO-3 and FSDP it gathers every trained model, the critic too, for the whole rollout)."""
         return self.sampling_mode(self.actor)
 
     def logprob_temperature(self) -> float:
@@ -227,35 +228,30 @@ class RLModule(RLHFModule):
     def optimizer_step(self, opt: Any, sched: Any, loss: Tensor) -> bool:
         """zero_grad → backward → global grad-norm clip (DeepSpeed clips in its own config) → step.
 
-        A loss that is not finite on some rank, or a non-finite gradient, is skipped and counted:
-        no optimizer or schedule step (lit_rlhf/modules/health.py). Under DeepSpeed the gradients
-        live in the engine: only the loss is checked there. Under FSDP each rank holds a shard of
-        the gradients: check and clip use their all-reduced norm (every rank decides alike).
-        Returns whether the update was applied.
+        A loss that is not finite on some rank, or a non-finite gradient norm, is skipped and
+        counted: no optimizer or schedule step (lit_rlhf/modules/health.py). The norm is computed
+        once for the check and the clip, across shards under FSDP
+        (:func:`lit_rlhf.utils.strategies.sharded_grad_norm`), so every rank decides alike. Under
+        DeepSpeed the gradients live in the engine: only the loss is checked there. Returns
+        whether the update was applied.
         """
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
-        from lit_rlhf.utils.strategies import RLHFFSDPStrategy, sharded_grad_norm
+        from lit_rlhf.utils.strategies import sharded_grad_norm
 
         strategy = self.trainer.strategy
-        deepspeed = isinstance(strategy, DeepSpeedStrategy)
-        fsdp = isinstance(strategy, RLHFFSDPStrategy)
         max_norm = self.config.max_grad_norm
         opt.zero_grad()
         applied = all_ranks_finite(loss.detach())
         if applied:
             self.manual_backward(loss)
-            if fsdp:
+            if not isinstance(strategy, DeepSpeedStrategy):
                 params = [p for group in opt.param_groups for p in group["params"]]
                 norm = sharded_grad_norm(params, strategy)
                 applied = bool(torch.isfinite(norm))
-            else:
-                applied = deepspeed or grads_finite(self.parameters())
+                if applied and max_norm is not None:
+                    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         if applied:
-            if fsdp and max_norm is not None:
-                clip_by_norm(params, norm, max_norm)
-            elif max_norm is not None and not deepspeed:
-                self.clip_gradients(opt, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
             opt.step()
             sched.step()
         else:

@@ -224,7 +224,10 @@ def _layer_step_usable(model: Any, cache: Any) -> bool:
 
 
 def _all_ranks_done(done: bool, device: torch.device) -> bool:
-    """Every rank must run the same number of forwards (ZeRO-3 gathers parameters in them)."""
+    """Whether every rank is done, so that all ranks run the same number of decoding forwards:
+    forwards of sharded weights outside a gathered context gather them collectively (ZeRO-3,
+    FSDP) and would hang otherwise. The stages sample from gathered weights, where this costs one
+    small all-reduce per token."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):

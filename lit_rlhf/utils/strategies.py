@@ -24,8 +24,9 @@ class RLHFFSDPStrategy(FSDPStrategy):
     * Sampling from the sharded models gathers their weights once per rollout: :func:`fsdp_gathered`.
     * Gradient-norm clipping and the finite check use the norm across shards
       (:func:`sharded_grad_norm`); Lightning refuses norm clipping under FSDP.
-    * A module registered under two parents (a LoRA reference sharing the actor) is refused:
-      FSDP would wrap it once and the other path would bypass its unit.
+    * LoRA models are refused (the adapters-off reference would call the actor's modules around
+      the units that gather them; untested otherwise), and so is a module registered under two
+      parents (FSDP would wrap it once and the other path would bypass its unit).
 
     Args:
         wrap_layers: import paths of the transformer-block classes, e.g.
@@ -57,18 +58,24 @@ class RLHFFSDPStrategy(FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+        from lit_rlhf.models.lora import has_lora
+
         seen: dict[int, str] = {}
         for name, m in model.named_modules(remove_duplicate=False):
             if id(m) in seen and any(True for _ in m.parameters(recurse=False)):
-                raise ValueError(f"FSDP: '{seen[id(m)]}' is also registered as '{name}' (a LoRA reference sharing "
-                                 "the actor?): FSDP cannot shard a module with two parents; use "
-                                 "strategy=deepspeed_stage_2/3 for LoRA RL, or model.lora.enabled=false")  # fmt: skip
+                raise ValueError(f"FSDP: '{seen[id(m)]}' is also registered as '{name}': FSDP cannot shard a module "
+                                 "with two parents")  # fmt: skip
             seen.setdefault(id(m), name)
+        lora = [name for name, child in model.named_children() if has_lora(child)]
+        if lora:
+            raise ValueError(f"FSDP: {lora} carry LoRA adapters, which lit_rlhf does not run under FSDP; use "
+                             "strategy=deepspeed_stage_2/3 or auto/ddp, or model.lora.enabled=false")  # fmt: skip
         if any(True for _ in model.parameters(recurse=False)):
             raise ValueError(f"FSDP: {type(model).__name__} holds parameters of its own; lit_rlhf shards the models "
                              "it holds as children, each its own FSDP root")  # fmt: skip
         for p in model.parameters():  # FSDP turns sharded parameters into flat 1-D views: keep the shape built
-            p.built_ndim = p.ndim
+            if not hasattr(p, "built_ndim"):  # (a second setup sees the flat views)
+                p.built_ndim = p.ndim
         policy = ModuleWrapPolicy(set(self.wrap_layers)) if self.wrap_layers else None
         for name, child in list(model.named_children()):
             if isinstance(child, FullyShardedDataParallel) or not any(True for _ in child.parameters()):
@@ -80,6 +87,15 @@ class RLHFFSDPStrategy(FSDPStrategy):
             )  # fmt: skip
             _setup_activation_checkpointing(unit, self._activation_checkpointing_kwargs)
             setattr(model, name, unit)
+        # FSDP placed the units (on the device, or on the CPU under cpu_offload). What it would have
+        # moved wrapping the LightningModule whole moves here: the other children and the module's
+        # own buffers, and the ``device`` the module records (it places the frozen models)
+        for child in model.children():
+            if not isinstance(child, FullyShardedDataParallel):
+                child.to(self.root_device)
+        for name, buffer in list(model.named_buffers(recurse=False)):
+            setattr(model, name, buffer.to(self.root_device))
+        model._device = self.root_device  # what LightningModule.to records (lightning's _DeviceDtypeModuleMixin)
         return model
 
     @property
@@ -112,6 +128,9 @@ def fsdp_gathered(module: Any) -> Iterator[None]:
     units = FullyShardedDataParallel.fsdp_modules(module)
     roots = FullyShardedDataParallel.fsdp_modules(module, root_only=True)
     with torch.no_grad(), contextlib.ExitStack() as stack:
+        device = next((p.device.type for u in roots for p in u.parameters()), "cpu")
+        if torch.is_autocast_enabled(device):  # no cached low-precision copies of the gathered weights
+            stack.enter_context(torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False))
         for root in roots:
             stack.enter_context(FullyShardedDataParallel.summon_full_params(root, recurse=True, writeback=False))
         for unit in units:
@@ -130,18 +149,21 @@ def built_ndim(p: Any) -> int:
 
 
 def sharded_grad_norm(params: Sequence[Any], strategy: Any) -> Any:
-    """The global 2-norm of ``params``' gradients: under FSDP each rank holds a disjoint shard of
-    every gradient, so the local sum of squares is all-reduced (what ``FSDP.clip_grad_norm_``
-    computes, for a subset of the root's parameters: one model's, as PPO clips actor and critic
-    separately). Elsewhere the local norm (gradients already reduced)."""
+    """The global 2-norm of ``params``' gradients (an optimizer's: PPO's spans two FSDP roots,
+    actor and critic, which ``FSDP.clip_grad_norm_`` of one root cannot cover). Under FSDP each
+    rank holds a disjoint shard of every gradient, so the local sums of squares are all-reduced
+    (on the strategy's device: offloaded gradients live on the CPU); elsewhere the gradients are
+    already reduced and the local norm is the norm (``torch.nn.utils.clip_grad_norm_``'s, exactly).
+    Naive equivalent (unsharded): ``torch.nn.utils.get_total_norm([p.grad for p in params])``."""
     import torch
 
+    from lit_rlhf.utils.distributed import all_reduce_sum
+
     grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else strategy.root_device
-    sq = torch.nn.utils.get_total_norm(grads).float() ** 2 if grads else torch.zeros((), device=device)
+    norm = (torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())).to(strategy.root_device)
     if getattr(strategy, "shards_gradients", False):
-        torch.distributed.all_reduce(sq)
-    return sq.sqrt()
+        norm = all_reduce_sum(norm.float() ** 2).sqrt()
+    return norm
 
 
 class RLHFDeepSpeedStrategy(DeepSpeedStrategy):

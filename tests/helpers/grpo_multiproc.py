@@ -1,7 +1,10 @@
-"""Run a few GRPO iterations under DDP or (CPU) DeepSpeed ZeRO-2 with N processes; each rank writes
+"""Run a few GRPO iterations under DDP, (CPU) DeepSpeed or (CPU) FSDP with N processes; each rank writes
 its final actor parameters and metrics to OUT/rank<r>.pt.
 
-    python tests/helpers/grpo_multiproc.py --strategy ddp --devices 2 --models DIR --out DIR
+    python tests/helpers/grpo_multiproc.py --strategy ddp --devices 2 --models DIR --out DIR [--dapo]
+
+``--dapo``: dynamic sampling with a reward that differs by rank (:func:`uneven_reward`), so the
+ranks need different numbers of extra prompt batches and keep different numbers of groups.
 
 Run as a script: Lightning's subprocess launcher re-executes it once per extra rank.
 """
@@ -27,23 +30,50 @@ from lit_rlhf.utils.config import build_config  # noqa: E402
 from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args, wrapper_name  # noqa: E402
 
 
+def uneven_reward():
+    """A reward callable (``algo.reward_fn``) for 2 ranks of 2 groups of 4: on rank 0 every group
+    has a signal; on rank 1 only the second group of an iteration's first batch does, every extra
+    batch is flat. So rank 0 has its groups at once, rank 1 stays short through every extra round
+    and ends with 1 group."""
+    import zlib
+
+    calls = [0]
+
+    def reward(prompts, responses, ended=None):
+        rank = int(os.environ.get("LOCAL_RANK", "0"))
+        first = calls[0] % 3 == 0  # max_resample_rounds = 2: 3 batches per iteration on every rank
+        calls[0] += 1
+        varied = [float(zlib.crc32(f"{i}{r}".encode()) % 97) for i, r in enumerate(responses)]
+        if rank == 0:
+            return varied
+        return [v if first and i >= 4 else 0.0 for i, v in enumerate(varied)]
+
+    return reward
+
+
 def main() -> None:
-    args = multiproc_args("folder with policy/ and rm/")
+    args = multiproc_args("folder with policy/ and rm/", [("--dapo", {"action": "store_true"})])
     torch.set_num_threads(1)
     policy, rm = os.path.join(args.models, "policy"), os.path.join(args.models, "rm")
-    cfg = build_config(GRPOConfig, {"policy_path": policy, "reward_path": rm, "lr": 1e-3, "num_generations": 4,
+    reward = ({"reward_fn": {"_target_": "tests.helpers.grpo_multiproc.uneven_reward"}, "dynamic_sampling": True,
+               "max_resample_rounds": 2} if args.dapo else {"reward_path": rm})  # fmt: skip
+    cfg = build_config(GRPOConfig, {"policy_path": policy, "lr": 1e-3, "num_generations": 4,
                                     "rollout_batch_size": 8, "minibatch_size": 4, "num_iterations": 2,
-                                    "generation": {"max_new_tokens": 6}}, "algo")  # fmt: skip
+                                    "generation": {"max_new_tokens": 6}, **reward}, "algo")  # fmt: skip
     spec = GRPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=policy))
     tok = build_tokenizer(spec)
     module = GRPOModule(cfg, model=spec, tokenizer=tok)
     data = PromptDataModule(n_train=64, n_val=0, batch_size=2).connect(tok)
     strategy = cpu_strategy(args.strategy, micro_batch=4)
-    wrapper = []
+    wrapper, sampling = [], []
 
     class Wrapper(pl.Callback):  # the strategy's wrapper during fit (teardown unwraps DDP)
         def on_train_start(self, trainer, module):
             wrapper.append(wrapper_name(trainer, module.actor))
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            st = outputs["stats"]
+            sampling.append({k: float(st[k]) for k in ("grpo/kept_groups", "grpo/resample_rounds") if k in st})
 
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=8, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
@@ -51,7 +81,7 @@ def main() -> None:
     trainer.fit(module, data)
     params = {k: v.detach().float().cpu().clone() for k, v in module.actor.state_dict().items()}
     torch.save({"params": params, "world_size": trainer.world_size, "global_step": trainer.global_step,
-                "iteration": module.rl_iteration, "wrapper": wrapper[0]},
+                "iteration": module.rl_iteration, "wrapper": wrapper[0], "sampling": sampling, "extra_batches": module.extra_batches},
                os.path.join(args.out, f"rank{trainer.global_rank}.pt"))  # fmt: skip
 
 
