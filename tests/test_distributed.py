@@ -112,6 +112,11 @@ def test_ddp_two_processes_identical(ppo_runs, models):
     ranks = ppo_runs("ddp", 2)
     assert ranks[0]["wrapper"] == "DistributedDataParallel"
     assert_ranks_agree_and_trained(ranks, models)
+    # the iteration's logged statistics are the whole batch's, the same on both ranks (each rank's
+    # own would differ: their rollouts do), e.g. the mean score and the policy's clip fraction
+    logged = [r["logged"] for r in ranks]
+    assert {"reward/normalized_mean", "policy/clipfrac", "policy/ratio_max", "perf/rollout_s"} <= logged[0].keys()
+    assert logged[0] == pytest.approx(logged[1], rel=1e-6)
 
 
 @pytest.mark.slow

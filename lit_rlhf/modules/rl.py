@@ -36,6 +36,7 @@ from lit_rlhf.modules.configs import RLConfig
 from lit_rlhf.modules.health import TrainingHealth, all_ranks_finite
 from lit_rlhf.rollout.collect import generate_and_score
 from lit_rlhf.utils.config import ConfigError
+from lit_rlhf.utils.distributed import all_reduce_min, all_reduce_sum
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +268,20 @@ class RLModule(RLHFModule):
             out["policy/ratio_max"] = torch.stack(collected["policy/ratio_max"]).max()
         return out
 
+    def stats_over_ranks(self, stats: dict[str, Tensor]) -> dict[str, Tensor]:
+        """An iteration's statistics over all ranks, so that every rank logs (and its callbacks
+        read) the whole batch's: each rank's value is of its own rollout, the same size on every
+        rank, so the mean of the ranks' values is the global one; ``*_max`` ones take the maximum.
+        Two all-reduces an iteration; alone, ``stats`` unchanged."""
+        world = self._trainer.world_size if self._trainer is not None else 1
+        if world <= 1:
+            return stats
+        keys = sorted(stats)
+        values = torch.stack([stats[k].detach().float().reshape(()).to(self.device) for k in keys])
+        means = all_reduce_sum(values.clone()) / world
+        maxima = -all_reduce_min(-values)
+        return {k: (maxima[i] if k.endswith("_max") else means[i]) for i, k in enumerate(keys)}
+
     def total_updates(self) -> int:
         """Optimizer steps of the whole fit: trainer.max_steps, else batches × updates per batch."""
         if self.trainer.max_steps is not None and self.trainer.max_steps > 0:
@@ -293,6 +308,7 @@ class RLModule(RLHFModule):
             "rl/iteration": torch.tensor(float(self.iteration)),
             **self.health.end_iteration(),  # raises NonFiniteTrainingError after too many bad iterations
         }
+        stats = self.stats_over_ranks(stats)
         self.log_dict({k: v.float() for k, v in stats.items() if k != "rl/iteration"}, batch_size=n)
         self.log("rl/iteration", stats["rl/iteration"], prog_bar=True, batch_size=n)
         return {"rollout": rollout, "stats": stats}

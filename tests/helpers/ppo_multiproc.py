@@ -103,6 +103,8 @@ class Dump(pl.Callback):
              "world_size": trainer.world_size, "iteration": module.iteration,
              "kl_ctl": module.kl_ctl.state_dict(), "kl_inputs": self.kl_inputs, "advantages": self.advantages,
              "whole_weights": self.whole_weights,
+             "logged": {k: float(v) for k, v in trainer.callback_metrics.items()
+                        if k.split("/")[0] in ("policy", "critic", "reward", "perf", "health", "kl_ctl")},
              "groups": [len(g["params"]) for g in trainer.optimizers[0].param_groups],  # matrices/vectors split
              "wrapper": type(module.actor if fsdp(trainer) else trainer.strategy.model).__name__,
              "zero_stage": trainer.strategy.model.zero_optimization_stage()
