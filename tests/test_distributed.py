@@ -86,7 +86,7 @@ def ppo_runs(models, tmp_path_factory):
     def get(strategy: str, devices: int):
         if (strategy, devices) not in cache:
             out = tmp_path_factory.mktemp(f"{strategy}{devices}")
-            extra = ("--ckpt-dir", str(out / "ckpt")) if strategy in ("ddp", "fsdp") else ()  # for the resume tests
+            extra = ("--ckpt-dir", str(out / "ckpt")) if devices == 2 and strategy != "deepspeed3" else ()  # resume tests
             if strategy == "fsdp":
                 extra += ("--export-dir", str(out / "export"))
             cache[strategy, devices] = run(strategy, devices, models, out, 4, *extra)
@@ -121,12 +121,13 @@ def test_ddp_two_processes_identical(ppo_runs, models):
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed"])
 def test_two_processes_resume_exactly(ppo_runs, models, tmp_path, strategy):
-    """Killed after its first iteration and resumed, a 2-process DDP or FSDP run ends bit for bit
-    where the uninterrupted one ends, on both ranks: weights, running reward moments and KL
-    controller (each rank's RNG state comes back from the checkpoint, all-gathered when it was
-    saved; under FSDP the full weights and Adam states are gathered and re-sharded)."""
+    """Killed after its first iteration and resumed, a 2-process DDP, FSDP or DeepSpeed ZeRO-2 run
+    ends bit for bit where the uninterrupted one ends, on both ranks: weights, running reward
+    moments and KL controller (each rank's RNG state comes back from the checkpoint, all-gathered
+    when it was saved; under FSDP the full weights and Adam states are gathered and re-sharded;
+    under ZeRO-2 the checkpoint is DeepSpeed's folder of shards)."""
     full = ppo_runs(strategy, 2)
     ckpt = sorted(full[0]["ckpt_dir"].glob("*step=2.ckpt"))
     assert len(ckpt) == 1, sorted(full[0]["ckpt_dir"].iterdir())
