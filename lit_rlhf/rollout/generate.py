@@ -156,7 +156,7 @@ class _LayerStep:
     head at the new token, with the rotary ``(cos, sin)`` looked up in a table built once per
     rollout. It skips what the model-level ``forward`` redoes at every token (argument
     wrappers, mask and cache plumbing, the rotary computation): 5–12% of a small model's decoding
-    time in ``make bench``. Only for the standard decoder layout (``model.model`` with
+    time (in-process A/B runs on ``make bench``'s model). Only for the standard decoder layout (``model.model`` with
     ``embed_tokens``, ``rotary_emb``, ``layers``, ``norm``; an LM head; plain rotary) where the
     decode masks are prebuilt, and only after :func:`_layer_step_ok` found its logits equal to
     the model's own on the model's first decoding step. Callable like the model for one step.
