@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from lit_rlhf.core.masked import position_ids_from_mask
 from lit_rlhf.data.collate import pad
 from lit_rlhf.models.builders import build_causal_lm
 from lit_rlhf.rollout.generate import GenerationConfig, response_mask_from_eos, sample
@@ -268,6 +269,71 @@ def test_layer_step_that_differs_from_the_forward_is_not_used(tokenizer, monkeyp
     dynamic = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                            intermediate_size=64, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))  # fmt: skip
     assert generate._LayerStep.supported(model) and not generate._LayerStep.supported(dynamic)
+
+
+@pytest.mark.parametrize("arch, attn, kv_heads, dtype", [
+    ("llama", "sdpa", 4, torch.float32), ("llama", "eager", 2, torch.float32), ("llama", "sdpa", 1, torch.bfloat16),
+    ("mistral", "sdpa", 2, torch.float32), ("qwen2", "eager", 2, torch.float32), ("qwen2", "sdpa", 4, torch.bfloat16),
+])  # fmt: skip
+def test_inlined_layers_decode_bit_for_bit_as_their_forward(arch, attn, kv_heads, dtype):
+    """Decoding with the Llama-layout layers inlined gives exactly (torch.equal) the logits of the
+    same steps through each layer's own forward: grouped-query attention, q/k/v biases (Qwen2),
+    eager and sdpa masks, bf16, left-padded prompts, over several steps of a shared KV cache."""
+    import transformers
+
+    import lit_rlhf.rollout.generate as generate
+
+    config_class, model_class = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+                                 "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[arch]  # fmt: skip
+    cfg = getattr(transformers, config_class)(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=kv_heads, intermediate_size=64, attn_implementation=attn,
+                                              sliding_window=None)  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(cfg).to(dtype).eval()
+    for module in model.modules():  # non-trivial norms and biases
+        for p in module.parameters(recurse=False):
+            p.data.add_(torch.randn_like(p) * 0.1)
+    ids, mask = pad([[2, 10, 11, 12, 13], [2, 20], [2, 30, 31]], 0, "left")
+    steps = 6
+    table = generate._decode_mask_table(model, mask, steps)
+    positions = position_ids_from_mask(mask)
+
+    def decode(inline: bool) -> torch.Tensor:
+        cache = generate._preallocated_cache(model, ids.shape[1] + steps)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+            step = generate._LayerStep(model, ids.shape[1] + steps + 1)
+            assert step.inline == [True, True]
+            step.inline = [inline] * 2
+            tokens, pos, logits = torch.tensor([[3], [4], [5]]), positions[:, -1:] + 1, []
+            for t in range(steps):
+                out = step(input_ids=tokens, attention_mask=table[..., : ids.shape[1] + t + 1], position_ids=pos, cache=cache)
+                logits.append(out.logits)
+                tokens, pos = out.logits[:, -1].float().argmax(-1, keepdim=True), pos + 1
+        return torch.cat(logits, 1)
+
+    inlined, layered = decode(True), decode(False)
+    assert inlined.dtype == dtype and torch.equal(inlined, layered)
+
+
+def test_layers_with_hooks_adapters_or_another_layout_are_not_inlined():
+    """A forward hook, a peft LoRA wrapper or a layer of another layout (Qwen3's q/k norms) keeps
+    the layer's own forward: inlining would skip what they add."""
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    import lit_rlhf.rollout.generate as generate
+
+    small = dict(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    model = LlamaForCausalLM(LlamaConfig(**small))
+    assert [generate._inlinable(layer) for layer in model.model.layers] == [True, True]
+    handle = model.model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: None)
+    assert [generate._inlinable(layer) for layer in model.model.layers] == [True, False]
+    handle.remove()
+    lora = peft.get_peft_model(LlamaForCausalLM(LlamaConfig(**small)), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert not any(generate._inlinable(layer) for layer in lora.base_model.model.model.layers)
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(**small, head_dim=8))
+    assert not any(generate._inlinable(layer) for layer in qwen3.model.layers)
 
 
 def test_response_logits_same_with_and_without_logits_to_keep(policy):
