@@ -255,7 +255,7 @@ def test_layer_step_that_differs_from_the_forward_is_not_used(tokenizer, monkeyp
         return out
 
     monkeypatch.setattr(generate._LayerStep, "__call__", lambda self, **kw: off_by_a_bit(self, **kw))
-    with caplog.at_level(logging.WARNING, logger="lit_rlhf.rollout.generate"):
+    with caplog.at_level(logging.WARNING, logger="lit_rlhf.rollout.decode_step"):
         torch.manual_seed(4)
         got = sample(model, ids, mask, gen, eos_id=-1, pad_id=0)[0]
     assert generate._LAYER_STEP_VERDICTS[model] is False and "decoding with its forward" in caplog.text
@@ -281,6 +281,7 @@ def test_inlined_layers_decode_bit_for_bit_as_their_forward(arch, attn, kv_heads
     eager and sdpa masks, bf16, left-padded prompts, over several steps of a shared KV cache."""
     import transformers
 
+    import lit_rlhf.rollout.decode_step as decode_step
     import lit_rlhf.rollout.generate as generate
 
     config_class, model_class = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
@@ -302,7 +303,7 @@ def test_inlined_layers_decode_bit_for_bit_as_their_forward(arch, attn, kv_heads
         cache = generate._preallocated_cache(model, ids.shape[1] + steps)
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-            step = generate._LayerStep(model, ids.shape[1] + steps + 1)
+            step = decode_step._LayerStep(model, ids.shape[1] + steps + 1)
             assert step.inline == [True, True]
             step.inline = [inline] * 2
             tokens, pos, logits = torch.tensor([[3], [4], [5]]), positions[:, -1:] + 1, []
@@ -322,18 +323,18 @@ def test_layers_with_hooks_adapters_or_another_layout_are_not_inlined():
     import peft
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    import lit_rlhf.rollout.generate as generate
+    import lit_rlhf.rollout.decode_step as decode_step
 
     small = dict(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
     model = LlamaForCausalLM(LlamaConfig(**small))
-    assert [generate._inlinable(layer) for layer in model.model.layers] == [True, True]
+    assert [decode_step._inlinable(layer) for layer in model.model.layers] == [True, True]
     handle = model.model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: None)
-    assert [generate._inlinable(layer) for layer in model.model.layers] == [True, False]
+    assert [decode_step._inlinable(layer) for layer in model.model.layers] == [True, False]
     handle.remove()
     lora = peft.get_peft_model(LlamaForCausalLM(LlamaConfig(**small)), peft.LoraConfig(r=2, target_modules=["q_proj"]))
-    assert not any(generate._inlinable(layer) for layer in lora.base_model.model.model.layers)
+    assert not any(decode_step._inlinable(layer) for layer in lora.base_model.model.model.layers)
     qwen3 = Qwen3ForCausalLM(Qwen3Config(**small, head_dim=8))
-    assert not any(generate._inlinable(layer) for layer in qwen3.model.layers)
+    assert not any(decode_step._inlinable(layer) for layer in qwen3.model.layers)
 
 
 def test_response_logits_same_with_and_without_logits_to_keep(policy):
