@@ -9,8 +9,10 @@ import sys
 import tempfile
 import resource
 import statistics
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_DIR = ROOT / "bench" / ".trl"
@@ -461,13 +463,13 @@ def case_dpo_trl(models: Path, s: dict, precompute: bool = False) -> dict:
 
 
 GRPO_G = 4  # responses per prompt in the GRPO cases: batch / G prompts per step
+PAIRED_STEPS = 16  # timed step pairs of grpo_paired (no interpreter start per step: more steps are cheap)
 
 
-def case_grpo_ours(models: Path, s: dict) -> dict:
-    """lit_rlhf ``GRPOModule`` iterations through Lightning's Trainer: ``batch`` responses per step
-    (batch / G prompts), ``new_tokens`` each at temperature 0.7, β 0.04 with the reference loaded,
-    one update per rollout, the embedded gold reward as a Python callable; timed per iteration,
-    with the phase breakdown (rollout vs update) from the module's own perf metrics."""
+def _grpo_ours(models: Path, s: dict, n: int, callbacks: list) -> Any:
+    """A Lightning ``Trainer`` and the ``fit`` arguments of lit_rlhf's GRPO for ``n`` iterations: ``batch``
+    responses per step (batch / G prompts), ``new_tokens`` each at temperature 0.7, β 0.04 with the
+    reference loaded, one update per rollout, the embedded gold reward as a Python callable."""
     import lightning.pytorch as pl
 
     from lit_rlhf.data.prompts import PromptDataModule
@@ -486,6 +488,43 @@ def case_grpo_ours(models: Path, s: dict) -> dict:
     tok = build_tokenizer(spec)
     module = GRPOModule(cfg, model=spec, tokenizer=tok)
     data = PromptDataModule(n_train=s["batch"] * 50, n_val=0, batch_size=s["batch"] // GRPO_G).connect(tok)
+    trainer = pl.Trainer(max_steps=n, accelerator="cpu", logger=False, enable_checkpointing=False, limit_val_batches=0,
+                         enable_progress_bar=False, callbacks=callbacks, num_sanity_val_steps=0)  # fmt: skip
+    return trainer, module, data
+
+
+def _grpo_trl(models: Path, s: dict, n: int, callbacks: list) -> Any:
+    """TRL's ``GRPOTrainer`` for ``n`` steps with the same G, prompts, new tokens, temperature, β 0.04
+    (reference loaded), one update per generation, the same reward callable; fp32, no gradient
+    checkpointing."""
+    _trl_path()
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lit_rlhf.data.synthetic import SyntheticTask, gold_reward_fn
+    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.models.spec import ModelSpec
+
+    tok = build_tokenizer(ModelSpec(name_or_path=str(models / "policy")))
+    ds = Dataset.from_dict({"prompt": [r["prompt"] for r in SyntheticTask().prompts(s["batch"] // GRPO_G * n, "train")]})
+    gold = gold_reward_fn()
+
+    def reward(prompts, completions, **kw):
+        return gold(prompts, completions, [True] * len(completions))
+
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=s["batch"], num_generations=GRPO_G,
+                      max_completion_length=s["new_tokens"], temperature=0.7, top_p=1.0, beta=0.04, loss_type="grpo",
+                      max_steps=n, learning_rate=1e-6, report_to=[], save_strategy="no", logging_steps=10_000,
+                      use_cpu=True, disable_tqdm=True, bf16=False, gradient_checkpointing=False)  # fmt: skip
+    return GRPOTrainer(model=str(models / "policy"), reward_funcs=reward, args=args, processing_class=tok,
+                       train_dataset=ds, callbacks=callbacks)  # fmt: skip
+
+
+def case_grpo_ours(models: Path, s: dict) -> dict:
+    """lit_rlhf ``GRPOModule`` iterations through Lightning's Trainer (:func:`_grpo_ours`), timed per
+    iteration, with the phase breakdown (rollout vs update) from the module's own perf metrics."""
+    import lightning.pytorch as pl
+
     phases = []
 
     class Phases(pl.Callback):
@@ -494,9 +533,7 @@ def case_grpo_ours(models: Path, s: dict) -> dict:
             phases.append((float(st["perf/rollout_s"]), float(st["perf/train_s"])))
 
     timer = _step_timer()
-    n = s["warmup"] + s["steps"]
-    trainer = pl.Trainer(max_steps=n, accelerator="cpu", logger=False, enable_checkpointing=False, limit_val_batches=0,
-                         enable_progress_bar=False, callbacks=[timer, Phases()], num_sanity_val_steps=0)  # fmt: skip
+    trainer, module, data = _grpo_ours(models, s, s["warmup"] + s["steps"], [timer, Phases()])
     t_start = time.perf_counter()
     trainer.fit(module, data)
     t = median_step([t_start] + timer.times, s["warmup"])
@@ -505,24 +542,8 @@ def case_grpo_ours(models: Path, s: dict) -> dict:
 
 
 def case_grpo_trl(models: Path, s: dict) -> dict:
-    """TRL ``GRPOTrainer`` with the same G, prompts, new tokens, temperature, β 0.04 (reference loaded),
-    one update per generation, the same reward callable; fp32, no gradient checkpointing."""
-    _trl_path()
-    from datasets import Dataset
+    """TRL ``GRPOTrainer`` (:func:`_grpo_trl`), timed per step."""
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from lit_rlhf.data.synthetic import SyntheticTask, gold_reward_fn
-    from lit_rlhf.models.builders import build_tokenizer
-    from lit_rlhf.models.spec import ModelSpec
-
-    tok = build_tokenizer(ModelSpec(name_or_path=str(models / "policy")))
-    n = s["warmup"] + s["steps"]
-    ds = Dataset.from_dict({"prompt": [r["prompt"] for r in SyntheticTask().prompts(s["batch"] // GRPO_G * n, "train")]})
-    gold = gold_reward_fn()
-
-    def reward(prompts, completions, **kw):
-        return gold(prompts, completions, [True] * len(completions))
 
     times = []
 
@@ -530,16 +551,111 @@ def case_grpo_trl(models: Path, s: dict) -> dict:
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter())
 
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=s["batch"], num_generations=GRPO_G,
-                      max_completion_length=s["new_tokens"], temperature=0.7, top_p=1.0, beta=0.04, loss_type="grpo",
-                      max_steps=n, learning_rate=1e-6, report_to=[], save_strategy="no", logging_steps=10_000,
-                      use_cpu=True, disable_tqdm=True, bf16=False, gradient_checkpointing=False)  # fmt: skip
-    trainer = GRPOTrainer(model=str(models / "policy"), reward_funcs=reward, args=args, processing_class=tok,
-                          train_dataset=ds, callbacks=[Timer()])  # fmt: skip
+    trainer = _grpo_trl(models, s, s["warmup"] + s["steps"], [Timer()])
     t_start = time.perf_counter()
     trainer.train()
     t = median_step([t_start] + times, s["warmup"])
     return {"step_s": t, "samples_per_s": s["batch"] / t}
+
+
+class Alternation:
+    """Two training loops of one process taking turns, one step each: ``step(side)`` at the start
+    of each of ``side``'s steps hands the turn to the other loop and waits for it back (the first
+    call waits until both loops have set up), so only one loop computes at any time, and each
+    loop's cycle (its step and the loop's own overhead up to its next step) is timed alone.
+    ``finish(side)`` when a loop ends: the other then runs on without waiting. Adjacent cycles
+    of the two loops, a second or so apart, share the machine's state: on a VM whose speed drifts
+    over seconds their ratio is a much steadier measurement than runs minutes apart."""
+
+    def __init__(self, first: str, second: str, timeout: float = 900.0) -> None:
+        self.sides, self.turn, self.timeout = (first, second), first, timeout
+        self.cond = threading.Condition()
+        self.ready: set[str] = set()
+        self.done: set[str] = set()
+        self.holder: str | None = None
+        self.started = 0.0
+        self.cycles: dict[str, list[float]] = {first: [], second: []}
+
+    def _other(self, side: str) -> str:
+        return self.sides[1] if side == self.sides[0] else self.sides[0]
+
+    def _release(self, side: str, now: float, record: bool) -> None:
+        if self.holder == side:
+            if record:
+                self.cycles[side].append(now - self.started)
+            self.holder, self.turn = None, self._other(side)
+
+    def step(self, side: str) -> None:
+        now = time.perf_counter()
+        other = self._other(side)
+        with self.cond:
+            self._release(side, now, record=True)
+            self.ready.add(side)
+            self.cond.notify_all()
+            mine = lambda: other in self.done or (len(self.ready) == 2 and self.turn == side)  # noqa: E731
+            if not self.cond.wait_for(mine, self.timeout):
+                raise TimeoutError(f"{side}: the other loop ({other}) kept the turn for {self.timeout:.0f} s")
+            self.holder, self.started = side, time.perf_counter()
+
+    def finish(self, side: str) -> None:
+        with self.cond:
+            self._release(side, time.perf_counter(), record=False)  # the last cycle holds the loop's teardown
+            self.done.add(side)
+            self.turn = self._other(side)
+            self.cond.notify_all()
+
+    def pairs(self, warmup: int) -> list[tuple[float, float]]:
+        """(first's cycle, second's cycle) of each round after ``warmup``; first's ran just before."""
+        a, b = self.cycles[self.sides[0]], self.cycles[self.sides[1]]
+        return list(zip(a, b))[warmup:]
+
+
+def case_grpo_paired(models: Path, s: dict) -> dict:
+    """lit_rlhf's and TRL's GRPO (:func:`_grpo_ours`, :func:`_grpo_trl`) in ONE process, their steps
+    alternating (ours, TRL's, ours, …; :class:`Alternation`): the per-pair ratio TRL cycle / our
+    cycle, its median and quartiles. Peak RSS and the phase breakdown come from the separate cases."""
+    import lightning.pytorch as pl
+    from transformers import TrainerCallback
+
+    steps = PAIRED_STEPS if s["steps"] > 1 else s["steps"]
+    n = s["warmup"] + steps + 1  # the last cycle (into teardown) is not timed
+    alt = Alternation("ours", "trl")
+
+    class OurTurn(pl.Callback):
+        def on_train_batch_start(self, *args):
+            alt.step("ours")
+
+    class TheirTurn(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            alt.step("trl")
+
+    trainer, module, data = _grpo_ours(models, s, n, [OurTurn()])
+    trl = _grpo_trl(models, s, n, [TheirTurn()])
+    errors: list[BaseException] = []
+
+    def fit_ours() -> None:
+        try:
+            trainer.fit(module, data)
+        except BaseException as err:  # re-raised in the main thread
+            errors.append(err)
+        finally:
+            alt.finish("ours")
+
+    thread = threading.Thread(target=fit_ours, name="lit_rlhf-grpo")
+    thread.start()
+    try:
+        trl.train()
+    finally:
+        alt.finish("trl")
+        thread.join()
+    if errors:
+        raise errors[0]
+    pairs = alt.pairs(s["warmup"])
+    ratios = sorted(theirs / ours for ours, theirs in pairs)
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    ours_s, trl_s = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+    return {"step_s": ours_s, "samples_per_s": s["batch"] / ours_s, "trl_step_s": trl_s,
+            "ratio": statistics.median(ratios), "ratio_q1": q[0], "ratio_q3": q[2], "pairs": len(pairs)}  # fmt: skip
 
 
 CASES = {
@@ -556,7 +672,8 @@ CASES = {
     "dpo_trl_precomputed": lambda models, s: case_dpo_trl(models, s, precompute=True),
     "grpo_ours": case_grpo_ours,
     "grpo_trl": case_grpo_trl,
+    "grpo_paired": case_grpo_paired,
     "ppomem_full": lambda models, s: case_ppo_memory(models, s, lora=False),
     "ppomem_lora": lambda models, s: case_ppo_memory(models, s, lora=True),
 }
-TRL_CASES = {"ppo_trl", "rm_trl", "dpo_trl", "dpo_trl_precomputed", "grpo_trl"}
+TRL_CASES = {"ppo_trl", "rm_trl", "dpo_trl", "dpo_trl_precomputed", "grpo_trl", "grpo_paired"}
