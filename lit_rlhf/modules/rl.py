@@ -36,7 +36,7 @@ from lit_rlhf.modules.configs import RLConfig
 from lit_rlhf.modules.health import TrainingHealth, all_ranks_finite
 from lit_rlhf.rollout.collect import generate_and_score
 from lit_rlhf.utils.config import ConfigError
-from lit_rlhf.utils.distributed import all_reduce_min, all_reduce_sum
+from lit_rlhf.utils.distributed import all_reduce_max, all_reduce_sum
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class RLModule(RLHFModule):
         keys = sorted(stats)
         values = torch.stack([stats[k].detach().float().reshape(()).to(self.device) for k in keys])
         means = all_reduce_sum(values.clone()) / world
-        maxima = -all_reduce_min(-values)
+        maxima = all_reduce_max(values.clone())
         return {k: (maxima[i] if k.endswith("_max") else means[i]) for i, k in enumerate(keys)}
 
     def total_updates(self) -> int:
