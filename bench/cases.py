@@ -1,5 +1,6 @@
-"""The benchmark cases (bench/run.py runs each in its own process): PPO and RM steps of lit_rlhf and
-TRL, the naive floor of a PPO step, generation. Each returns a dict of measurements."""
+"""The benchmark cases (bench/run.py runs each in its own process): PPO, RM, DPO and GRPO steps of
+lit_rlhf and TRL (GRPO also both in one process, steps alternating: :class:`Alternation`), the
+naive floor of a PPO step, generation. Each returns a dict of measurements."""
 
 from __future__ import annotations
 
@@ -617,8 +618,7 @@ def case_grpo_paired(models: Path, s: dict) -> dict:
     import lightning.pytorch as pl
     from transformers import TrainerCallback
 
-    steps = PAIRED_STEPS if s["steps"] > 1 else s["steps"]
-    n = s["warmup"] + steps + 1  # the last cycle (into teardown) is not timed
+    n = s["warmup"] + PAIRED_STEPS + 1  # the last cycle (into teardown) is not timed
     alt = Alternation("ours", "trl")
 
     class OurTurn(pl.Callback):
