@@ -22,20 +22,65 @@ _INLINE_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
 
 
 def _rms_norm(norm: Any, hidden: Tensor) -> Tensor:
-    """``LlamaRMSNorm.forward``, op for op (the same roundings)."""
+    """``LlamaRMSNorm.forward`` with its roundings: in fp32 the fused ``F.rms_norm`` (one kernel,
+    the same values bit for bit: tested), otherwise the layer's own ops in their order."""
+    if hidden.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return torch.nn.functional.rms_norm(hidden, (hidden.shape[-1],), norm.weight, norm.variance_epsilon)
     dtype = hidden.dtype
     x = hidden.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     return norm.weight * x.to(dtype)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rotary(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """``x * cos + rotate_half(x) * sin`` (transformers' ``apply_rotary_pos_emb``) with the half
+    rotation as one ``roll`` against a sine whose first half is negated: ``rotate_half(x) =
+    cat(-x₂, x₁)`` and ``roll(x) = cat(x₂, x₁)``, so each product is the same float product up to
+    an exact sign flip (bit for bit: tested), in 4 operators instead of 7."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 def _linear(module: Any, x: Tensor) -> Tensor:
     return torch.nn.functional.linear(x, module.weight, module.bias)
+
+
+def prepack_supported(weight: Tensor) -> bool:
+    """Whether oneDNN prepacked projections apply: an fp32 CPU weight and a torch built with the
+    oneDNN linear operators (the x86/ARM CPU wheels)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))  # fmt: skip
+
+
+class _Packed:
+    """A weight matrix (or several stacked along the output dimension) reordered ONCE into oneDNN's
+    blocked layout for ``rows`` input rows: a decoding step multiplies 1 token per row by every
+    projection, and a small-M product streams the whole weight from memory; from the blocked
+    layout oneDNN reads it faster than a plain row-major matrix (``bench/``; ~20-30% of the
+    matrix-product time on the CI machine kind when the weights do not stay in cache). One copy
+    of the weights, made per rollout (the weights change between rollouts) and freed with it."""
+
+    def __init__(self, modules: list, rows: int) -> None:
+        weight = torch.cat([m.weight for m in modules]) if len(modules) > 1 else modules[0].weight
+        biases = [m.bias for m in modules]
+        if all(b is None for b in biases):
+            self.bias = None
+        else:
+            self.bias = torch.cat([b if b is not None else weight.new_zeros(m.weight.shape[0]) for m, b in zip(modules, biases)])
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+class _PackedLayer:
+    """One inlinable layer's projections, prepacked: q/k/v as one product, gate/up as one."""
+
+    def __init__(self, layer: Any, rows: int) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = _Packed([attn.q_proj, attn.k_proj, attn.v_proj], rows)
+        self.heads, self.kv_heads = attn.q_proj.weight.shape[0] // attn.head_dim, attn.k_proj.weight.shape[0] // attn.head_dim
+        self.o, self.gate_up, self.down = _Packed([attn.o_proj], rows), _Packed([mlp.gate_proj, mlp.up_proj], rows), _Packed([mlp.down_proj], rows)
+        self.intermediate = mlp.gate_proj.weight.shape[0]
 
 
 def _inlinable(layer: Any) -> bool:
@@ -60,26 +105,38 @@ def _inlinable(layer: Any) -> bool:
     return not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())
 
 
-def _inline_layer(layer: Any, cache_layer: Any, hidden: Tensor, mask: Tensor, cos: Tensor, sin: Tensor,
-                  attention: Any) -> Tensor:  # fmt: skip
+def _inline_layer(layer: Any, cache_layer: Any, hidden: Tensor, mask: Tensor, cos: Tensor, sin_signed: Tensor,
+                  attention: Any, packed: _PackedLayer | None = None) -> Tensor:  # fmt: skip
     """One decoding step of a Llama-layout decoder layer (``LlamaDecoderLayer.forward`` with its
-    attention, rotary, RMSNorm and MLP, op for op, hence bit for bit), without the module calls,
-    decorators and keyword plumbing around every op. ``cos``/``sin`` are (B, 1, 1, head dim)."""
+    attention, rotary, RMSNorm and MLP), without the module calls, decorators and keyword plumbing
+    around every op. ``hidden`` is (B, 1, hidden size); ``cos``/``sin_signed`` are (B, 1, 1, head
+    dim) (:func:`_rotary`). Without ``packed`` the ops are the layer's own, in its order: bit for
+    bit its forward. With ``packed`` (:class:`_PackedLayer`) the projections are oneDNN products
+    of prepacked weights, q/k/v in one and gate/up in one: equal to the layer's forward up to
+    float rounding (another summation order), which :func:`_layer_step_ok` bounds."""
     attn, mlp = layer.self_attn, layer.mlp
     residual = hidden
     x = _rms_norm(layer.input_layernorm, hidden)
-    shape = (*x.shape[:-1], -1, attn.head_dim)
-    q = _linear(attn.q_proj, x).view(shape).transpose(1, 2)
-    k = _linear(attn.k_proj, x).view(shape).transpose(1, 2)
-    v = _linear(attn.v_proj, x).view(shape).transpose(1, 2)
-    q = (q * cos) + (_rotate_half(q) * sin)
-    k = (k * cos) + (_rotate_half(k) * sin)
+    b, d = x.shape[0], attn.head_dim
+    if packed is None:
+        shape = (b, 1, -1, d)
+        q = _rotary(_linear(attn.q_proj, x).view(shape), cos, sin_signed).transpose(1, 2)
+        k = _rotary(_linear(attn.k_proj, x).view(shape), cos, sin_signed).transpose(1, 2)
+        v = _linear(attn.v_proj, x).view(shape).transpose(1, 2)
+    else:
+        qkv = packed.qkv(x).view(b, 1, -1, d)  # (B, 1, heads + 2·kv heads, D)
+        qk = _rotary(qkv[:, :, : packed.heads + packed.kv_heads], cos, sin_signed)
+        q, k, v = qk[:, :, : packed.heads].transpose(1, 2), qk[:, :, packed.heads :].transpose(1, 2), qkv[:, :, packed.heads + packed.kv_heads :].transpose(1, 2)
     k, v = cache_layer.update(k, v)
     out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
-    hidden = residual + _linear(attn.o_proj, out.reshape(*x.shape[:-1], -1).contiguous())
+    out = out.reshape(b, 1, -1).contiguous()
+    hidden = residual + (_linear(attn.o_proj, out) if packed is None else packed.o(out))
     residual = hidden
     x = _rms_norm(layer.post_attention_layernorm, hidden)
-    return residual + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+    if packed is None:
+        return residual + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+    gate, up = packed.gate_up(x).split(packed.intermediate, -1)
+    return residual + packed.down(mlp.act_fn(gate) * up)
 
 
 class _LayerStep:
@@ -88,17 +145,19 @@ class _LayerStep:
     rotary ``(cos, sin)`` looked up in a table built once per rollout. It skips what the
     model-level ``forward`` redoes at every token (argument wrappers, mask and cache plumbing,
     the rotary computation). Layers of the Llama layout with plain modules (:func:`_inlinable`)
-    run inlined (:func:`_inline_layer`: the same ops without the module calls around each);
-    others run their own ``forward``. Sampling ``make bench``'s model (16 rows, 64 tokens) took
-    14% less time than through the model's forward, 9% of it from the inlining (in-process A/B,
-    the same tokens). Only for the standard decoder layout
+    run inlined (:func:`_inline_layer`: the same ops without the module calls around each, the
+    RMSNorm fused and the rotary as one roll, bit for bit); others run their own ``forward``.
+    With ``rows`` (the batch size) and fp32 weights on a CPU with oneDNN
+    (:func:`prepack_supported`), the inlined layers' projections and the LM head multiply
+    prepacked weights (:class:`_PackedLayer`: one copy of those weights for the rollout).
+    Only for the standard decoder layout
     (``model.model`` with ``embed_tokens``, ``rotary_emb``, ``layers``, ``norm``; an LM head;
     plain rotary) where the decode masks are prebuilt, and only after :func:`_layer_step_ok`
     found its logits equal to the model's own on the model's first decoding step. Callable like
-    the model for one step.
+    the model for one step. ``make bench`` (``generate_*``) measures it against ``generate``.
     """
 
-    def __init__(self, model: Any, max_positions: int) -> None:
+    def __init__(self, model: Any, max_positions: int, rows: int | None = None) -> None:
         import sys
 
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -108,13 +167,21 @@ class _LayerStep:
         self.layers = list(inner.layers[: model.config.num_hidden_layers])
         probe = inner.embed_tokens.weight[:1, None]  # dtype and device of the hidden states
         cos, sin = inner.rotary_emb(probe, torch.arange(max_positions, device=probe.device)[None])
+        half = cos.shape[-1] // 2
         self.cos, self.sin = cos[0], sin[0]  # (positions, head dim)
+        self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], -1)  # see _rotary
         self.inline = [_inlinable(layer) for layer in self.layers]
         self.attention = None
         if any(self.inline):  # the interface the layers' attention looks up, with its module's eager fallback
             first = self.layers[self.inline.index(True)].self_attn
             eager = getattr(sys.modules[type(first).__module__], "eager_attention_forward", None)
             self.attention = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, eager)
+        self.packed: list[_PackedLayer | None] = [None] * len(self.layers)
+        self.packed_head: _Packed | None = None
+        if rows is not None and any(self.inline) and prepack_supported(self.embed.weight):
+            self.packed = [_PackedLayer(layer, rows) if inline else None for layer, inline in zip(self.layers, self.inline)]
+            if type(self.head) is torch.nn.Linear and not (self.head._forward_hooks or self.head._forward_pre_hooks):
+                self.packed_head = _Packed([self.head], rows)
 
     @staticmethod
     def supported(model: Any) -> bool:
@@ -128,16 +195,17 @@ class _LayerStep:
         from types import SimpleNamespace
 
         hidden = self.embed(input_ids)
-        rotary = (self.cos[position_ids], self.sin[position_ids])
-        cos, sin = rotary[0].unsqueeze(1), rotary[1].unsqueeze(1)
-        for layer, inline in zip(self.layers, self.inline):
+        cos, sin = self.cos[position_ids], self.sin[position_ids]  # (B, 1, head dim)
+        rotary_cos, rotary_sin = cos.unsqueeze(1), self.sin_signed[position_ids].unsqueeze(1)
+        for layer, inline, packed in zip(self.layers, self.inline, self.packed):
             if inline:
-                hidden = _inline_layer(layer, cache.layers[layer.self_attn.layer_idx], hidden, attention_mask, cos, sin,
-                                       self.attention)  # fmt: skip
+                hidden = _inline_layer(layer, cache.layers[layer.self_attn.layer_idx], hidden, attention_mask, rotary_cos,
+                                       rotary_sin, self.attention, packed)  # fmt: skip
             else:
                 hidden = layer(hidden, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                               use_cache=True, position_embeddings=rotary)  # fmt: skip
-        return SimpleNamespace(logits=self.head(self.norm(hidden[:, -1:])), cache=cache)
+                               use_cache=True, position_embeddings=(cos, sin))  # fmt: skip
+        last = self.norm(hidden[:, -1:])
+        return SimpleNamespace(logits=self.head(last) if self.packed_head is None else self.packed_head(last), cache=cache)
 
 
 _LAYER_STEP_VERDICTS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()

@@ -29,6 +29,11 @@ class GenerationConfig:
     """CTRL penalty on tokens already in the prompt or response (1.0 = off)."""
     do_sample: bool = True
     """False = greedy (evaluation)."""
+    prepack: bool = True
+    """fp32 on CPU: decode with oneDNN-prepacked copies of the decoder layers' projections and the LM
+    head (q/k/v and gate/up each as one product; one extra copy of those weights while sampling;
+    equal to the model's forward up to float rounding). False = the layers' own ops, bit for bit.
+    No effect elsewhere (GPU, bf16, LoRA or hooked layers)."""
 
 
 def response_mask_from_eos(response_ids: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
@@ -70,6 +75,16 @@ def process_logits(logits: Tensor, seen: Tensor | None, gen: GenerationConfig) -
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+def draw(probs: Tensor) -> Tensor:
+    """(B,) one token per row of ``probs`` (B, V): ``torch.multinomial(probs, 1)`` token for token.
+    For one sample multinomial draws q ~ Exp(1) of the shape of ``probs`` from the default
+    generator and takes ``argmax(probs / q)`` (the exponential form of the Gumbel-max trick); this
+    does the same, draw for draw (tested), without multinomial's validity checks, three host
+    syncs per call (the decoding loop checks the probabilities once per rollout instead)."""
+    q = torch.empty_like(probs).exponential_()
+    return torch.div(probs, q, out=q).argmax(-1)
 
 
 @functools.cache
@@ -187,12 +202,18 @@ def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: Generation
     table = _decode_mask_table(model, mask, gen.max_new_tokens)
     forward: Any = model  # None: decide at the first decoding step (_layer_step_ok)
     if table is not None and _LAYER_STEP_VERDICTS.get(model) is not False and _layer_step_usable(model, cache):
-        step_fn = _LayerStep(model, int(next_pos.max()) + gen.max_new_tokens + 1)
+        step_fn = _LayerStep(model, int(next_pos.max()) + gen.max_new_tokens + 1, rows=b if gen.prepack else None)
         forward = step_fn if _LAYER_STEP_VERDICTS.get(model) else None
     tokens = []
+    mass = logits.new_zeros(())  # Σ of every step's probabilities: finite iff they all are
     for step in range(gen.max_new_tokens):
         scores = process_logits(logits, seen, gen)
-        nxt = torch.multinomial(scores.softmax(-1), 1).squeeze(-1) if gen.do_sample else scores.argmax(-1)
+        if gen.do_sample:
+            probs = scores.softmax(-1)
+            mass = mass + probs.sum()
+            nxt = draw(probs)
+        else:
+            nxt = scores.argmax(-1)
         nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
         tokens.append(nxt)
         finished |= nxt == eos_id
@@ -211,6 +232,9 @@ def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: Generation
             out = forward(**kwargs)
         logits = out.logits[:, -1].float()
         next_pos = next_pos + 1
+    if not bool(torch.isfinite(mass)):
+        raise RuntimeError("sampling: the policy's next-token probabilities are not finite (NaN or inf logits): "
+                           "its weights or the prompts' activations have diverged")  # fmt: skip
     return tokens
 
 

@@ -394,3 +394,119 @@ def test_truncated_responses_are_scored_with_an_eos_like_the_retokenizing_path(t
     with torch.no_grad():
         no_eos = rm(ids, mask)  # what the old path scored: the truncated row at its last token
     assert abs(float(no_eos[1] - fast[1])) > 1e-4 and abs(float(no_eos[0] - fast[0])) < 1e-5
+
+
+def test_draw_is_multinomial_draw_for_draw():
+    """``draw`` picks exactly the token ``torch.multinomial(probs, 1)`` picks from the same
+    generator state, including rows with filtered (zero-probability) tokens, and leaves the
+    generator where multinomial leaves it."""
+    from lit_rlhf.rollout.generate import draw
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        logits = torch.randn(8, 37, generator=gen) * (1 + trial % 5)
+        logits[:, : trial % 7] = float("-inf")  # top-k/top-p filtering leaves zeros
+        probs = logits.softmax(-1)
+        torch.manual_seed(trial)
+        expected = torch.multinomial(probs, 1).squeeze(-1)
+        after_multinomial = torch.rand(3)
+        torch.manual_seed(trial)
+        got = draw(probs)
+        assert torch.equal(got, expected)
+        assert torch.equal(torch.rand(3), after_multinomial)
+        assert not bool((probs.gather(1, got[:, None]) == 0).any())
+
+
+def test_nonfinite_probabilities_stop_sampling_with_a_clear_error(policy, tokenizer):
+    """A policy whose logits are NaN stops the rollout with an error saying so (torch.multinomial
+    used to raise at the first such step; the loop checks once per rollout instead)."""
+    import copy
+
+    broken = copy.deepcopy(policy)
+    with torch.no_grad():
+        broken.lm_head.weight[3].fill_(float("nan"))
+    ids, mask = pad([[2, 10, 11], [2, 20]], tokenizer.pad_token_id, "left")
+    with pytest.raises(RuntimeError, match="probabilities are not finite"):
+        sample(broken, ids, mask, GenerationConfig(max_new_tokens=4), eos_id=-1, pad_id=0)
+
+
+@pytest.mark.parametrize("arch, attn, kv_heads", [("llama", "sdpa", 4), ("llama", "eager", 2), ("qwen2", "sdpa", 2)])
+def test_prepacked_projections_decode_like_the_layer_forward(arch, attn, kv_heads):
+    """With the projections prepacked (fp32 on CPU: q/k/v as one oneDNN product, gate/up as one,
+    the LM head too) the decoding steps' logits equal those of the layers' own forwards to float
+    rounding (another summation order: |Δ| ≤ 1e-5 of their scale), greedy decoding picks the
+    same tokens, and the packed path is the one that ran (grouped-query attention, q/k/v biases)."""
+    import transformers
+
+    import lit_rlhf.rollout.decode_step as decode_step
+    import lit_rlhf.rollout.generate as generate
+
+    config_class, model_class = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[arch]
+    cfg = getattr(transformers, config_class)(vocab_size=40, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=kv_heads, intermediate_size=96, attn_implementation=attn,
+                                              sliding_window=None)  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(cfg).eval()
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            p.data.add_(torch.randn_like(p) * 0.1)
+    ids, mask = pad([[2, 10, 11, 12, 13], [2, 20], [2, 30, 31]], 0, "left")
+    steps = 6
+    table = generate._decode_mask_table(model, mask, steps)
+    positions = position_ids_from_mask(mask)
+    calls = []
+    real_call = decode_step._Packed.__call__
+
+    def counted(self, x):
+        calls.append(1)
+        return real_call(self, x)
+
+    def decode(rows) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = generate._preallocated_cache(model, ids.shape[1] + steps)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+            step = decode_step._LayerStep(model, ids.shape[1] + steps + 1, rows=rows)
+            assert step.inline == [True, True]
+            if rows is None:
+                step.inline = [False, False]  # each layer's own forward
+            tokens, pos, logits = torch.tensor([[3], [4], [5]]), positions[:, -1:] + 1, []
+            chosen = []
+            for t in range(steps):
+                out = step(input_ids=tokens, attention_mask=table[..., : ids.shape[1] + t + 1], position_ids=pos, cache=cache)
+                logits.append(out.logits)
+                tokens, pos = out.logits[:, -1].argmax(-1, keepdim=True), pos + 1
+                chosen.append(tokens)
+        return torch.cat(logits, 1), torch.cat(chosen, 1)
+
+    decode_step._Packed.__call__ = counted
+    try:
+        packed, packed_tokens = decode(rows=3)
+    finally:
+        decode_step._Packed.__call__ = real_call
+    assert len(calls) == steps * (2 * 4 + 1)  # per step: qkv, o, gate/up, down in each layer, and the head
+    layered, layered_tokens = decode(rows=None)
+    scale = layered.abs().max()
+    assert 0 < (packed - layered).abs().max() <= 1e-5 * scale or torch.equal(packed, layered)
+    assert torch.equal(packed_tokens, layered_tokens)
+
+
+def test_prepacking_only_for_fp32_cpu_weights_of_plain_layers():
+    """bf16 weights keep the exact inlined path (prepacking is fp32 only); a layer with a hook is
+    neither inlined nor packed; without ``rows`` nothing is packed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import lit_rlhf.rollout.decode_step as decode_step
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=64))  # fmt: skip
+    assert decode_step.prepack_supported(model.lm_head.weight)
+    step = decode_step._LayerStep(model, 16, rows=2)
+    assert all(p is not None for p in step.packed) and step.packed_head is not None
+    assert all(p is None for p in decode_step._LayerStep(model, 16).packed)
+    handle = model.model.layers[1].register_forward_hook(lambda *a: None)
+    step = decode_step._LayerStep(model, 16, rows=2)
+    assert step.packed[0] is not None and step.packed[1] is None
+    handle.remove()
+    half = model.to(torch.bfloat16)
+    assert not decode_step.prepack_supported(half.lm_head.weight)
+    assert all(p is None for p in decode_step._LayerStep(half, 16, rows=2).packed)
