@@ -182,9 +182,13 @@ class _LayerStep:
         self.packed: list[_PackedLayer | None] = [None] * len(self.layers)
         self.packed_head: _Packed | None = None
         if rows is not None and any(self.inline) and prepack_supported(self.embed.weight):
-            self.packed = [_PackedLayer(layer, rows) if inline else None for layer, inline in zip(self.layers, self.inline)]
-            if type(self.head) is torch.nn.Linear and not (self.head._forward_hooks or self.head._forward_pre_hooks):
-                self.packed_head = _Packed([self.head], rows)
+            try:
+                self.packed = [_PackedLayer(layer, rows) if inline else None for layer, inline in zip(self.layers, self.inline)]
+                if type(self.head) is torch.nn.Linear and not (self.head._forward_hooks or self.head._forward_pre_hooks):
+                    self.packed_head = _Packed([self.head], rows)
+            except RuntimeError as err:  # a oneDNN build without these kernels for this CPU: plain products
+                log.warning("prepacking the decoding weights failed (%s); decoding with F.linear", err)
+                self.packed, self.packed_head = [None] * len(self.layers), None
 
     @staticmethod
     def supported(model: Any) -> bool:
@@ -221,11 +225,20 @@ def _layer_step_ok(model: Any, step: _LayerStep, kwargs: dict[str, Any]) -> tupl
     Returns the verdict and the model's own output for this step."""
     cache = kwargs["cache"]
     lengths = [layer.length for layer in cache.layers]
-    mine = step(**kwargs).logits[:, -1]
-    for layer, n in zip(cache.layers, lengths):  # rewind: the model's forward writes the same slots
-        layer.length = n
+    failure = None
+    try:
+        mine = step(**kwargs).logits[:, -1]
+    except RuntimeError as err:  # e.g. a kernel this build lacks: the model's forward works regardless
+        failure = err
+    finally:
+        for layer, n in zip(cache.layers, lengths):  # rewind: the model's forward writes the same slots
+            layer.length = n
     out = model(**kwargs)
     theirs = out.logits[:, -1]
+    if failure is not None:
+        _LAYER_STEP_VERDICTS[model] = False
+        log.warning("layer-level decoding of %s failed (%s); decoding with its forward", type(model).__name__, failure)
+        return False, out
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
     tol = (1e-4 if dtype == torch.float32 else 2e-2) * max(1.0, float(theirs.abs().max()))
     gap = float((mine.float() - theirs.float()).abs().max())

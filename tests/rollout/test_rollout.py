@@ -510,3 +510,42 @@ def test_prepacking_only_for_fp32_cpu_weights_of_plain_layers():
     half = model.to(torch.bfloat16)
     assert not decode_step.prepack_supported(half.lm_head.weight)
     assert all(p is None for p in decode_step._LayerStep(half, 16, rows=2).packed)
+
+
+def test_a_oneDNN_failure_falls_back_to_plain_products_or_the_model_forward(tokenizer, monkeypatch, caplog):
+    """Prepacking that raises (a build without those kernels) decodes with F.linear, with a
+    warning; a layer step that raises at its first check decodes with the model's forward for
+    good, with a warning. Either way the sampled tokens are the model forward's."""
+    import logging
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import lit_rlhf.rollout.decode_step as decode_step
+    import lit_rlhf.rollout.generate as generate
+
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=64)  # fmt: skip
+    torch.manual_seed(0)
+    models = [LlamaForCausalLM(cfg) for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    ids, mask = pad([[2, 10, 11, 12], [2, 20]], tokenizer.pad_token_id, "left")
+    gen = GenerationConfig(max_new_tokens=8, do_sample=False)
+    generate._LAYER_STEP_VERDICTS[models[0]] = False  # the model's forward throughout: the expected tokens
+    expected = sample(models[0], ids, mask, gen, eos_id=-1, pad_id=0)[0]
+
+    def unavailable(*args, **kwargs):
+        raise RuntimeError("no such kernel")
+
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="lit_rlhf.rollout.decode_step"):
+        m.setattr(torch.ops.mkldnn, "_reorder_linear_weight", unavailable)
+        assert all(p is None for p in decode_step._LayerStep(models[1], 16, rows=2).packed)
+        got = sample(models[1], ids, mask, gen, eos_id=-1, pad_id=0)[0]
+    assert "prepacking the decoding weights failed" in caplog.text
+    assert generate._LAYER_STEP_VERDICTS[models[1]] is True and torch.equal(got, expected)  # exact inlined path
+    caplog.clear()
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="lit_rlhf.rollout.decode_step"):
+        m.setattr(decode_step._Packed, "__call__", unavailable)
+        got = sample(models[2], ids, mask, gen, eos_id=-1, pad_id=0)[0]
+    assert generate._LAYER_STEP_VERDICTS[models[2]] is False and "failed (no such kernel)" in caplog.text
+    assert torch.equal(got, expected)
