@@ -22,8 +22,6 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-
 from lit_rlhf.utils.config import check
 
 log = logging.getLogger(__name__)
@@ -229,7 +227,22 @@ def training_curve(stage_dir: str) -> dict[str, list[float]]:
     return out
 
 
-@torch.no_grad()
+def _without_grad(fn: Any) -> Any:
+    """``torch.no_grad()`` as a decorator that imports torch when called, not when this module is
+    imported (train.py's config checks import it for ``DemoConfig`` and must stay light)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_without_grad
 def evaluate_policies(
     policies: dict[str, str], sft_path: str, rm_path: str, task: Any, prompts: list[str], batch_size: int,
     gen: Any = None, template: str = "plain", max_prompt_length: int = 16,
@@ -239,6 +252,8 @@ def evaluate_policies(
     rollout path (:func:`~lit_rlhf.rollout.collect.generate_and_score`) and measure the gold
     reward, the proxy reward, KL to SFT (Σ_t k1 per response), the perplexity of the responses
     under the policy, response length and truncation rate."""
+    import torch
+
     from lit_rlhf.core.kl import sequence_kl
     from lit_rlhf.core.masked import masked_sum
     from lit_rlhf.data.prompts import collate_prompts, encode_prompt

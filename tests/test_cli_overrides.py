@@ -69,3 +69,38 @@ def test_unknown_keys_outside_algo():
 ])  # fmt: skip
 def test_what_hydra_judges_is_left_to_hydra(argv):
     check_overrides(argv, CONF)
+
+
+def test_stage_schemas_name_each_stage_modules_own_config():
+    """The light map train.py's key check names configs by (utils/schemas.py: STAGE_SCHEMAS) is each
+    stage module's ``config_class``, and covers every stage the conf/algo presets build."""
+    import importlib
+
+    from omegaconf import OmegaConf
+
+    from lit_rlhf.utils.schemas import STAGE_SCHEMAS, schema_class
+
+    for target, name in STAGE_SCHEMAS.items():
+        module, cls = target.rsplit(".", 1)
+        assert getattr(importlib.import_module(module), cls).config_class is schema_class(name)
+    targets = {str(OmegaConf.load(p).get("_target_")) for p in (CONF / "algo").glob("*.yaml")} - {"None"}
+    assert targets and targets <= STAGE_SCHEMAS.keys()
+
+
+def test_key_checks_and_printed_configs_import_neither_torch_nor_lightning(tmp_path):
+    """train.py's unknown-key error and ``--cfg job`` come from the typed configs alone: neither
+    imports torch, Lightning or transformers (so they answer in about a second, not after ~7 s
+    of imports), as ``python -X importtime`` shows."""
+    import subprocess
+    import sys
+
+    heavy = ("torch", "lightning", "transformers")
+    for args, expect in ((["algo=sft", "algo.lrr=0.1"], "unknown key for SFTConfig"),
+                         (["algo=dapo", "algo.generation.temprature=0.5"], "Did you mean 'temperature'?"),
+                         (["model=llama7b", "algo=sft", "strategy=deepspeed_stage_2", "--cfg", "job"], "stage: 2")):  # fmt: skip
+        out = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}",
+                              *args], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+        assert expect in out.stdout + out.stderr, out.stderr[-2000:]
+        imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+        assert "hydra" in imported and "lit_rlhf.utils.schemas" in imported  # the measurement sees imports
+        assert not imported & set(heavy), sorted(imported & set(heavy))

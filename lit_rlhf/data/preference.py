@@ -21,19 +21,20 @@ import functools
 import logging
 import os
 import random
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
 from lit_rlhf.data.collate import EncodedPreference, collate_preference, encode_encoder_pair, encode_pair
-from lit_rlhf.data.io import DataError, Row, is_file_source, iter_rows, parse_rows, ranges_overlap, require_str, select_rows
+from lit_rlhf.data.configs import PreferenceDataConfig  # noqa: F401  (re-exported)
+from lit_rlhf.data.io import DataError, Row, is_file_source, iter_rows, require_str, select_rows
 from lit_rlhf.data.loader import ResumableDataLoader
 from lit_rlhf.data.sampler import EpochSampler, LengthGroupedSampler
-from lit_rlhf.data.synthetic import SyntheticTask, TaskConfig
-from lit_rlhf.data.templates import TEMPLATES, get_template
-from lit_rlhf.utils.config import ConfigError, check, resolve_config
+from lit_rlhf.data.synthetic import SyntheticTask
+from lit_rlhf.data.templates import get_template
+from lit_rlhf.utils.config import resolve_config
 
 log = logging.getLogger(__name__)
 
@@ -111,91 +112,6 @@ def parse_pair(row: Row, fmt: str, margin_field: str | None, margin_scale: str) 
         prompt, chosen, rejected = (require_str(row, f, hint) for f in fields)
     margin = margin_of(row, margin_field, margin_scale) if margin_field else None
     return PreferencePair(prompt, chosen, rejected, margin, row.where)
-
-
-@dataclass
-class PreferenceDataConfig:
-    """Where preference pairs come from and how they are batched (``data.preference.*``)."""
-
-    source: str = "synthetic"
-    """"synthetic", a .jsonl/.jsonl.gz/.json/.parquet file, a ``save_to_disk`` folder or a hub name."""
-    fallback_source: str | None = None
-    """Used when ``source`` is a file that does not exist (e.g. the hub copy of a local file)."""
-    hub_data_dir: str | None = None
-    """Subset folder of a hub dataset (``harmless-base`` of ``Anthropic/hh-rlhf``)."""
-    format: Literal["auto", "hh", "question", "generic"] = "auto"
-    """Row layout; auto = detected from the first row's keys (hh, question, generic)."""
-    train_split: str = "train"
-    """Split name for folder/hub sources."""
-    train_rows: str | None = None
-    """1-based inclusive line/row range of the training pairs, e.g. "1-2000"; None = all."""
-    val_source: str | None = None
-    """Validation file/dataset; None = a split, row range or val_fraction of ``source``."""
-    val_split: str | None = None
-    """Split of ``source`` used for validation (folder/hub sources)."""
-    val_rows: str | None = None
-    """Row range of ``source`` for validation (instead of a ``val_fraction`` carve-out)."""
-    val_fraction: float = field(default=0.05, metadata={"ge": 0.0, "lt": 1.0})
-    """Share of the training rows held out for validation when no val source/split/rows is set."""
-    test_source: str | None = None
-    """Held-out pairs for ``test=true``; None = ``source`` when test_split or test_rows is set."""
-    test_split: str | None = None
-    """Split of ``source`` (or test_source) used by test=true."""
-    test_rows: str | None = None
-    """1-based inclusive row range of ``source`` held out for test=true; must not overlap train_rows."""
-    margin_field: str | None = None
-    """Column with a per-pair rating (Llama-2 margin); None = margin 0."""
-    margin_scale: Literal["llama2_small", "llama2_large", "raw"] = "llama2_small"
-    """Rating 3/2/1/0 → margin 1, 2/3, 1/3, 0 (small) or 3, 2, 1, 0 (large); raw = the number itself."""
-    template: str = "plain"
-    """Chat template (data/templates.py); "dialogue" for HH-RLHF prompts that end in "Assistant:"."""
-    max_length: int = field(default=512, metadata={"ge": 8})
-    """Prompt + response tokens per sequence; longer pairs lose prompt tokens from the left (counted)."""
-    on_identical: Literal["skip", "error"] = "skip"
-    """Pairs whose chosen and rejected responses are identical: skip them (counted) or fail."""
-    on_empty: Literal["skip", "error"] = "skip"
-    """Pairs with an empty (whitespace-only) response: skip them (counted) or fail."""
-    batch_size: int = field(default=16, metadata={"ge": 1})
-    """Pairs per batch (2 × sequences)."""
-    eval_batch_size: int | None = field(default=None, metadata={"ge": 1})
-    """Pairs per validation/test batch; None = batch_size."""
-    group_by_length: bool = True
-    """Batch pairs of similar length (much less padding); order stays random across batches."""
-    num_workers: int = field(default=0, metadata={"ge": 0})
-    """DataLoader worker processes (0 = load in the main process)."""
-    seed: int = 0
-    """Shuffling, length grouping and validation-split seed."""
-    max_samples: int | None = field(default=None, metadata={"ge": 1})
-    """Use at most this many training pairs (quick runs); None = all."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    """Embedded task settings (source=synthetic only)."""
-    n_train: int = field(default=10000, metadata={"ge": 1})
-    """Embedded task: training pairs to generate."""
-    n_val: int = field(default=500, metadata={"ge": 1})
-    """Embedded task: validation pairs (a separate random stream)."""
-    n_test: int = field(default=1000, metadata={"ge": 1})
-    """Embedded task: held-out pairs for test=true."""
-
-    def validate(self) -> None:
-        check(self.template in TEMPLATES, "template", f"must be one of {list(TEMPLATES)}, got {self.template!r}")
-        for key in ("train_rows", "val_rows", "test_rows"):
-            try:
-                parse_rows(getattr(self, key))
-            except ValueError as err:
-                raise ConfigError(key, str(err)) from None
-        same_test = self.test_source in (None, self.source) and self.test_split in (None, self.train_split)
-        if self.test_rows is not None and same_test:
-            check(
-                not ranges_overlap(self.train_rows, self.test_rows),
-                "test_rows",
-                f"overlaps train_rows={self.train_rows!r}: held-out pairs must never be trained on",
-            )
-        if self.val_rows is not None and self.val_source is None and self.val_split is None:
-            check(
-                not ranges_overlap(self.train_rows, self.val_rows),
-                "val_rows",
-                f"overlaps train_rows={self.train_rows!r}",
-            )
 
 
 class PreferenceDataModule(pl.LightningDataModule):

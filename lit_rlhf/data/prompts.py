@@ -10,70 +10,23 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
 
 from lit_rlhf.data.collate import pad
+from lit_rlhf.data.configs import PromptDataConfig  # noqa: F401  (re-exported)
 from lit_rlhf.data.io import DataError, iter_rows, require_str, select_rows
 from lit_rlhf.data.loader import ResumableDataLoader
 from lit_rlhf.data.preference import split_hh
 from lit_rlhf.data.sampler import EpochSampler
-from lit_rlhf.data.synthetic import SyntheticTask, TaskConfig
-from lit_rlhf.data.templates import TEMPLATES, get_template
-from lit_rlhf.utils.config import check, resolve_config
+from lit_rlhf.data.synthetic import SyntheticTask
+from lit_rlhf.data.templates import get_template
+from lit_rlhf.utils.config import resolve_config
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PromptDataConfig:
-    """Prompts for rollouts (``data.prompt.*``)."""
-
-    source: str = "synthetic"
-    """"synthetic" (sentence openings), a file/dataset with a prompt column, or HH-style pairs."""
-    format: Literal["auto", "prompt", "hh"] = "auto"
-    """prompt = a ``prompt_field`` column; hh = the shared prompt of chosen/rejected dialogues."""
-    prompt_field: str = "prompt"
-    """Column holding the prompt (format=prompt)."""
-    train_split: str = "train"
-    """Split name for folder/hub sources."""
-    train_rows: str | None = None
-    """1-based inclusive row range of ``source`` used for training prompts; None = all."""
-    val_rows: str | None = None
-    """Rows of ``source`` whose prompts are sampled in validation (with ``algo.generation``); None = none."""
-    template: str = "plain"
-    """Chat template (data/templates.py), the same as the SFT and RM stages used."""
-    max_prompt_length: int = field(default=64, metadata={"ge": 1})
-    """Longer prompts lose tokens from the left (a leading BOS is kept); counted in the log."""
-    batch_size: int | None = field(default=None, metadata={"ge": 1})
-    """Prompts per training batch = the rollout batch per process. In train.py runs it is the RL
-    stage's ``algo.rollout_batch_size`` (set by the runner; leave it None); set it when using the
-    data module on its own."""
-    eval_batch_size: int | None = field(default=None, metadata={"ge": 1})
-    """Validation prompts per batch; None = batch_size."""
-    num_workers: int = field(default=0, metadata={"ge": 0})
-    """DataLoader worker processes (0 = load in the main process)."""
-    seed: int = 0
-    """Prompt shuffling seed (and, + 1, the ptx sampler's)."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    """Embedded task settings (source=synthetic only)."""
-    n_train: int = field(default=20000, metadata={"ge": 1})
-    """Embedded task: training prompts."""
-    n_val: int = field(default=64, metadata={"ge": 0})
-    """Embedded task: validation prompts (0 = no validation)."""
-    ptx_source: str | None = None
-    """SFT pairs for the ptx loss: "synthetic" (the embedded SFT corpus) or a prompt/response file."""
-    ptx_batch_size: int = field(default=16, metadata={"ge": 1})
-    """SFT pairs per ptx batch (one ptx batch per RL iteration)."""
-    ptx_max_length: int = field(default=64, metadata={"ge": 2})
-    """Prompt + response tokens of a ptx pair."""
-
-    def validate(self) -> None:
-        check(self.template in TEMPLATES, "template", f"must be one of {list(TEMPLATES)}, got {self.template!r}")
 
 
 def encode_prompt(tokenizer: Any, text: str, max_length: int) -> tuple[list[int], int]:

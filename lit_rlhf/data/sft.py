@@ -6,8 +6,7 @@ import functools
 import logging
 import math
 import random
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
@@ -16,69 +15,14 @@ from lit_rlhf.data.loader import ResumableDataLoader
 from lit_rlhf.data.sampler import EpochSampler
 
 from lit_rlhf.data.collate import EncodedPair, collate_sft, encode_pair
-from lit_rlhf.data.io import DataError, Row, iter_rows, parse_rows, require_str, select_rows
+from lit_rlhf.data.configs import SFTDataConfig  # noqa: F401  (re-exported: the config lives with the other data configs)
+from lit_rlhf.data.io import DataError, Row, iter_rows, require_str, select_rows
 from lit_rlhf.data.preference import split_hh
-from lit_rlhf.data.synthetic import SyntheticTask, TaskConfig
-from lit_rlhf.data.templates import TEMPLATES, get_template
-from lit_rlhf.utils.config import ConfigError, check, resolve_config
+from lit_rlhf.data.synthetic import SyntheticTask
+from lit_rlhf.data.templates import get_template
+from lit_rlhf.utils.config import resolve_config
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SFTDataConfig:
-    """Where SFT pairs come from and how they are batched (``data.sft.*``)."""
-
-    source: str | None = "synthetic"
-    """"synthetic" (the embedded task), a .jsonl/.jsonl.gz/.json/.parquet file, a
-    ``save_to_disk`` folder, or a hub dataset name (required: None is refused)."""
-    val_source: str | None = None
-    """Validation file/dataset; None = ``val_split`` of ``source`` or a ``val_fraction`` split."""
-    train_split: str = "train"
-    """Split name for folder/hub sources."""
-    val_split: str | None = None
-    """Split name of ``source`` used for validation (folder/hub sources)."""
-    val_fraction: float = field(default=0.05, metadata={"ge": 0.0, "lt": 1.0})
-    """Fraction of the training rows held out for validation when no validation source is set."""
-    format: Literal["prompt_response", "hh"] = "prompt_response"
-    """prompt_response = the two fields below; hh = HH-RLHF pairs, trained on the prompt and the CHOSEN reply."""
-    train_rows: str | None = None
-    """1-based inclusive row range of ``source`` to train on (e.g. "1-2000"); None = all rows."""
-    prompt_field: str = "prompt"
-    """Column holding the prompt."""
-    response_field: str = "response"
-    """Column holding the response (the target)."""
-    template: str = "plain"
-    """Chat template name (data/templates.py), the same for SFT, RM and PPO."""
-    max_length: int = field(default=128, metadata={"ge": 2})
-    """Prompt + response tokens; longer pairs lose prompt tokens from the left first."""
-    on_empty: Literal["skip", "error"] = "skip"
-    """Rows with an empty (whitespace-only) response: skip them (counted) or fail."""
-    batch_size: int = field(default=32, metadata={"ge": 1})
-    """Pairs per training batch (per process)."""
-    eval_batch_size: int | None = field(default=None, metadata={"ge": 1})
-    """None = batch_size."""
-    num_workers: int = field(default=0, metadata={"ge": 0})
-    """DataLoader worker processes (0 = load in the main process)."""
-    seed: int = 0
-    """Shuffling and validation-split seed."""
-    max_samples: int | None = field(default=None, metadata={"ge": 1})
-    """Use at most this many training rows (quick runs)."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    """Embedded task settings (source=synthetic only)."""
-    n_train: int = field(default=20000, metadata={"ge": 1})
-    """Embedded task: training pairs to generate."""
-    n_val: int = field(default=1000, metadata={"ge": 1})
-    """Embedded task: held-out pairs to generate (a separate random stream)."""
-
-    def validate(self) -> None:
-        check(self.source is not None, "source", "is required: a .jsonl/.json/.parquet file, a save_to_disk "
-                                                 "folder or a hub dataset name, e.g. data.sft.source=/path/train.jsonl")  # fmt: skip
-        try:
-            parse_rows(self.train_rows)
-        except ValueError as err:
-            raise ConfigError("train_rows", str(err)) from None
-        check(self.template in TEMPLATES, "template", f"must be one of {list(TEMPLATES)}, got {self.template!r}")
 
 
 class SFTDataModule(pl.LightningDataModule):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lit_rlhf.rollout.generate import GenerationConfig
+from lit_rlhf.rollout.config import GenerationConfig
 from lit_rlhf.utils.config import check
 
 

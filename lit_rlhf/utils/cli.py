@@ -78,12 +78,18 @@ def _unknown_key_error(cfg: Any, parent: str, part: str, keys: list[str], config
     hint = f" Did you mean '{close[0]}'?" if close else ""
     owner = ""
     if parent == "algo":
-        from lit_rlhf.runner import get_class
+        from lit_rlhf.utils.schemas import STAGE_SCHEMAS, schema_class
 
-        try:
-            owner = f" for {get_class(cfg.algo, 'algo').config_class.__name__}"
-        except Exception:  # an unknown _target_: the runner reports it later
-            pass
+        target = str(cfg.algo.get("_target_", ""))
+        if target in STAGE_SCHEMAS:  # lit_rlhf's stages: named without importing them
+            owner = f" for {schema_class(STAGE_SCHEMAS[target]).__name__}"
+        else:
+            from lit_rlhf.runner import get_class
+
+            try:
+                owner = f" for {get_class(cfg.algo, 'algo').config_class.__name__}"
+            except Exception:  # an unknown _target_: the runner reports it later
+                pass
     allowed = ", ".join(sorted(k for k in keys if not k.startswith("_")))
     return ConfigError(key, f"unknown key{owner}.{hint} Allowed keys: {allowed}")
 

@@ -32,9 +32,19 @@ SCHEMAS = {
     "grpo": "lit_rlhf.modules.configs:GRPOConfig",
     "pipeline": "lit_rlhf.pipeline:DemoConfig",
     "model": "lit_rlhf.models.spec:ModelSpec",
-    "sft_data": "lit_rlhf.data.sft:SFTDataConfig",
-    "preference_data": "lit_rlhf.data.preference:PreferenceDataConfig",
-    "prompt_data": "lit_rlhf.data.prompts:PromptDataConfig",
+    "sft_data": "lit_rlhf.data.configs:SFTDataConfig",
+    "preference_data": "lit_rlhf.data.configs:PreferenceDataConfig",
+    "prompt_data": "lit_rlhf.data.configs:PromptDataConfig",
+}
+# the stages' modules and their typed configs' schemas: an unknown algo.* key is reported with
+# its config class without importing the stage (torch, Lightning); a test checks it against each
+# module's ``config_class``
+STAGE_SCHEMAS = {
+    "lit_rlhf.modules.sft.SFTModule": "sft",
+    "lit_rlhf.modules.reward_model.RewardModelModule": "rm",
+    "lit_rlhf.modules.ppo.PPOModule": "ppo",
+    "lit_rlhf.modules.dpo.DPOModule": "dpo",
+    "lit_rlhf.modules.grpo.GRPOModule": "grpo",
 }
 _registered = False
 
