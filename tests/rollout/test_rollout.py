@@ -271,6 +271,27 @@ def test_layer_step_that_differs_from_the_forward_is_not_used(tokenizer, monkeyp
     assert generate._LayerStep.supported(model) and not generate._LayerStep.supported(dynamic)
 
 
+def _decoder_and_batch(arch, attn, kv_heads, dtype, hidden, intermediate, steps):
+    """A 2-layer decoder of ``arch`` with non-trivial norms and biases, three left-padded prompts,
+    the decode masks of ``steps`` steps and the prompts' positions."""
+    import transformers
+
+    import lit_rlhf.rollout.generate as generate
+
+    config_class, model_class = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+                                 "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[arch]  # fmt: skip
+    cfg = getattr(transformers, config_class)(vocab_size=40, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=kv_heads, intermediate_size=intermediate,
+                                              attn_implementation=attn, sliding_window=None)  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(cfg).to(dtype).eval()
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            p.data.add_(torch.randn_like(p) * 0.1)
+    ids, mask = pad([[2, 10, 11, 12, 13], [2, 20], [2, 30, 31]], 0, "left")
+    return model, ids, mask, generate._decode_mask_table(model, mask, steps), position_ids_from_mask(mask)
+
+
 @pytest.mark.parametrize("arch, attn, kv_heads, dtype", [
     ("llama", "sdpa", 4, torch.float32), ("llama", "eager", 2, torch.float32), ("llama", "sdpa", 1, torch.bfloat16),
     ("mistral", "sdpa", 2, torch.float32), ("qwen2", "eager", 2, torch.float32), ("qwen2", "sdpa", 4, torch.bfloat16),
@@ -279,25 +300,10 @@ def test_inlined_layers_decode_bit_for_bit_as_their_forward(arch, attn, kv_heads
     """Decoding with the Llama-layout layers inlined gives exactly (torch.equal) the logits of the
     same steps through each layer's own forward: grouped-query attention, q/k/v biases (Qwen2),
     eager and sdpa masks, bf16, left-padded prompts, over several steps of a shared KV cache."""
-    import transformers
-
     import lit_rlhf.rollout.decode_step as decode_step
     import lit_rlhf.rollout.generate as generate
 
-    config_class, model_class = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-                                 "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[arch]  # fmt: skip
-    cfg = getattr(transformers, config_class)(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                              num_key_value_heads=kv_heads, intermediate_size=64, attn_implementation=attn,
-                                              sliding_window=None)  # fmt: skip
-    torch.manual_seed(0)
-    model = getattr(transformers, model_class)(cfg).to(dtype).eval()
-    for module in model.modules():  # non-trivial norms and biases
-        for p in module.parameters(recurse=False):
-            p.data.add_(torch.randn_like(p) * 0.1)
-    ids, mask = pad([[2, 10, 11, 12, 13], [2, 20], [2, 30, 31]], 0, "left")
-    steps = 6
-    table = generate._decode_mask_table(model, mask, steps)
-    positions = position_ids_from_mask(mask)
+    model, ids, mask, table, positions = _decoder_and_batch(arch, attn, kv_heads, dtype, 32, 64, steps := 6)
 
     def decode(inline: bool) -> torch.Tensor:
         cache = generate._preallocated_cache(model, ids.shape[1] + steps)
@@ -436,24 +442,10 @@ def test_prepacked_projections_decode_like_the_layer_forward(arch, attn, kv_head
     the LM head too) the decoding steps' logits equal those of the layers' own forwards to float
     rounding (another summation order: |Δ| ≤ 1e-5 of their scale), greedy decoding picks the
     same tokens, and the packed path is the one that ran (grouped-query attention, q/k/v biases)."""
-    import transformers
-
     import lit_rlhf.rollout.decode_step as decode_step
     import lit_rlhf.rollout.generate as generate
 
-    config_class, model_class = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[arch]
-    cfg = getattr(transformers, config_class)(vocab_size=40, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                              num_key_value_heads=kv_heads, intermediate_size=96, attn_implementation=attn,
-                                              sliding_window=None)  # fmt: skip
-    torch.manual_seed(0)
-    model = getattr(transformers, model_class)(cfg).eval()
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            p.data.add_(torch.randn_like(p) * 0.1)
-    ids, mask = pad([[2, 10, 11, 12, 13], [2, 20], [2, 30, 31]], 0, "left")
-    steps = 6
-    table = generate._decode_mask_table(model, mask, steps)
-    positions = position_ids_from_mask(mask)
+    model, ids, mask, table, positions = _decoder_and_batch(arch, attn, kv_heads, torch.float32, 64, 96, steps := 6)
     calls = []
     real_call = decode_step._Packed.__call__
 
