@@ -47,7 +47,7 @@ def _linear(module: Any, x: Tensor) -> Tensor:
 
 def prepack_supported(weight: Tensor) -> bool:
     """Whether oneDNN prepacked projections apply: an fp32 CPU weight and a torch built with the
-    oneDNN linear operators (the x86/ARM CPU wheels)."""
+    oneDNN linear operators (the x86-64 CPU wheels have them; elsewhere a failure falls back)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))  # fmt: skip
 
