@@ -26,5 +26,6 @@ class GenerationConfig:
     prepack: bool = True
     """fp32 on CPU: decode with oneDNN-prepacked copies of the decoder layers' projections and the LM
     head (q/k/v and gate/up each as one product; one extra copy of those weights while sampling;
-    equal to the model's forward up to float rounding). False = the layers' own ops, bit for bit.
+    equal to the model's forward up to float rounding; skipped, with a warning, when the copy would
+    take more than half of the memory available). False = the layers' own ops, bit for bit.
     No effect elsewhere (GPU, bf16, LoRA or hooked layers)."""

@@ -181,7 +181,7 @@ class _LayerStep:
             self.attention = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, eager)
         self.packed: list[_PackedLayer | None] = [None] * len(self.layers)
         self.packed_head: _Packed | None = None
-        if rows is not None and any(self.inline) and prepack_supported(self.embed.weight):
+        if rows is not None and any(self.inline) and prepack_supported(self.embed.weight) and self._room_to_prepack(model):
             try:
                 self.packed = [_PackedLayer(layer, rows) if inline else None for layer, inline in zip(self.layers, self.inline)]
                 if type(self.head) is torch.nn.Linear and not (self.head._forward_hooks or self.head._forward_pre_hooks):
@@ -189,6 +189,24 @@ class _LayerStep:
             except RuntimeError as err:  # a oneDNN build without these kernels for this CPU: plain products
                 log.warning("prepacking the decoding weights failed (%s); decoding with F.linear", err)
                 self.packed, self.packed_head = [None] * len(self.layers), None
+
+    def _room_to_prepack(self, model: Any) -> bool:
+        """Whether the prepacked copy (every inlined projection and the head, fp32) takes at most
+        half of the host memory available now; if not, decode with F.linear (warned once per model)."""
+        linears = [m for layer, inline in zip(self.layers, self.inline) if inline for m in
+                   (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]  # fmt: skip
+        head = getattr(self.head, "weight", None)
+        need = 4 * (sum(m.weight.numel() for m in linears) + (head.numel() if head is not None else 0))
+        available = _available_memory()
+        if available is None or need <= available // 2:
+            return True
+        if model not in _PREPACK_SKIPPED:
+            _PREPACK_SKIPPED.add(model)
+            log.warning("prepacking %s's decoding weights would take %.1f GiB of the %.1f GiB of memory available; "
+                        "decoding with F.linear (algo.generation.prepack=false silences this)", type(model).__name__,
+                        need / 2**30, available / 2**30)  # fmt: skip
+        return False
 
     @staticmethod
     def supported(model: Any) -> bool:
@@ -216,6 +234,17 @@ class _LayerStep:
 
 
 _LAYER_STEP_VERDICTS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+_PREPACK_SKIPPED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models told once that their copy would not fit
+
+
+def _available_memory() -> int | None:
+    """Bytes of host memory available now (psutil, a dependency of DeepSpeed), None if unknown."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # no psutil, or no reading on this platform: no cap
+        return None
 
 
 def _layer_step_ok(model: Any, step: _LayerStep, kwargs: dict[str, Any]) -> tuple[bool, Any]:

@@ -541,3 +541,26 @@ def test_a_oneDNN_failure_falls_back_to_plain_products_or_the_model_forward(toke
         got = sample(models[2], ids, mask, gen, eos_id=-1, pad_id=0)[0]
     assert generate._LAYER_STEP_VERDICTS[models[2]] is False and "failed (no such kernel)" in caplog.text
     assert torch.equal(got, expected)
+
+
+def test_prepacking_is_skipped_when_its_copy_would_not_fit(monkeypatch, caplog):
+    """The prepacked copy (4 bytes per projection and head weight) is made only while it takes at
+    most half of the memory available; otherwise F.linear decodes, with one warning per model."""
+    import logging
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import lit_rlhf.rollout.decode_step as decode_step
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=64, tie_word_embeddings=False))  # fmt: skip
+    layer = 4 * 32 * 32 + 3 * 32 * 64  # q, k, v, o and gate, up, down
+    need = 4 * (2 * layer + 40 * 32)
+    monkeypatch.setattr(decode_step, "_available_memory", lambda: 2 * need)
+    assert all(p is not None for p in decode_step._LayerStep(model, 16, rows=2).packed)
+    monkeypatch.setattr(decode_step, "_available_memory", lambda: 2 * need - 1)
+    with caplog.at_level(logging.WARNING, logger="lit_rlhf.rollout.decode_step"):
+        for _ in range(2):
+            step = decode_step._LayerStep(model, 16, rows=2)
+            assert all(p is None for p in step.packed) and step.packed_head is None and step.inline == [True, True]
+    assert caplog.text.count("would take") == 1
