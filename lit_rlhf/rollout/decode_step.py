@@ -41,6 +41,12 @@ def _rotary(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
+def _projections(layer: Any) -> list:
+    """A Llama-layout layer's seven projections: q, k, v, o, gate, up, down (AttributeError if it has others)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+
+
 def _linear(module: Any, x: Tensor) -> Tensor:
     return torch.nn.functional.linear(x, module.weight, module.bias)
 
@@ -97,9 +103,8 @@ def _inlinable(layer: Any) -> bool:
         return False
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return False
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     try:
-        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        linears = _projections(layer)
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
     except AttributeError:
         return False
@@ -129,7 +134,8 @@ def _inline_layer(layer: Any, cache_layer: Any, hidden: Tensor, mask: Tensor, co
     else:
         qkv = packed.qkv(x).view(b, 1, -1, d)  # (B, 1, heads + 2·kv heads, D)
         qk = _rotary(qkv[:, :, : packed.heads + packed.kv_heads], cos, sin_signed)
-        q, k, v = qk[:, :, : packed.heads].transpose(1, 2), qk[:, :, packed.heads :].transpose(1, 2), qkv[:, :, packed.heads + packed.kv_heads :].transpose(1, 2)
+        q, k = qk[:, :, : packed.heads].transpose(1, 2), qk[:, :, packed.heads :].transpose(1, 2)
+        v = qkv[:, :, packed.heads + packed.kv_heads :].transpose(1, 2)
     k, v = cache_layer.update(k, v)
     out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
     out = out.reshape(b, 1, -1).contiguous()
@@ -193,9 +199,7 @@ class _LayerStep:
     def _room_to_prepack(self, model: Any) -> bool:
         """Whether the prepacked copy (every inlined projection and the head, fp32) takes at most
         half of the host memory available now; if not, decode with F.linear (warned once per model)."""
-        linears = [m for layer, inline in zip(self.layers, self.inline) if inline for m in
-                   (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]  # fmt: skip
+        linears = [m for layer, inline in zip(self.layers, self.inline) if inline for m in _projections(layer)]
         head = getattr(self.head, "weight", None)
         need = 4 * (sum(m.weight.numel() for m in linears) + (head.numel() if head is not None else 0))
         available = _available_memory()
@@ -220,15 +224,16 @@ class _LayerStep:
         from types import SimpleNamespace
 
         hidden = self.embed(input_ids)
-        cos, sin = self.cos[position_ids], self.sin[position_ids]  # (B, 1, head dim)
+        cos = self.cos[position_ids]  # (B, 1, head dim)
         rotary_cos, rotary_sin = cos.unsqueeze(1), self.sin_signed[position_ids].unsqueeze(1)
+        own = None if all(self.inline) else (cos, self.sin[position_ids])  # for layers that run their forward
         for layer, inline, packed in zip(self.layers, self.inline, self.packed):
             if inline:
                 hidden = _inline_layer(layer, cache.layers[layer.self_attn.layer_idx], hidden, attention_mask, rotary_cos,
                                        rotary_sin, self.attention, packed)  # fmt: skip
             else:
                 hidden = layer(hidden, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                               use_cache=True, position_embeddings=(cos, sin))  # fmt: skip
+                               use_cache=True, position_embeddings=own)  # fmt: skip
         last = self.norm(hidden[:, -1:])
         return SimpleNamespace(logits=self.head(last) if self.packed_head is None else self.packed_head(last), cache=cache)
 
