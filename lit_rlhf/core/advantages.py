@@ -71,10 +71,11 @@ def group_advantages(
     (GRPO; Shao et al. 2024); "leave_one_out": A_i = r_i − mean_{j≠i} r_j (RLOO; Ahmadian et al.
     2024). ``scale`` divides by the group's std (unbiased) + ``eps`` (GRPO; Dr. GRPO and RLOO do
     not). ``valid`` (N,) bool drops responses (non-finite rewards) from their group's statistics;
-    their advantage is 0.
+    their advantage is 0. A group without signal (:func:`no_signal_groups`) gets advantage 0 for
+    every member, exactly.
 
     Returns:
-        advantages (N,), and (N / G,) bool: the groups whose valid rewards are all equal (no signal).
+        advantages (N,), and (N / G,) bool: the groups without signal.
     Naive equivalent: a Python loop over groups with ``statistics.mean/stdev`` (tests compare).
     """
     if rewards.numel() % group_size:
@@ -95,6 +96,23 @@ def group_advantages(
     adv = r - base
     if scale:
         adv = adv / (var.sqrt() + eps)
-    no_signal = (var.squeeze(1) == 0) | (n.squeeze(1) < 2)
-    adv = torch.where(m.bool(), adv, torch.zeros_like(adv))
+    no_signal = no_signal_groups(r, m.bool(), rewards.dtype)
+    adv = torch.where(m.bool() & ~no_signal[:, None], adv, torch.zeros_like(adv))
     return adv.view(-1).to(rewards.dtype), no_signal
+
+
+def no_signal_groups(r: Tensor, valid: Tensor, dtype: torch.dtype) -> Tensor:
+    """(groups,) bool: fewer than 2 valid rewards, or valid rewards equal up to rounding.
+
+    Decided from max − min of the valid rewards of ``r`` (groups, G), never from a variance: the
+    mean of [0.7, 0.7, 0.7] in float64 carries rounding error, so their variance is not 0. "Equal
+    up to rounding" (docs/algorithms.md §6): max − min ≤ 4 ε · max|r|, ε the machine epsilon of
+    ``dtype`` (the rewards' own precision; 0 for integer rewards): 0.1 + 0.2 and 0.3 in float64
+    differ by one unit of rounding and count as equal, 0.3 and 0.3 + 1e-9 do not.
+    """
+    inf = torch.tensor(float("inf"), dtype=r.dtype, device=r.device)
+    hi = torch.where(valid, r, -inf).amax(1)
+    lo = torch.where(valid, r, inf).amin(1)
+    size = torch.where(valid, r.abs(), torch.zeros_like(r)).amax(1)
+    rtol = 4 * torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    return (valid.sum(1) < 2) | (hi - lo <= rtol * size)

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lit_rlhf.core.masked import masked_sum
+from lit_rlhf.core.masked import masked_sum, zero_outside
 
 Estimator = Literal["k1", "k2", "k3"]
 
@@ -24,13 +24,17 @@ def kl_penalty(
     estimator: Estimator = "k1",
     clamp: float | None = 20.0,
     k3_max: float | None = 10.0,
+    mask: Tensor | None = None,
 ) -> Tensor:
     """Per-token KL estimate (B, T) from (B, T) log-probs of the sampled tokens.
 
     ``clamp``/``k3_max`` None = no clamp (k3 still cannot overflow: d is then clamped to ±80,
-    where e^80 is finite in float32).
+    where e^80 is finite in float32). With ``mask`` (B, T), d is 0 outside it BEFORE e^{−d}:
+    the estimate and its gradient are exactly 0 at padded positions whatever the log-probs hold
+    there (a loss must pass it: masking afterwards leaves 0·NaN = NaN in ``.grad``).
     """
     d = logprobs - ref_logprobs
+    d = zero_outside(d, mask) if mask is not None else d
     d = d.clamp(-clamp, clamp) if clamp is not None else d
     if estimator == "k1":
         return d
@@ -57,7 +61,7 @@ def sequence_kl(
     log-ratios of the sampled tokens, docs/algorithms.md §4). Padded positions never enter the
     sum, whatever they hold.
     """
-    return masked_sum(kl_penalty(logprobs, ref_logprobs, estimator, clamp, k3_max), response_mask, dim=1)
+    return masked_sum(kl_penalty(logprobs, ref_logprobs, estimator, clamp, k3_max, response_mask), response_mask, dim=1)
 
 
 class FixedKLController:

@@ -12,22 +12,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lit_rlhf.core.masked import masked_mean, masked_sum
+from lit_rlhf.core.masked import masked_mean, masked_sum, zero_outside
 
 Aggregation = Literal["token_mean", "seq_mean", "seq_sum_const"]
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: Aggregation = "token_mean", constant: float | None = None) -> Tensor:
-    """Reduce a (B, T) per-token loss to a scalar.
+    """Reduce a (B, T) per-token loss to a scalar; padded positions never enter it, nor its gradient.
 
-    token_mean: Σ m·l / Σ m (PPO, DAPO); seq_mean: mean over sequences of each one's token mean
-    (original GRPO); seq_sum_const: Σ m·l / (B · constant) (Dr. GRPO; constant = max length).
+    token_mean: Σ m·l / Σ m (PPO, DAPO); seq_mean: (1/B) Σ_i of row i's token mean, a row without
+    tokens counting as 0 in the B (original GRPO, as TRL; docs/algorithms.md §6); seq_sum_const:
+    Σ m·l / (B · constant) (Dr. GRPO; constant = max length).
     """
     if mode == "token_mean":
         return masked_mean(per_token, mask)
-    if mode == "seq_mean":  # over the sequences that have tokens (a fully masked row is not a sequence)
-        rows = mask.sum(1) > 0
-        return masked_sum(masked_mean(per_token, mask, dim=1), rows) / rows.sum().clamp(min=1)
+    if mode == "seq_mean":
+        return masked_mean(per_token, mask, dim=1).mean()
     if mode == "seq_sum_const":
         if not constant:
             raise ValueError("seq_sum_const needs a constant normaliser (e.g. max_new_tokens)")
@@ -53,11 +53,13 @@ def ppo_policy_loss(
     clip-higher.
 
     Args:
-        logprobs, old_logprobs, advantages, response_mask: (B, T).
+        logprobs, old_logprobs, advantages, response_mask: (B, T); whatever the first three hold
+            outside the mask (inf, NaN) reaches neither the loss nor the gradient.
     Returns:
         loss, stats {"loss", "clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl", "ratio_mean", "ratio_max",
         "dual_clipfrac"}.
     """
+    logprobs, old_logprobs, advantages = (zero_outside(x, response_mask) for x in (logprobs, old_logprobs, advantages))
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
@@ -92,10 +94,12 @@ def value_loss(
     """Clipped value loss: ½ · token mean of max((V − G)², (clip(V, V_old ± ε_v) − G)²).
 
     Args:
-        values: (B, T) current critic; old_values: (B, T) at rollout; returns: (B, T) GAE targets.
+        values: (B, T) current critic; old_values: (B, T) at rollout; returns: (B, T) GAE targets;
+            what they hold outside ``response_mask`` reaches neither the loss nor the gradient.
     Returns:
         loss, stats {"loss", "clipfrac", "value_mean", "explained_variance"}.
     """
+    values, old_values, returns = (zero_outside(x, response_mask) for x in (values, old_values, returns))
     err = (values - returns) ** 2
     if clip is not None:
         clipped_v = old_values + (values - old_values).clamp(-clip, clip)

@@ -19,13 +19,21 @@ def no_all_reduce(x: Tensor) -> Tensor:
     return x
 
 
-def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Σ x over the masked elements along ``dim`` (all elements when None).
+def zero_outside(x: Tensor, mask: Tensor) -> Tensor:
+    """``x`` where the mask is 1, exactly 0 elsewhere.
 
     ``where`` rather than ``x * mask``: a non-finite value at a padded position (inf·0 = NaN)
-    must not leak into the sum.
+    must not leak into a result, and its gradient is exactly 0. Losses apply it to their
+    per-token inputs before any nonlinear op: masking after ``exp`` would still send
+    0·exp(inf) = NaN into ``.grad`` at the padded positions (docs/algorithms.md §2.9).
     """
-    masked = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ x over the masked elements along ``dim`` (all elements when None); padded positions
+    never leak in, whatever they hold (:func:`zero_outside`)."""
+    masked = zero_outside(x, mask)
     return masked.sum() if dim is None else masked.sum(dim)
 
 
@@ -43,11 +51,11 @@ def masked_moments(x: Tensor, mask: Tensor, all_reduce: AllReduce = no_all_reduc
     loses precision when the mean is large relative to the spread.
     """
     keep = mask.bool()
-    xf = x.float()
+    xf = zero_outside(x.float(), keep)  # before the square: no inf/NaN padding in any gradient
     stats = torch.stack([keep.sum().float(), masked_sum(xf, keep)])
     all_reduce(stats)
     count, mean = stats[0], stats[1] / stats[0].clamp(min=1)
-    sq = masked_sum((xf - mean) ** 2, keep)  # `where`, not `* mask`: inf/NaN padding must not leak in
+    sq = masked_sum((xf - mean) ** 2, keep)
     all_reduce(sq)
     var = sq / (count - 1).clamp(min=1)
     return mean, var, count
@@ -55,6 +63,7 @@ def masked_moments(x: Tensor, mask: Tensor, all_reduce: AllReduce = no_all_reduc
 
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     """Variance of the masked elements (Bessel-corrected unless ``unbiased=False``)."""
+    x = zero_outside(x, mask)
     mean = masked_mean(x, mask)
     n = mask.to(x.dtype).sum()
     var = masked_mean((x - mean) ** 2, mask)
@@ -69,7 +78,7 @@ def masked_whiten(
     ``shift_mean=False`` rescales without centring (keeps the sign of a one-sided signal).
     """
     mean, var, _ = masked_moments(x, mask, all_reduce)
-    out = (x.float() - mean) * torch.rsqrt(var + eps)
+    out = (zero_outside(x.float(), mask) - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
     return torch.where(mask.bool(), out, torch.zeros((), dtype=out.dtype, device=out.device)).to(x.dtype)

@@ -127,3 +127,61 @@ def test_gae_with_episode_ends_and_bootstrap_matches_cleanrl_loop():
     # hand case: one step, episode not over: A = r + γ V' − V = 1 + 0.5·2 − 0.5
     a, _ = gae(torch.tensor([[1.0]]), torch.tensor([[0.5]]), torch.ones(1, 1), 0.5, 1.0, next_value=torch.tensor([2.0]))
     assert a.item() == pytest.approx(1.5)
+
+
+BASELINES = [(True, "mean"), (False, "mean"), (False, "leave_one_out"), (True, "leave_one_out")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale, baseline", BASELINES)
+def test_an_all_equal_group_is_no_signal_with_advantages_exactly_zero(dtype, scale, baseline):
+    """In float64, 0.7 + 0.7 + 0.7 = 2.0999999999999996 and its third 0.6999999999999998 ≠ 0.7: a
+    variance from that mean is not 0 (it gave advantages of 1.1e-12 and no_signal False before).
+    The second group is ordinary: its advantages are the hand values of the naive loop."""
+    from lit_rlhf.core.advantages import group_advantages
+
+    adv, no_signal = group_advantages(torch.tensor([0.7, 0.7, 0.7, 1.0, 2.0, 4.0], dtype=dtype), 3, scale, baseline)
+    assert no_signal.tolist() == [True, False]
+    assert adv[:3].tolist() == [0.0, 0.0, 0.0]  # exactly
+    expected = naive_group_advantages([1.0, 2.0, 4.0], 3, scale, baseline == "leave_one_out")
+    assert adv[3:].tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def test_rewards_equal_up_to_rounding_are_no_signal_and_a_real_difference_is_kept():
+    """docs/algorithms.md §6: equal up to rounding = max − min ≤ 4 ε · max|r|, ε of the rewards' dtype."""
+    from lit_rlhf.core.advantages import group_advantages
+
+    # float64: 0.1 + 0.2 = 0.30000000000000004, one unit of rounding (2**-54) above 0.3
+    assert (0.1 + 0.2) - 0.3 == 2**-54
+    adv, no_signal = group_advantages(torch.tensor([0.1 + 0.2, 0.3, 0.3], dtype=torch.float64), 3)
+    assert no_signal.tolist() == [True] and adv.tolist() == [0.0, 0.0, 0.0]
+    # float32: both round to the same float32 (0.30000001192092896): exactly equal
+    as32 = torch.tensor([0.1 + 0.2, 0.3, 0.3], dtype=torch.float32)
+    assert as32[0].item() == as32[1].item() == 0.30000001192092896
+    adv, no_signal = group_advantages(as32, 3)
+    assert no_signal.tolist() == [True] and adv.tolist() == [0.0, 0.0, 0.0]
+    # float32 at 1.0 (ε = 2**-23): 2 units apart is rounding, 8 units apart is a signal;
+    # scale=False, mean baseline: ± half the gap, 2**-21
+    adv, no_signal = group_advantages(torch.tensor([1.0, 1.0 + 2**-22, 1.0, 1.0 + 2**-20]), 2, scale=False)
+    assert no_signal.tolist() == [True, False]
+    assert adv.tolist() == [0.0, 0.0, -(2**-21), 2**-21]
+    # float64: 1e-9 apart at 0.3 is a signal (far above 4 ε · 0.3 = 2.7e-16)
+    r = [0.3, 0.3 + 1e-9, 0.3]
+    adv, no_signal = group_advantages(torch.tensor(r, dtype=torch.float64), 3, scale=False)
+    mean = sum(r) / 3
+    assert no_signal.tolist() == [False] and adv.tolist() == pytest.approx([x - mean for x in r], rel=1e-6, abs=0)
+
+
+@pytest.mark.parametrize("scale", [False, True])
+def test_leave_one_out_with_one_finite_reward_gives_advantage_zero(scale):
+    """RLOO: a group with one finite reward has no other sample for a baseline (it used to get its raw
+    reward 2.0 as advantage, or 2.0 / 1e-4 scaled); flagged no signal, every member gets 0. The
+    second group [5, 1, -inf]: baselines 1 and 5, advantages ±4 (÷ (stdev(5, 1) = √8) + 1e-4 scaled)."""
+    from lit_rlhf.core.advantages import group_advantages
+
+    rewards = torch.tensor([2.0, float("nan"), float("inf"), 5.0, 1.0, float("-inf")])
+    adv, no_signal = group_advantages(rewards, 3, scale, "leave_one_out")
+    assert no_signal.tolist() == [True, False]
+    d = 8**0.5 + 1e-4 if scale else 1.0
+    assert adv.tolist() == pytest.approx([0.0, 0.0, 0.0, 4.0 / d, -4.0 / d, 0.0], rel=1e-6)
+    assert adv[:3].tolist() == [0.0, 0.0, 0.0]  # exactly

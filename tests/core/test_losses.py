@@ -254,9 +254,13 @@ def test_clip_higher_and_the_side_that_clipped():
     assert symmetric.item() == pytest.approx((-1.2 - 1.2 + 0.8 + 0.9) / 4)
 
 
-def test_seq_mean_ignores_fully_masked_rows():
+def test_seq_mean_counts_a_row_without_tokens_as_zero():
+    """docs/algorithms.md §6, as TRL's GRPO: ((l·m).sum(-1) / m.sum(-1).clamp(min=1)).mean(): every
+    row is one of the B, a row without tokens (a response left out: no finite reward) adds 0."""
     from lit_rlhf.core.losses import aggregate
 
     loss = torch.tensor([[1.0, 3.0], [9.0, 9.0], [5.0, 0.0]])
-    mask = torch.tensor([[1, 1], [0, 0], [1, 0]])  # row 1: a response left out (no reward)
-    assert aggregate(loss, mask, "seq_mean").item() == pytest.approx((2.0 + 5.0) / 2)
+    mask = torch.tensor([[1, 1], [0, 0], [1, 0]])
+    assert aggregate(loss, mask, "seq_mean").item() == pytest.approx((2.0 + 0.0 + 5.0) / 3)
+    rows = [sum(l * m for l, m in zip(lr, mr)) / max(sum(mr), 1) for lr, mr in zip(loss.tolist(), mask.tolist())]
+    assert aggregate(loss, mask, "seq_mean").item() == pytest.approx(sum(rows) / len(rows))
