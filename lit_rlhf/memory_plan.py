@@ -225,37 +225,13 @@ def setup_from(cfg: Any, job: Any) -> Setup:
                  gen_batch=int(gen_batch), gen_len=int(gen_len))  # fmt: skip
 
 
-def _models(job: Any) -> list[tuple[str, str, Any]]:
-    """(name, role, path or None = the model spec's own) of every model the stage holds."""
-    algo = job.algo
-    name = job.algo_cls.__name__
-    policy = getattr(algo, "policy_path", None)
-    if name.startswith("SFT"):
-        return [("policy", "trained", None)]
-    if name.startswith("RewardModel") or name.startswith("RM"):
-        return [("reward model", "trained", None)]
-    if name.startswith("DPO"):
-        out = [("policy", "trained", policy)]
-        if not getattr(algo, "precompute_ref_logprobs", False):
-            out.append(("reference", "frozen-ref", getattr(algo, "reference_path", None) or policy))
-        return out
-    out = [("actor", "trained", policy)]
-    if getattr(algo, "kl_coef", 0) > 0 or name.startswith("PPO"):
-        out.append(("reference", "frozen-ref", policy))
-    if getattr(algo, "reward_path", None):
-        out.append(("reward model", "frozen", algo.reward_path))
-    if name.startswith("PPO"):
-        out.append(("critic", "trained", getattr(algo, "critic_path", None) or getattr(algo, "reward_path", None) or policy))
-    return out
-
-
 def estimate(cfg: Any, job: Any, setup: Setup | None = None) -> MemoryPlan:
     s = setup or setup_from(cfg, job)
     spec = job.model
     notes: list[str] = []
     rows: list[Row] = []
     arch0 = None
-    for name, role, path in _models(job):
+    for name, role, path in job.algo_cls.planned_models(job.algo):  # each stage declares its models
         arch, source = arch_of(spec, path)
         if arch is None and path is not None:
             fallback, _ = arch_of(spec)

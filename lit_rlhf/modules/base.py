@@ -34,7 +34,8 @@ class RLHFModule(pl.LightningModule):
     * ``monitor`` — (metric, mode) that ``callbacks.model_checkpoint.monitor=auto`` selects;
     * :meth:`resolve_model_spec`, :meth:`resolve_data_config`, :meth:`check_compatible` —
       cross-group rules applied before anything is built (defaults: no change, no check);
-    * :meth:`check_paths` (``model_path_keys``) — the model folders the config names exist.
+    * :meth:`check_paths` (``model_path_keys``) — the model folders the config names exist;
+    * :meth:`planned_models` — every model a run of the stage holds, for the memory plan.
     """
 
     config_class: type = OptimConfig
@@ -54,6 +55,13 @@ class RLHFModule(pl.LightningModule):
     @classmethod
     def check_compatible(cls, config: Any, spec: ModelSpec) -> None:
         """Raise ``ConfigError`` when the stage's config and the model cannot work together."""
+
+    @classmethod
+    def planned_models(cls, config: Any) -> list[tuple[str, str, str | None]]:
+        """(name, role, path or None = the model group's) of every model a run holds, for the
+        memory plan (lit_rlhf/memory_plan.py). Roles: "trained", "frozen", "frozen-ref" (a frozen
+        copy of the trained model: under LoRA, the same weights with the adapters off)."""
+        return [("policy", "trained", None)]
 
     model_path_keys: tuple[str, ...] = ()
     """``algo.*`` keys naming model folders, checked by :meth:`check_paths` (policy, reward …)."""

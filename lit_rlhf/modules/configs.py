@@ -96,7 +96,7 @@ def _rollout_generation() -> GenerationConfig:
 
 @dataclass
 class RLConfig(OptimConfig):
-    """What every RL stage shares (PPO now, GRPO next): models, reward, rollout, KL, export."""
+    """What every RL stage shares (PPO, GRPO and their presets): models, reward, rollout, KL, export."""
 
     policy_path: str | None = None
     """The SFT model to train (``save_pretrained`` folder or hub id): actor init AND frozen
@@ -130,9 +130,22 @@ class RLConfig(OptimConfig):
     """Consecutive iterations with non-finite rewards or skipped (non-finite) updates that stop the run
     with an error naming the cause (each one alone is a counted skip)."""
     kl_coef: float = field(default=0.0, metadata={"ge": 0.0})
-    """β of the KL(π‖π_ref) term; 0 = none (the reference is still scored for the stability metrics)."""
+    """β of the KL(π‖π_ref) term (its initial value: the KL controller owns it during training); 0 = none."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """Per-token KL estimator (docs/algorithms.md §2.3)."""
+    monitor_kl: bool = True
+    """With β = 0, still load the frozen reference (the starting policy) to log ``stability/kl`` and
+    ``val/kl``, and so that a collapse rollback's raise of β can act. False with β = 0: no reference
+    (saves its memory; the memory plan follows the switch); the KL monitors log nothing."""
+    adaptive_kl: bool = False
+    """Ziegler's adaptive β towards kl_target (sequence KL) over kl_horizon samples."""
+    kl_target: float = field(default=6.0, metadata={"gt": 0.0})
+    """Adaptive β: target sequence KL (nats per response)."""
+    kl_horizon: int = field(default=10000, metadata={"ge": 1})
+    """Adaptive β: samples over which β moves by at most ±20%."""
+    fuse_first_forward: bool = True
+    """With one pass over one minibatch (and no dropout), take the old log-probs (and PPO's old
+    values) from the first training forward instead of separate rollout passes: exact, and cheaper."""
     export_dir: str | None = None
     """``save_pretrained`` folder of the final policy."""
 
@@ -171,9 +184,6 @@ class PPOConfig(RLConfig):
     """Passes over the rollout buffer per RL iteration."""
     minibatch_size: int = field(default=8, metadata={"ge": 1})
     """Rollouts per optimizer step (rollout_batch_size / minibatch_size steps per epoch; recipe: 4)."""
-    fuse_first_forward: bool = True
-    """With 1 epoch over 1 minibatch (and no dropout), take log π_old and V_old from the first
-    training forward instead of separate rollout passes: exact, and two forwards cheaper."""
     critic_warmup_steps: int = field(default=0, metadata={"ge": 0})
     """First N RL iterations update only the critic (actor lr 0)."""
     # ---- reward shaping
@@ -185,12 +195,6 @@ class PPOConfig(RLConfig):
     """Subtract this from the score of responses truncated without EOS; None = no penalty."""
     kl_placement: Literal["reward", "loss"] = "reward"
     """In the per-token reward (−β·kl_t, default) or in the policy loss (β · token-mean kl; k2/k3 only)."""
-    adaptive_kl: bool = False
-    """Ziegler's adaptive β towards kl_target (sequence KL) over kl_horizon samples."""
-    kl_target: float = field(default=6.0, metadata={"gt": 0.0})
-    """Adaptive β: target sequence KL (nats per response)."""
-    kl_horizon: int = field(default=10000, metadata={"ge": 1})
-    """Adaptive β: samples over which β moves by at most ±20%."""
     # ---- advantages
     gamma: float = field(default=1.0, metadata={"ge": 0.0, "le": 1.0})
     """Discount γ of GAE."""
@@ -299,7 +303,8 @@ class GRPOConfig(RLConfig):
     scheduler: Literal["constant", "linear", "cosine"] = "constant"
     """lr after warm-up."""
     kl_coef: float = field(default=0.04, metadata={"ge": 0.0})
-    """β of the KL to the reference IN THE LOSS; 0 = no KL term and no reference model loaded."""
+    """β of the KL to the reference IN THE LOSS; 0 = no KL term (the reference is still loaded to
+    monitor the KL unless algo.monitor_kl=false)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token estimator of the loss's KL term (k3: DeepSeekMath)."""
     clip_eps_low: float = field(default=0.2, metadata={"gt": 0.0, "lt": 1.0})

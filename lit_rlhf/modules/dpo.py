@@ -93,6 +93,13 @@ class DPOModule(RLHFModule):
         return policy_spec(config.policy_path, spec)
 
     @classmethod
+    def planned_models(cls, config: DPOConfig) -> list[tuple[str, str, str | None]]:
+        out = [("policy", "trained", config.policy_path)]
+        if not config.precompute_ref_logprobs:  # the cached log-probs replace the reference in training
+            out.append(("reference", "frozen-ref", config.reference_path or config.policy_path))
+        return out
+
+    @classmethod
     def check_compatible(cls, config: DPOConfig, spec: Any) -> None:
         if spec.kind != "causal_lm":
             raise ConfigError("model.kind", f"DPO trains a causal LM policy; model.kind={spec.kind}")

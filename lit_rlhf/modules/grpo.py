@@ -1,38 +1,33 @@
 """``GRPOModule``: critic-free RL — GRPO, and DAPO, Dr. GRPO, RLOO as its presets (docs/algorithms.md §6).
 
-One RL iteration per ``training_step``, through the same rollout path as PPO:
+The RL iteration is :class:`~lit_rlhf.modules.rl.RLModule`'s; GRPO supplies what differs:
 
-1. :meth:`collect`: G responses per prompt (``num_generations``), scored by the reward model or
-   the weighted reward callables; with DAPO's dynamic sampling, groups whose rewards are all equal
-   are dropped and more prompts are sampled until the batch is full (up to ``max_resample_rounds``);
-2. :meth:`compute_advantages`: optional overlong shaping of the reward, then group-relative
-   advantages (mean or leave-one-out baseline, optionally scaled by the group std) broadcast to
-   every response token; responses with a non-finite reward are counted and left out;
-3. :meth:`update`: ``num_iterations`` passes of the clipped surrogate (ε_low, ε_high) + β·KL(π‖π_ref)
-   in the LOSS (k3), aggregated per sequence, per token, or over a constant (Dr. GRPO).
+* G responses per prompt (``num_generations``; a group's rows are consecutive), and with DAPO's
+  dynamic sampling (:meth:`refine_rollout`) groups whose rewards are all equal are dropped and
+  more prompts are sampled until the batch is full (up to ``max_resample_rounds``);
+* :meth:`compute_advantages`: optional overlong shaping of the reward, then group-relative
+  advantages (mean or leave-one-out baseline, optionally scaled by the group std) broadcast to
+  every response token; responses with a non-finite reward are counted and left out;
+* :meth:`minibatch_loss`: the clipped surrogate (ε_low, ε_high) + β·KL(π‖π_ref) in the LOSS (k3),
+  aggregated per sequence, per token, or over a constant (Dr. GRPO), β read from the controller.
 
-No critic. β = 0 loads no reference model (the KL monitors then report nothing).
+No critic. With β = 0 the reference is still loaded to log the KL to the starting policy,
+unless ``algo.monitor_kl=false``.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lit_rlhf.core.advantages import group_advantages
-from lit_rlhf.core.kl import kl_penalty
-from lit_rlhf.core.losses import aggregate, ppo_policy_loss
+from lit_rlhf.core.losses import ppo_policy_loss
 from lit_rlhf.core.rewards import overlong_penalty
 from lit_rlhf.core.types import Rollout, cat_rollouts
 from lit_rlhf.modules.configs import GRPOConfig
-from lit_rlhf.modules.ppo import PolicyForward
-from lit_rlhf.modules.rl import RLModule
-from lit_rlhf.rollout.collect import generate_and_score
-from lit_rlhf.rollout.minibatches import iterate_minibatches
-from lit_rlhf.rollout.score import response_logprobs
+from lit_rlhf.modules.rl import PolicyForward, RLModule
 from lit_rlhf.utils.distributed import all_reduce_min, all_reduce_sum
 
 AGGREGATION = {"seq_mean_token_mean": "seq_mean", "token_mean": "token_mean", "seq_sum_constant": "seq_sum_const"}
@@ -45,7 +40,6 @@ class GRPOModule(RLModule):
 
     def __init__(self, config: GRPOConfig | None = None, model: Any = None, tokenizer: Any = None, **kwargs: Any):
         super().__init__(config, model, tokenizer, **kwargs)
-        self._first_forward: PolicyForward | None = None  # the fused path's, for update()
         self._extra_prompts: Any = None  # dynamic sampling's own prompt stream
         self.extra_batches = 0  # prompt batches drawn from it (checkpointed: a resume skips them)
 
@@ -57,60 +51,29 @@ class GRPOModule(RLModule):
     def configure_model(self) -> None:
         if self.actor is not None:
             return
-        from lit_rlhf.models.builders import build_causal_lm, freeze
-
-        tok = self.ensure_tokenizer()
-        self.actor = self.with_lora(build_causal_lm(self.model_spec, tok)).train()
-        if self.config.kl_coef > 0:  # β = 0: no reference model at all
-            self.frozen["reference"] = self.reference_for(self.actor, lambda: freeze(build_causal_lm(self.model_spec, tok)))
+        self.build_policy_and_reference()
         self.build_rewards()
 
     def configure_optimizers(self) -> Any:
         optimizer = self.build_optimizer(self.decay_groups(self.actor))
         return {"optimizer": optimizer, "lr_scheduler": self.build_scheduler(optimizer, self.total_updates())}
 
-    # --------------------------------------------------------------- the step
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        started = time.perf_counter()
-        rollout, stats = self.collect(batch)
-        collected = time.perf_counter()
-        stats.update(self.compute_advantages(rollout))
-        stats.update(self.update(rollout))
-        return self.end_iteration(rollout, stats, started, collected)
+    # ------------------------------------------------------------ stage hooks
+    def responses_per_prompt(self) -> int:
+        return self.config.num_generations
+
+    def num_passes(self) -> int:
+        return self.config.num_iterations
+
+    def minibatch_rows(self, n: int) -> int:
+        return self.config.minibatch_size or n
 
     # --------------------------------------------------------------- phase 1
-    def sample_groups(self, batch: dict[str, Any], policy_logprobs: bool = True) -> Rollout:
-        """G responses to each prompt of ``batch`` (rows of a group are consecutive), scored."""
-        g = self.config.num_generations
-        group = {"prompt_ids": batch["prompt_ids"].repeat_interleave(g, 0),
-                 "prompt_mask": batch["prompt_mask"].repeat_interleave(g, 0),
-                 "prompts": [p for p in batch["prompts"] for _ in range(g)]}  # fmt: skip
-        with self.rollout_grad_mode():
-            rollout = generate_and_score(
-                self.actor, group, self.tokenizer, self.config.generation, reference=self.frozen.get("reference"),
-                scorer=self.scorer, policy_logprobs=policy_logprobs, logprob_temperature=self.logprob_temperature(),
-                padding_free=self.config.padding_free,
-            )  # fmt: skip
-        return rollout.normal_tensors()
-
-    def collect(self, batch: dict[str, Any]) -> tuple[Rollout, dict[str, Tensor]]:
-        """The iteration's rollout (complete: the old log-probs too) and its sampling statistics."""
-        c: GRPOConfig = self.config
-        fused = self.fused_first_forward()
-        rollout = self.sample_groups(batch, policy_logprobs=not fused)
-        stats: dict[str, Tensor] = {}
-        if c.dynamic_sampling:
-            rollout, stats = self.dynamic_sampling(rollout, batch["prompt_ids"].shape[0], fused)
-        if fused:  # the update's first forward scores the policy (exact: the same weights)
-            self._first_forward = self.policy_forward(rollout)
-            rollout.logprobs = self._first_forward.logprobs.detach()
-        return rollout.require("logprobs", "scores"), stats
-
-    def fused_first_forward(self) -> bool:
-        """One pass over one minibatch: the rollout weights ARE the update's, so log π_old is the
-        first training forward's, detached (TRL computes it the same way)."""
-        c: GRPOConfig = self.config
-        return c.num_iterations == 1 and (c.minibatch_size is None or c.minibatch_size >= c.rollout_batch_size)
+    def refine_rollout(self, rollout: Rollout, batch: dict[str, Any], fused: bool) -> tuple[Rollout, dict[str, Tensor]]:
+        """DAPO's dynamic sampling when ``algo.dynamic_sampling``; else the rollout as sampled."""
+        if not self.config.dynamic_sampling:
+            return rollout, {}
+        return self.dynamic_sampling(rollout, batch["prompt_ids"].shape[0], fused)
 
     def dynamic_sampling(self, rollout: Rollout, groups_wanted: int, fused: bool) -> tuple[Rollout, dict[str, Tensor]]:
         """DAPO: keep the groups whose rewards differ; sample more prompts (their own stream) until
@@ -133,7 +96,7 @@ class GRPOModule(RLModule):
                     or rounds >= c.max_resample_rounds:
                 break
             rounds += 1
-            rollout = self.sample_groups(self.next_extra_prompts(), policy_logprobs=not fused)
+            rollout = self.sample(self.next_extra_prompts(), policy_logprobs=not fused)
         if not kept:  # no group had a signal: train on the last batch (zero advantages: only the KL acts)
             kept = [rollout]
         out = cat_rollouts(kept, self.tokenizer.pad_token_id)
@@ -173,19 +136,8 @@ class GRPOModule(RLModule):
         return stats
 
     # --------------------------------------------------------------- phase 3
-    def updates_per_iteration(self, batch_size: int | None = None) -> int:
-        c: GRPOConfig = self.config
-        n = c.rollout_batch_size if batch_size is None else batch_size
-        return c.num_iterations * -(-n // (c.minibatch_size or n))
-
-    def policy_forward(self, mb: Rollout) -> PolicyForward:
-        logprobs, entropy = response_logprobs(self.actor, mb.input_ids, mb.attention_mask, mb.prompt_ids.shape[1],
-                                              self.logprob_temperature(), with_entropy=True, entropy_grad=False,
-                                              padding_free=self.config.padding_free)  # fmt: skip
-        return PolicyForward(logprobs, entropy, logprobs.new_zeros(()))  # no critic
-
-    def minibatch_loss(self, mb: Rollout, fwd: PolicyForward) -> tuple[Tensor, dict[str, Tensor]]:
-        """Clipped surrogate + β·KL in the loss, both with the configured aggregation."""
+    def minibatch_loss(self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """Clipped surrogate + β·KL in the loss, both with the configured aggregation (``ptx``: unused)."""
         c: GRPOConfig = self.config
         mask = mb.valid_mask  # responses without a finite reward are left out
         agg, constant = AGGREGATION[c.loss_aggregation], float(c.generation.max_new_tokens)
@@ -193,33 +145,11 @@ class GRPOModule(RLModule):
                                    None, agg, constant)  # fmt: skip
         stats = {f"policy/{k}": v for k, v in pg.items()}
         stats["policy/entropy"] = (fwd.entropy * mask).sum() / mask.sum().clamp(min=1)
-        if c.kl_coef > 0:
-            kl = aggregate(kl_penalty(fwd.logprobs, mb.ref_logprobs, c.kl_estimator), mask, agg, constant)
-            loss = loss + c.kl_coef * kl
-            stats["policy/kl_loss"] = kl.detach()
+        kl_term, kl_stats = self.kl_loss(fwd.logprobs, mb, mask, agg, constant)
+        if kl_term is not None:
+            loss = loss + kl_term
+            stats.update(kl_stats)
         return loss, stats
-
-    def update(self, rollout: Rollout) -> dict[str, Tensor]:
-        """``num_iterations`` passes over the rollout in minibatches, one backward + step each."""
-        c: GRPOConfig = self.config
-        opt, sched = self.optimizers(), self.lr_schedulers()
-        first, self._first_forward = self._first_forward, None
-        n = rollout.scores.shape[0]
-        if first is not None:
-            minibatches = [torch.arange(n)]
-        else:
-            gen = torch.Generator().manual_seed(int(self.trainer.current_epoch * 1_000_003 + self.iteration))
-            minibatches = list(iterate_minibatches(n, c.minibatch_size or n, c.num_iterations, gen))
-        collected: dict[str, list[Tensor]] = {}
-        for idx in minibatches:
-            if self.max_steps_reached():
-                break
-            mb = rollout if first is not None else rollout.select(idx.to(rollout.scores.device))
-            loss, stats = self.minibatch_loss(mb, first or self.policy_forward(mb))
-            self.optimizer_step(opt, sched, loss)
-            for k, v in stats.items():
-                collected.setdefault(k, []).append(v.detach().float())
-        return self.mean_stats(collected)
 
     # -------------------------------------------------------------- state
     def rl_state_dict(self) -> dict[str, Any]:

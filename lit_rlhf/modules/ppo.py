@@ -1,72 +1,42 @@
 """``PPOModule``: PPO / PPO-max for language models with manual optimization (docs/algorithms.md §2–§3).
 
-One RL iteration per ``training_step`` (docs/architecture.md "One RL iteration"):
+The RL iteration is :class:`~lit_rlhf.modules.rl.RLModule`'s (collect → advantages → update →
+β controller); PPO supplies what differs:
 
-1. :meth:`collect`: sample responses (KV cache), then one no-grad pass per model: actor
-   log-probs, reference log-probs, critic values, reward score;
-2. :meth:`compute_advantages`: score reparameterization → per-token rewards (score on the EOS,
-   −β·kl) → GAE → whitening (across ranks);
-3. :meth:`update`: ``ppo_epochs`` × shuffled minibatches; actor and critic losses summed and sent
-   through ONE ``manual_backward`` and ONE optimizer with two parameter groups (own lr each):
-   the arrangement that works under DDP without ``find_unused_parameters`` and under DeepSpeed,
-   which accepts a single optimizer;
-4. the KL controller sees the KL of all ranks' rollouts.
+* a critic (a value head on a causal trunk, initialised from the reward model or the policy),
+  scored in the rollout and trained with the actor;
+* :meth:`compute_advantages`: score reparameterization → per-token rewards (score on the EOS,
+  −β·kl) → GAE → whitening (across ranks);
+* :meth:`minibatch_loss`: clipped policy loss (+ entropy, + KL in the loss, + PPO-ptx) and the
+  clipped value loss, summed: ONE ``manual_backward`` and ONE optimizer with two parameter
+  groups (own lr each) — the arrangement that works under DDP without
+  ``find_unused_parameters`` and under DeepSpeed, which accepts a single optimizer.
 
-Models: the actor and the frozen reference load from ``policy_path`` (the SFT export; default:
-the ``model`` group's model); the reward is a frozen reward model (``reward_path``) or a Python
-callable (``reward_fn``); the critic is a value head on a causal trunk initialised from the
-reward model (or the policy). ``trainer.max_steps`` counts optimizer steps (Lightning's
-meaning): an iteration performs ``ppo_epochs × ceil(batch / minibatch_size)`` of them and
-training stops exactly at the limit.
+``trainer.max_steps`` counts optimizer steps (Lightning's meaning): an iteration performs
+``ppo_epochs × ceil(batch / minibatch_size)`` of them and training stops exactly at the limit.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lit_rlhf.core.advantages import gae
-from lit_rlhf.core.kl import AdaptiveKLController, FixedKLController, kl_penalty, sequence_kl
+from lit_rlhf.core.kl import kl_penalty
 from lit_rlhf.core.logprobs import shifted_token_logprobs
 from lit_rlhf.core.losses import entropy_loss, ppo_policy_loss, ptx_loss, value_loss
-from lit_rlhf.core.masked import masked_mean, masked_whiten
+from lit_rlhf.core.masked import masked_whiten
 from lit_rlhf.core.rewards import penalize_missing_eos, reparameterize_scores, shape_rewards
 from lit_rlhf.core.running_stats import RunningMoments
 from lit_rlhf.core.types import Rollout
 from lit_rlhf.modules.configs import PPOConfig
-from lit_rlhf.modules.rl import RLModule
-from lit_rlhf.rollout.collect import generate_and_score
-from lit_rlhf.rollout.minibatches import iterate_minibatches
-from lit_rlhf.rollout.score import response_logprobs, response_values
+from lit_rlhf.modules.rl import PolicyForward, RLModule
 from lit_rlhf.utils.distributed import all_reduce_sum
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PolicyForward:
-    """One training forward of actor and critic over a minibatch (with grad)."""
-
-    logprobs: Tensor  # (B, R) log π_θ(y_t | x, y_<t)
-    entropy: Tensor  # (B, R) H(π_θ(·|s_t)); in the graph only when the entropy is in the loss
-    values: Tensor  # (B, R) V_θ(s_t)
-
-
-def _has_dropout(module: nn.Module) -> bool:
-    """Any active dropout (nn.Dropout p > 0, or a transformers config attention/hidden dropout)."""
-    for m in module.modules():
-        if isinstance(m, nn.Dropout) and m.p > 0:
-            return True
-        config = getattr(m, "config", None)
-        if config is not None and any(getattr(config, k, 0) or 0 for k in ("attention_dropout", "hidden_dropout", "dropout")):
-            return True
-    return False
 
 
 class PPOModule(RLModule):
@@ -78,16 +48,15 @@ class PPOModule(RLModule):
     def __init__(self, config: PPOConfig | None = None, model: Any = None, tokenizer: Any = None, **kwargs: Any):
         super().__init__(config, model, tokenizer, **kwargs)
         c: PPOConfig = self.config
-        self.critic: nn.Module | None = None
         self.reward_moments = RunningMoments()
-        if c.adaptive_kl:
-            self.kl_ctl = AdaptiveKLController(c.kl_coef, c.kl_target, c.kl_horizon)
-        else:
-            self.kl_ctl = FixedKLController(c.kl_coef)
-        self._first_forward: PolicyForward | None = None  # the fused path's, for update()
         if c.minibatch_size > c.rollout_batch_size:
             log.warning("algo.minibatch_size=%d > algo.rollout_batch_size=%d: each update uses the whole rollout of %d",
                         c.minibatch_size, c.rollout_batch_size, c.rollout_batch_size)  # fmt: skip
+
+    @classmethod
+    def planned_models(cls, config: PPOConfig) -> list[tuple[str, str, str | None]]:
+        critic = config.critic_path or config.reward_path or config.policy_path
+        return super().planned_models(config) + [("critic", "trained", critic)]
 
     # ------------------------------------------------------------------ models
     def configure_model(self) -> None:
@@ -116,62 +85,21 @@ class PPOModule(RLModule):
         self.critic.padding_free = c.padding_free
         self.critic.train()
 
-    def on_fit_start(self) -> None:
-        super().on_fit_start()
-        ptx_source = getattr(self.trainer.datamodule.config, "ptx_source", None) if self.trainer.datamodule else None
-        if ptx_source and not self.config.ptx_coef:
-            log.warning("data.prompt.ptx_source=%s is set but algo.ptx_coef=0: its batches are loaded and "
-                        "never used (set algo.ptx_coef > 0, or drop the source)", ptx_source)  # fmt: skip
+    # ------------------------------------------------------------ stage hooks
+    def num_passes(self) -> int:
+        return self.config.ppo_epochs
 
-    # --------------------------------------------------------------- the step
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        prompts, ptx = (batch["prompts"], batch["ptx"]) if "ptx" in batch else (batch, None)
-        started = time.perf_counter()
-        rollout = self.collect(prompts)
-        collected = time.perf_counter()
-        stats = self.compute_advantages(rollout)
-        stats.update(self.update(rollout, ptx))
-        self.kl_ctl.update(float(stats.pop("kl_seq_global")), int(stats.pop("n_global")))
-        return self.end_iteration(rollout, stats, started, collected)
+    def minibatch_rows(self, n: int) -> int:
+        return self.config.minibatch_size
 
-    # --------------------------------------------------------------- phase 1
-    def collect(self, batch: dict[str, Any]) -> Rollout:
-        """Generate and score one batch of prompts (docs/algorithms.md §2.1): a complete rollout.
-
-        When the update is ONE minibatch of ONE epoch (:meth:`fused_first_forward`), the actor
-        and critic are scored by the update's own first forward (with grad; kept for
-        :meth:`update`) instead of separate no-grad passes: exact, and two forwards cheaper.
-        """
-        fused = self.fused_first_forward(batch["prompt_ids"].shape[0])
-        with self.rollout_grad_mode():
-            rollout = generate_and_score(
-                self.actor, batch, self.tokenizer, self.config.generation, reference=self.frozen["reference"],
-                critic=None if fused else self.critic, scorer=self.scorer, policy_logprobs=not fused,
-                logprob_temperature=self.logprob_temperature(), padding_free=self.config.padding_free,
-            )  # fmt: skip
-        rollout = rollout.normal_tensors()
-        if fused:
-            self._first_forward = self.policy_forward(rollout)
-            rollout.logprobs = self._first_forward.logprobs.detach()
-            rollout.values = self._first_forward.values.detach()
-        return rollout.require("logprobs", "ref_logprobs", "values", "scores")
-
-    def fused_first_forward(self, batch_size: int) -> bool:
-        """Whether the rollout-time actor/critic passes can be the first training forward.
-
-        With one PPO epoch over one minibatch, the weights the update starts from ARE the rollout
-        weights, so log π_old and V_old equal that forward's outputs (detached) — exactly, as long
-        as no dropout makes train-mode and eval-mode forwards differ.
-        """
-        c: PPOConfig = self.config
-        one_update = c.ppo_epochs == 1 and c.minibatch_size >= batch_size
-        return c.fuse_first_forward and one_update and not (_has_dropout(self.actor) or _has_dropout(self.critic))
+    def entropy_in_loss(self) -> bool:
+        return bool(self.config.entropy_coef)
 
     # --------------------------------------------------------------- phase 2
     @torch.no_grad()
     def compute_advantages(self, rollout: Rollout) -> dict[str, Tensor]:
         """Fill ``rewards``, ``advantages`` and ``returns`` (docs/algorithms.md §2.2–§2.5); returns
-        the normalized score mean and the KL controller's input over ALL ranks' rollouts."""
+        the normalized score mean."""
         c: PPOConfig = self.config
         self.health.count_scores(rollout.scores)
         mask = rollout.valid_mask  # responses with a non-finite score are a counted skip: no token of theirs trains
@@ -180,7 +108,10 @@ class PPOModule(RLModule):
         if c.missing_eos_penalty is not None:
             scores = penalize_missing_eos(scores, rollout.ended, c.missing_eos_penalty)
         scores = reparameterize_scores(scores, self.reward_moments, c.score_norm, c.score_clip, all_reduce_sum, valid)
-        kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, c.kl_estimator)
+        if rollout.ref_logprobs is not None:
+            kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, c.kl_estimator)
+        else:  # β = 0 and algo.monitor_kl=false: no reference, no KL
+            kl = torch.zeros_like(rollout.logprobs)
         beta = self.kl_ctl.value if c.kl_placement == "reward" else 0.0
         rollout.rewards = shape_rewards(scores, kl, mask, beta)
         advantages, rollout.returns = gae(rollout.rewards, rollout.values, mask, c.gamma, c.lam)
@@ -189,35 +120,15 @@ class PPOModule(RLModule):
         if c.advantage_clip is not None:
             advantages = advantages.clamp(-c.advantage_clip, c.advantage_clip)
         rollout.advantages = advantages
-        # so that β stays the same on every rank
-        kl_seq = sequence_kl(rollout.logprobs, rollout.ref_logprobs, mask, c.kl_estimator)
-        kl_sum_n = all_reduce_sum(torch.stack([kl_seq.sum(), kl.new_tensor(float(kl.shape[0]))]).float())
-        return {"reward/normalized_mean": scores[valid].mean() if valid.any() else scores.new_tensor(0.0),
-                "kl_seq_global": kl_sum_n[0] / kl_sum_n[1], "n_global": kl_sum_n[1]}  # fmt: skip
+        return {"reward/normalized_mean": scores[valid].mean() if valid.any() else scores.new_tensor(0.0)}
 
     # --------------------------------------------------------------- phase 3
-    def updates_per_iteration(self, batch_size: int | None = None) -> int:
-        batch_size = self.config.rollout_batch_size if batch_size is None else batch_size
-        return self.config.ppo_epochs * math.ceil(batch_size / self.config.minibatch_size)
-
-    def policy_forward(self, mb: Rollout) -> PolicyForward:
-        """Actor log-probs and entropies and critic values of a minibatch, with grad."""
-        c: PPOConfig = self.config
-        ids, mask, width = mb.input_ids, mb.attention_mask, mb.prompt_ids.shape[1]
-        # the entropy needs a graph only when it is in the loss; otherwise it is a statistic
-        logprobs, entropy = response_logprobs(self.actor, ids, mask, width, self.logprob_temperature(),
-                                              with_entropy=True, entropy_grad=bool(c.entropy_coef),
-                                              padding_free=c.padding_free)  # fmt: skip
-        return PolicyForward(logprobs, entropy, response_values(self.critic, ids, mask, width))
-
     def ptx_term(self, ptx: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """Token-mean LM loss of the actor on an SFT batch (PPO-ptx, docs/algorithms.md §2.6)."""
         logits = self.actor(input_ids=ptx["input_ids"], attention_mask=ptx["attention_mask"]).logits
         return ptx_loss(shifted_token_logprobs(logits, ptx["input_ids"]), ptx["response_mask"])
 
-    def minibatch_loss(
-        self, mb: Rollout, fwd: PolicyForward, critic_only: bool, ptx: dict[str, Tensor] | None
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    def minibatch_loss(self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
         """Actor + critic loss of one minibatch (one backward covers both, docs/algorithms.md §2.6)."""
         c: PPOConfig = self.config
         mask = mb.valid_mask
@@ -230,49 +141,22 @@ class PPOModule(RLModule):
         stats["policy/entropy"] = ent_stats["entropy"]
         if c.entropy_coef:
             actor_loss = actor_loss + ent_loss
-        if c.kl_placement == "loss" and self.kl_ctl.value:
-            kl = masked_mean(kl_penalty(fwd.logprobs, mb.ref_logprobs, c.kl_estimator), mask)
-            actor_loss = actor_loss + self.kl_ctl.value * kl
-            stats["policy/kl_loss"] = kl.detach()
+        if c.kl_placement == "loss":
+            kl_term, kl_stats = self.kl_loss(fwd.logprobs, mb, mask)
+            if kl_term is not None:
+                actor_loss = actor_loss + kl_term
+                stats.update(kl_stats)
         if ptx is not None and c.ptx_coef:
             ptx_l, ptx_stats = self.ptx_term(ptx)
             actor_loss = actor_loss + c.ptx_coef * ptx_l
             stats["ptx/loss"] = ptx_stats["loss"]
-        if critic_only:
+        if self.iteration < c.critic_warmup_steps:
             # critic warm-up: the actor stays in the graph with zero weight, so every parameter
             # gets a (zero) gradient and DDP needs no find_unused_parameters
             actor_loss = actor_loss * 0.0
         vf_loss, vf_stats = value_loss(fwd.values, mb.values, mb.returns, mask, c.value_clip)
         stats.update({f"critic/{k}": v for k, v in vf_stats.items()})
         return actor_loss + c.vf_coef * vf_loss, stats
-
-    def update(self, rollout: Rollout, ptx: dict[str, Tensor] | None) -> dict[str, Tensor]:
-        """``ppo_epochs`` × minibatches of one backward + one optimizer step each."""
-        c: PPOConfig = self.config
-        opt, sched = self.optimizers(), self.lr_schedulers()
-        first, self._first_forward = self._first_forward, None
-        n = rollout.scores.shape[0]
-        if first is not None:  # fused: the single minibatch is the whole rollout, in order
-            minibatches = [torch.arange(n)]
-        else:
-            gen = torch.Generator().manual_seed(int(self.trainer.current_epoch * 1_000_003 + self.iteration))
-            minibatches = list(iterate_minibatches(n, c.minibatch_size, c.ppo_epochs, gen))
-        ptx_chunks = None
-        if ptx is not None and c.ptx_coef:
-            rows = torch.arange(ptx["input_ids"].shape[0]).chunk(len(minibatches))
-            ptx_chunks = [{k: v[r] for k, v in ptx.items()} for r in rows]
-        collected: dict[str, list[Tensor]] = {}
-        for i, idx in enumerate(minibatches):
-            if self.max_steps_reached():
-                break
-            mb = rollout if first is not None else rollout.select(idx.to(rollout.scores.device))
-            chunk = ptx_chunks[i % len(ptx_chunks)] if ptx_chunks else None
-            loss, stats = self.minibatch_loss(mb, first or self.policy_forward(mb), self.iteration < c.critic_warmup_steps,
-                                              chunk)  # fmt: skip
-            self.optimizer_step(opt, sched, loss)
-            for k, v in stats.items():
-                collected.setdefault(k, []).append(v.detach().float())
-        return self.mean_stats(collected)
 
     # ------------------------------------------------------------- optimizer
     def configure_optimizers(self) -> Any:

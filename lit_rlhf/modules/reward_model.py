@@ -103,6 +103,10 @@ class RewardModelModule(RLHFModule):
         self.test_metrics = PreferenceMetrics()
 
     @classmethod
+    def planned_models(cls, config: RMConfig) -> list[tuple[str, str, str | None]]:
+        return [("reward model", "trained", None)]
+
+    @classmethod
     def check_compatible(cls, config: RMConfig, model_spec: Any) -> None:
         """Cross-group checks, run by the runner before anything is built."""
         if config.beta_rm > 0 and model_spec.kind != "causal_lm":

@@ -1,11 +1,28 @@
-"""``RLModule``: what every RL stage shares, and the public interface callbacks use.
+"""``RLModule``: the RL iteration, written once, and the public interface callbacks use.
 
-An RL stage (PPO now, GRPO next) runs one RL iteration per ``training_step`` under manual
-optimization: collect a scored rollout from a batch of prompts (lit_rlhf/rollout/collect.py),
-compute advantages, update, and return ``{"rollout", "stats"}`` for the monitor callbacks
-(docs/architecture.md "One RL iteration"). This base class holds the rest: the frozen
-reference and reward models, validation rollouts, the iteration counter, the KL coefficient,
-the RL state kept in checkpoints, and the export of the policy.
+Every RL stage (PPO / PPO-max, GRPO and its presets DAPO, Dr. GRPO, RLOO) runs one RL iteration
+per ``training_step`` under manual optimization, and this class writes that iteration ONCE
+(docs/architecture.md "One RL iteration"):
+
+1. :meth:`collect` — sample the stage's responses to a batch of prompts through the one rollout
+   path (lit_rlhf/rollout/collect.py) and score them with every model the run holds (policy,
+   reference, critic, reward); a stage may filter or extend the rollout
+   (:meth:`refine_rollout`, DAPO's dynamic sampling). When the update is one pass over one
+   minibatch (:meth:`fused_first_forward`), the policy (and critic) are scored by the update's
+   own first forward instead: exact, and cheaper;
+2. :meth:`compute_advantages` — THE stage hook: GAE + whitening (PPO), group baselines (GRPO,
+   RLOO, Dr. GRPO);
+3. :meth:`update` — ``num_passes()`` × shuffled minibatches of :meth:`minibatch_loss` (the other
+   stage hook), one backward + one optimizer step each;
+4. :meth:`update_kl_controller` and :meth:`end_iteration` — β's controller sees the KL of all
+   ranks' rollouts; statistics are reduced over ranks, logged, and returned as
+   ``{"rollout", "stats"}`` for the monitor callbacks.
+
+β has one source: :attr:`kl_ctl` (fixed or adaptive). Every loss and reward reads
+:meth:`kl_loss` / ``self.kl_ctl.value``; the collapse alarm raises it through
+:meth:`scale_kl_coef`, and ``kl_ctl/beta`` logs it. The frozen reference (the starting policy)
+is loaded whenever β > 0, and with β = 0 too unless ``algo.monitor_kl=false``: KL to the
+starting policy is the first stability signal (docs/metrics.md).
 
 Callbacks (the collapse alarm, the monitors, the progress bar) talk to an RL stage only
 through this interface, never through private attributes:
@@ -22,23 +39,48 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lit_rlhf.core.kl import FixedKLController, sequence_kl
+from lit_rlhf.core.kl import AdaptiveKLController, FixedKLController, kl_penalty, sequence_kl
+from lit_rlhf.core.losses import aggregate
 from lit_rlhf.core.types import Rollout
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.modules.base import RLHFModule, policy_spec
 from lit_rlhf.modules.configs import RLConfig
 from lit_rlhf.modules.health import TrainingHealth, all_ranks_finite
 from lit_rlhf.rollout.collect import generate_and_score
+from lit_rlhf.rollout.minibatches import iterate_minibatches
+from lit_rlhf.rollout.score import response_logprobs, response_values
 from lit_rlhf.utils.config import ConfigError
 from lit_rlhf.utils.distributed import all_reduce_max, all_reduce_sum
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PolicyForward:
+    """One training forward of the policy (and the critic, when the stage has one) over a minibatch, with grad."""
+
+    logprobs: Tensor  # (B, R) log π_θ(y_t | x, y_<t)
+    entropy: Tensor  # (B, R) H(π_θ(·|s_t)); in the graph only when the entropy is in the loss
+    values: Tensor | None  # (B, R) V_θ(s_t); None without a critic
+
+
+def has_dropout(module: nn.Module | None) -> bool:
+    """Any active dropout (nn.Dropout p > 0, or a transformers config attention/hidden dropout)."""
+    if module is None:
+        return False
+    for m in module.modules():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            return True
+        config = getattr(m, "config", None)
+        if config is not None and any(getattr(config, k, 0) or 0 for k in ("attention_dropout", "hidden_dropout", "dropout")):
+            return True
+    return False
 
 
 class RLModule(RLHFModule):
@@ -54,13 +96,20 @@ class RLModule(RLHFModule):
     def __init__(self, config: Any = None, model: Any = None, tokenizer: Any = None, **kwargs: Any) -> None:
         super().__init__(config, model, tokenizer, **kwargs)
         self.automatic_optimization = False
+        c: RLConfig = self.config
         self.actor: nn.Module | None = None
+        self.critic: nn.Module | None = None  # PPO's value model; critic-free stages keep None
         self.frozen: dict[str, nn.Module] = {}
         self.scorer: Any = None
         self.gold_scorer: Any = None
-        self.kl_ctl = FixedKLController(self.config.kl_coef)
+        # β's one source (docs/algorithms.md §2.3): every loss, reward and log reads it here
+        if c.adaptive_kl:
+            self.kl_ctl = AdaptiveKLController(c.kl_coef, c.kl_target, c.kl_horizon)
+        else:
+            self.kl_ctl = FixedKLController(c.kl_coef)
         self.iteration = 0
-        self.health = TrainingHealth(self.config.max_bad_iterations, "the reward")
+        self.health = TrainingHealth(c.max_bad_iterations, "the reward")
+        self._first_forward: PolicyForward | None = None  # the fused path's, for update()
 
     # ------------------------------------------------------- public interface
     @property
@@ -74,9 +123,17 @@ class RLModule(RLHFModule):
         return self.kl_ctl.value
 
     def scale_kl_coef(self, factor: float, floor: float = 1e-3) -> tuple[float, float]:
-        """β ← max(β, floor) · factor (β = 0 could not be raised by a factor); returns (old, new)."""
+        """β ← max(β, floor) · factor (β = 0 could not be raised by a factor); returns (old, new).
+
+        The raised β acts in the next iteration's loss or reward, since both read ``kl_ctl``.
+        A run without a reference model (β = 0 and ``algo.monitor_kl=false``) has no KL to
+        weigh: β is raised all the same (and logged), and a warning says that it cannot act."""
         old = self.kl_ctl.value
         self.kl_ctl.value = max(old, floor) * factor
+        if "reference" not in self.frozen:
+            log.warning("β raised %.4g -> %.4g, but this run holds no reference model (β was 0 and "
+                        "algo.monitor_kl=false): there is no KL term for it to weigh; set algo.monitor_kl=true "
+                        "(or algo.kl_coef > 0) for a rollback that can pull the policy back", old, self.kl_ctl.value)  # fmt: skip
         return old, self.kl_ctl.value
 
     def rl_state_dict(self) -> dict[str, Any]:
@@ -89,8 +146,56 @@ class RLModule(RLHFModule):
         self.health.load_state_dict(state.get("health", {}))
 
     def updates_per_iteration(self, batch_size: int | None = None) -> int:
-        """Optimizer steps of one RL iteration (1 unless a subclass does more)."""
+        """Optimizer steps of one RL iteration of ``batch_size`` responses (default: a full rollout)."""
+        n = self.config.rollout_batch_size if batch_size is None else batch_size
+        return self.num_passes() * math.ceil(n / self.minibatch_rows(n))
+
+    # ------------------------------------------------------------ stage hooks
+    def responses_per_prompt(self) -> int:
+        """Responses sampled per prompt (GRPO's group size G; 1 for PPO)."""
         return 1
+
+    def num_passes(self) -> int:
+        """Passes of the update over each rollout (PPO's ``ppo_epochs``, GRPO's μ)."""
+        return 1
+
+    def minibatch_rows(self, n: int) -> int:
+        """Responses per optimizer step when the rollout holds ``n``."""
+        return n
+
+    def entropy_in_loss(self) -> bool:
+        """Whether the policy entropy needs a graph (an entropy term in the loss)."""
+        return False
+
+    def compute_advantages(self, rollout: Rollout) -> dict[str, Tensor]:
+        """Fill ``rollout.advantages`` (and whatever else the loss reads); return statistics."""
+        raise NotImplementedError
+
+    def minibatch_loss(self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of one minibatch (everything trained, one backward) and its named statistics."""
+        raise NotImplementedError
+
+    def refine_rollout(self, rollout: Rollout, batch: dict[str, Any], fused: bool) -> tuple[Rollout, dict[str, Tensor]]:
+        """After sampling, before the fused forward: drop or add responses (DAPO's dynamic
+        sampling); default: the rollout as sampled, no statistics."""
+        return rollout, {}
+
+    @classmethod
+    def needs_reference(cls, config: RLConfig) -> bool:
+        """Whether the run holds the frozen reference: for the KL term (β > 0), or to monitor the
+        KL to the starting policy (``algo.monitor_kl``, on by default)."""
+        return config.kl_coef > 0 or config.monitor_kl
+
+    @classmethod
+    def planned_models(cls, config: RLConfig) -> list[tuple[str, str, str | None]]:
+        """(name, role, path or None = the model group's) of every model a run holds, for the
+        memory plan (lit_rlhf/memory_plan.py): the stage says what it builds."""
+        out = [("actor", "trained", config.policy_path)]
+        if cls.needs_reference(config):
+            out.append(("reference", "frozen-ref", config.policy_path))
+        if config.reward_path:
+            out.append(("reward model", "frozen", config.reward_path))
+        return out
 
     # ------------------------------------------------------------ runner hooks
     @classmethod
@@ -120,12 +225,14 @@ class RLModule(RLHFModule):
 
     # ------------------------------------------------------------------ models
     def build_policy_and_reference(self) -> None:
-        """``self.actor`` (trainable) and ``self.frozen["reference"]`` from the same weights."""
+        """``self.actor`` (trainable) and, when :meth:`needs_reference`, ``self.frozen["reference"]``
+        from the same weights."""
         from lit_rlhf.models.builders import build_causal_lm, freeze
 
         tok = self.ensure_tokenizer()
         self.actor = self.with_lora(build_causal_lm(self.model_spec, tok)).train()
-        self.frozen["reference"] = self.reference_for(self.actor, lambda: freeze(build_causal_lm(self.model_spec, tok)))
+        if self.needs_reference(self.config):
+            self.frozen["reference"] = self.reference_for(self.actor, lambda: freeze(build_causal_lm(self.model_spec, tok)))
 
     def build_rewards(self) -> None:
         """``self.scorer`` from ``reward_path`` (a frozen reward model) or ``reward_fn``, and the
@@ -175,6 +282,11 @@ class RLModule(RLHFModule):
         for m in self.frozen.values():
             m.to(self.device)
         self._set_scorer_template()
+        ptx_source = getattr(getattr(dm, "config", None), "ptx_source", None)
+        if ptx_source and not getattr(self.config, "ptx_coef", 0.0):
+            log.warning("data.prompt.ptx_source=%s is set but %s: its batches are loaded and never used (set "
+                        "algo.ptx_coef > 0 with algo=ppo*, or drop the source)", ptx_source,
+                        "algo.ptx_coef=0" if hasattr(self.config, "ptx_coef") else "this stage has no PPO-ptx term")  # fmt: skip
 
     def on_validation_start(self) -> None:
         if self.trainer.state.fn == "validate":  # trainer.validate() before fit: no on_fit_start
@@ -188,6 +300,18 @@ class RLModule(RLHFModule):
             dm = self.trainer.datamodule
             self.scorer.template = get_template(dm.config.template if dm is not None else "plain")
 
+    # --------------------------------------------------------- the iteration
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        """One RL iteration: collect → advantages → update → β controller → statistics."""
+        prompts, ptx = (batch["prompts"], batch["ptx"]) if "ptx" in batch else (batch, None)
+        started = time.perf_counter()
+        rollout, stats = self.collect(prompts)
+        collected = time.perf_counter()
+        stats.update(self.compute_advantages(rollout))
+        stats.update(self.update(rollout, ptx))
+        self.update_kl_controller(rollout)
+        return self.end_iteration(rollout, stats, started, collected)
+
     # ------------------------------------------------------------------ rollout
     def rollout_grad_mode(self) -> Any:
         """The rollout's context (generation and scoring): :meth:`RLHFModule.sampling_mode` (under
@@ -198,6 +322,53 @@ class RLModule(RLHFModule):
         c: RLConfig = self.config
         return c.generation.temperature if c.logprobs_at_sampling_temperature else 1.0
 
+    def sample(self, batch: dict[str, Any], policy_logprobs: bool = True) -> Rollout:
+        """:meth:`responses_per_prompt` responses to each prompt of ``batch`` (a prompt's rows are
+        consecutive), scored by every model the run holds; the policy (and critic) only when
+        ``policy_logprobs`` (False: the fused first forward scores them)."""
+        g = self.responses_per_prompt()
+        if g > 1:
+            batch = {"prompt_ids": batch["prompt_ids"].repeat_interleave(g, 0),
+                     "prompt_mask": batch["prompt_mask"].repeat_interleave(g, 0),
+                     "prompts": [p for p in batch["prompts"] for _ in range(g)]}  # fmt: skip
+        with self.rollout_grad_mode():
+            rollout = generate_and_score(
+                self.actor, batch, self.tokenizer, self.config.generation, reference=self.frozen.get("reference"),
+                critic=self.critic if policy_logprobs else None, scorer=self.scorer, policy_logprobs=policy_logprobs,
+                logprob_temperature=self.logprob_temperature(), padding_free=self.config.padding_free,
+            )  # fmt: skip
+        return rollout.normal_tensors()
+
+    def collect(self, batch: dict[str, Any]) -> tuple[Rollout, dict[str, Tensor]]:
+        """The iteration's complete rollout (old log-probs, values when there is a critic, scores;
+        reference log-probs when there is a reference) and its sampling statistics
+        (docs/algorithms.md §2.1).
+
+        When the update is ONE pass over ONE minibatch (:meth:`fused_first_forward`), the policy
+        and critic are scored by the update's own first forward (with grad; kept for
+        :meth:`update`) instead of separate no-grad passes: exact, and two forwards cheaper.
+        """
+        fused = self.fused_first_forward(batch["prompt_ids"].shape[0] * self.responses_per_prompt())
+        rollout, stats = self.refine_rollout(self.sample(batch, policy_logprobs=not fused), batch, fused)
+        if fused:
+            self._first_forward = self.policy_forward(rollout)
+            rollout.logprobs = self._first_forward.logprobs.detach()
+            if self.critic is not None:
+                rollout.values = self._first_forward.values.detach()
+        required = ["logprobs", "scores"] + ["values"] * (self.critic is not None)
+        return rollout.require(*required, *["ref_logprobs"] * ("reference" in self.frozen)), stats
+
+    def fused_first_forward(self, batch_size: int) -> bool:
+        """Whether the rollout-time policy/critic passes can be the first training forward.
+
+        With one pass over one minibatch, the weights the update starts from ARE the rollout
+        weights, so log π_old (and V_old) equal that forward's outputs, detached — exactly, as
+        long as no dropout makes train-mode and eval-mode forwards differ (TRL's GRPO takes its
+        old log-probs the same way). ``algo.fuse_first_forward=false`` turns it off.
+        """
+        one_update = self.num_passes() == 1 and self.minibatch_rows(batch_size) >= batch_size
+        return self.config.fuse_first_forward and one_update and not (has_dropout(self.actor) or has_dropout(self.critic))
+
     def evaluation_rollout(self, batch: dict[str, Any]) -> Rollout:
         """One sampled response per prompt, scored by the policy, the reference and the reward."""
         with self.rollout_grad_mode():
@@ -207,6 +378,66 @@ class RLModule(RLHFModule):
                 padding_free=self.config.padding_free,
             )  # fmt: skip
         return rollout.normal_tensors()
+
+    # ------------------------------------------------------------------ update
+    def policy_forward(self, mb: Rollout) -> PolicyForward:
+        """Policy log-probs and entropies (and critic values) of a minibatch, with grad."""
+        ids, mask, width = mb.input_ids, mb.attention_mask, mb.prompt_ids.shape[1]
+        # the entropy needs a graph only when it is in the loss; otherwise it is a statistic
+        logprobs, entropy = response_logprobs(self.actor, ids, mask, width, self.logprob_temperature(),
+                                              with_entropy=True, entropy_grad=self.entropy_in_loss(),
+                                              padding_free=self.config.padding_free)  # fmt: skip
+        values = response_values(self.critic, ids, mask, width) if self.critic is not None else None
+        return PolicyForward(logprobs, entropy, values)
+
+    def kl_loss(self, logprobs: Tensor, mb: Rollout, mask: Tensor, aggregation: str = "token_mean",
+                constant: float | None = None) -> tuple[Tensor | None, dict[str, Tensor]]:  # fmt: skip
+        """β · KL(π_θ‖π_ref) for the loss (GRPO's k3, PPO's ``kl_placement=loss``), β from
+        :attr:`kl_ctl` — the same β the collapse alarm raises and ``kl_ctl/beta`` logs. None
+        while β = 0 or without a reference."""
+        beta = self.kl_ctl.value
+        if not beta or mb.ref_logprobs is None:
+            return None, {}
+        kl = aggregate(kl_penalty(logprobs, mb.ref_logprobs, self.config.kl_estimator), mask, aggregation, constant)
+        return beta * kl, {"policy/kl_loss": kl.detach()}
+
+    def update(self, rollout: Rollout, ptx: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """:meth:`num_passes` × shuffled minibatches of one backward + one optimizer step each
+        (the fused path: one step on the whole rollout, in order, from the kept first forward).
+        ``ptx`` (PPO-ptx's SFT batch) is split into as many chunks as there are minibatches."""
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        first, self._first_forward = self._first_forward, None
+        n = rollout.scores.shape[0]
+        if first is not None:
+            minibatches = [torch.arange(n)]
+        else:
+            gen = torch.Generator().manual_seed(int(self.trainer.current_epoch * 1_000_003 + self.iteration))
+            minibatches = list(iterate_minibatches(n, self.minibatch_rows(n), self.num_passes(), gen))
+        ptx_chunks = None
+        if ptx is not None and getattr(self.config, "ptx_coef", 0.0):
+            rows = torch.arange(ptx["input_ids"].shape[0]).chunk(len(minibatches))
+            ptx_chunks = [{k: v[r] for k, v in ptx.items()} for r in rows]
+        collected: dict[str, list[Tensor]] = {}
+        for i, idx in enumerate(minibatches):
+            if self.max_steps_reached():
+                break
+            mb = rollout if first is not None else rollout.select(idx.to(rollout.scores.device))
+            chunk = ptx_chunks[i % len(ptx_chunks)] if ptx_chunks else None
+            loss, stats = self.minibatch_loss(mb, first or self.policy_forward(mb), chunk)
+            self.optimizer_step(opt, sched, loss)
+            for k, v in stats.items():
+                collected.setdefault(k, []).append(v.detach().float())
+        return self.mean_stats(collected)
+
+    @torch.no_grad()
+    def update_kl_controller(self, rollout: Rollout) -> None:
+        """Feed an adaptive β controller the mean sequence KL of ALL ranks' rollouts, so that β
+        stays the same on every rank (a fixed β needs no input: no collective then)."""
+        if not isinstance(self.kl_ctl, AdaptiveKLController) or rollout.ref_logprobs is None:
+            return
+        kl_seq = sequence_kl(rollout.logprobs, rollout.ref_logprobs, rollout.valid_mask, self.config.kl_estimator)
+        kl_sum_n = all_reduce_sum(torch.stack([kl_seq.sum(), kl_seq.new_tensor(float(kl_seq.shape[0]))]).float())
+        self.kl_ctl.update(float(kl_sum_n[0] / kl_sum_n[1]), int(kl_sum_n[1]))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         rollout = self.evaluation_rollout(batch)

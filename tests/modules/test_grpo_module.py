@@ -50,7 +50,7 @@ def test_groups_train_the_actor_with_the_kl_in_the_loss(saved_models, tokenizer)
     torch.manual_seed(0)
     m = make(saved_models, tokenizer)
     m.configure_model()
-    assert "reference" in m.frozen and not hasattr(m, "critic")
+    assert "reference" in m.frozen and m.critic is None
     actor0 = {k: v.clone() for k, v in m.actor.state_dict().items()}
     keep = Keep()
     trainer = fit(m, data(tokenizer), 2, callbacks=[keep])
@@ -63,13 +63,63 @@ def test_groups_train_the_actor_with_the_kl_in_the_loss(saved_models, tokenizer)
         assert key in trainer.callback_metrics and math.isfinite(float(trainer.callback_metrics[key])), key
 
 
-def test_beta_zero_builds_no_reference(saved_models, tokenizer):
+def test_beta_zero_still_monitors_the_kl_unless_switched_off(saved_models, tokenizer):
+    """β = 0 (DAPO): the reference is loaded to measure KL to the starting policy (no KL term in
+    the loss); algo.monitor_kl=false builds none and the rollout has no reference log-probs."""
+    from lit_rlhf.core.kl import sequence_kl
+
     m = make(saved_models, tokenizer, kl_coef=0.0)
-    m.configure_model()
-    assert "reference" not in m.frozen
     keep = Keep()
     trainer = fit(m, data(tokenizer), 1, callbacks=[keep])
-    assert keep.outputs[0]["rollout"].ref_logprobs is None and "policy/kl_loss" not in trainer.callback_metrics
+    r = keep.outputs[0]["rollout"]
+    assert "reference" in m.frozen and r.ref_logprobs is not None and "policy/kl_loss" not in trainer.callback_metrics
+    # one step from the same weights: the KL to the starting policy is measurable and small but not zero
+    kl = sequence_kl(r.logprobs, r.ref_logprobs, r.response_mask, clamp=None)
+    assert torch.isfinite(kl).all() and float(kl.abs().max()) < 1e-4
+
+    off = make(saved_models, tokenizer, kl_coef=0.0, monitor_kl=False)
+    keep = Keep()
+    trainer = fit(off, data(tokenizer), 1, callbacks=[keep])
+    assert "reference" not in off.frozen and keep.outputs[0]["rollout"].ref_logprobs is None
+    assert [n for n, _, _ in GRPOModule.planned_models(off.config)] == ["actor", "reward model"]
+    assert [n for n, _, _ in GRPOModule.planned_models(m.config)] == ["actor", "reference", "reward model"]
+
+
+def test_a_rollback_raises_the_beta_that_the_next_loss_uses(saved_models, tokenizer, monkeypatch):
+    """β has one source: after the collapse alarm rolls back (β 0.04 -> 0.12), the next
+    iteration's loss is the surrogate + 0.12 × its KL term, and kl_ctl/beta logs 0.12."""
+    from lit_rlhf.callbacks.collapse import CollapseAlarm
+
+    m = make(saved_models, tokenizer, kl_coef=0.04)
+    alarm = CollapseAlarm(action="rollback", beta_factor=3.0, snapshot_every=1)
+    monkeypatch.setattr(alarm.detector, "observe", lambda metrics: ["forced"] if m.rl_iteration == 2 else [])
+    seen, real = [], m.minibatch_loss
+
+    def spy(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        seen.append((m.rl_iteration, float(loss), float(stats["policy/loss"]), float(stats["policy/kl_loss"])))
+        return loss, stats
+
+    monkeypatch.setattr(m, "minibatch_loss", spy)
+    trainer = fit(m, data(tokenizer), 3, callbacks=[alarm])
+    assert [s[0] for s in seen] == [0, 1, 2] and len(alarm.triggers) == 1
+    for iteration, loss, surrogate, kl in seen:
+        beta = 0.04 if iteration < 2 else 0.12
+        assert kl >= 0 and loss == pytest.approx(surrogate + beta * kl, rel=1e-5, abs=1e-9), (iteration, beta)
+    assert seen[-1][3] > 1e-6  # the policy has moved: the raised β weighs a real KL term
+    assert m.kl_coef == pytest.approx(0.12) and float(trainer.callback_metrics["kl_ctl/beta"]) == pytest.approx(0.12)
+
+
+def test_fusion_follows_the_switch_and_the_dropout_guard(saved_models, tokenizer):
+    """The fused first forward (RLModule.fused_first_forward) is one rule for every RL stage."""
+    m = make(saved_models, tokenizer)
+    m.configure_model()
+    assert m.fused_first_forward(16)
+    assert not make(saved_models, tokenizer, fuse_first_forward=False).fused_first_forward(16)
+    assert not make(saved_models, tokenizer, num_iterations=2).fused_first_forward(16)
+    assert not make(saved_models, tokenizer, minibatch_size=8).fused_first_forward(16)
+    m.actor.config.attention_dropout = 0.1
+    assert not m.fused_first_forward(16)
 
 
 def test_advantages_are_the_group_relative_rewards_on_every_token(saved_models, tokenizer):

@@ -86,7 +86,7 @@ def test_ptx_term_adds_its_weighted_gradient_to_the_actor(saved_models, tokenize
     dm.setup("fit")
     batch, _, _ = next(iter(dm.train_dataloader()))  # a CombinedLoader: (batch, batch_idx, dataloader_idx)
     torch.manual_seed(0)
-    rollout = m.collect(batch["prompts"])
+    rollout, _ = m.collect(batch["prompts"])
     m.compute_advantages(rollout)
 
     def grads(fn):
@@ -94,15 +94,15 @@ def test_ptx_term_adds_its_weighted_gradient_to_the_actor(saved_models, tokenize
         fn().backward()
         return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
-    with_ptx = grads(lambda: m.minibatch_loss(rollout, m.policy_forward(rollout), False, batch["ptx"])[0])
-    without = grads(lambda: m.minibatch_loss(rollout, m.policy_forward(rollout), False, None)[0])
+    with_ptx = grads(lambda: m.minibatch_loss(rollout, m.policy_forward(rollout), batch["ptx"])[0])
+    without = grads(lambda: m.minibatch_loss(rollout, m.policy_forward(rollout), None)[0])
     lm_only = grads(lambda: m.ptx_term(batch["ptx"])[0])
     assert lm_only and any(g.abs().sum() > 0 for g in lm_only.values())
     for name, g in with_ptx.items():
         expected = without[name] + 0.5 * lm_only[name] if name in lm_only else without[name]
         torch.testing.assert_close(g, expected, atol=1e-6, rtol=1e-5, msg=name)
     assert all(n.startswith("actor.") for n in lm_only)  # the critic gets nothing from the ptx term
-    stats = m.minibatch_loss(rollout, m.policy_forward(rollout), False, batch["ptx"])[1]
+    stats = m.minibatch_loss(rollout, m.policy_forward(rollout), batch["ptx"])[1]
     assert float(stats["ptx/loss"]) == pytest.approx(float(m.ptx_term(batch["ptx"])[0]), rel=1e-5)
 
 
@@ -110,7 +110,7 @@ def test_ptx_data_without_a_coefficient_is_reported(saved_models, tokenizer, cap
     import logging
 
     m = make(saved_models, tokenizer, ptx_coef=0.0)
-    with caplog.at_level(logging.WARNING, logger="lit_rlhf.modules.ppo"):
+    with caplog.at_level(logging.WARNING, logger="lit_rlhf.modules.rl"):
         trainer = fit(m, data(tokenizer, ptx_source="synthetic", ptx_batch_size=8), max_steps=1)
     assert "ptx_source=synthetic is set but algo.ptx_coef=0" in caplog.text
     assert "ptx/loss" not in trainer.callback_metrics
@@ -239,7 +239,7 @@ def test_rollout_runs_in_inference_mode_unless_parameters_are_sharded(saved_mode
 
     seen, real_sample = [], collect.sample
     monkeypatch.setattr(collect, "sample", lambda *a, **k: seen.append(torch.is_inference_mode_enabled()) or real_sample(*a, **k))
-    rollout = m.collect(next(iter(dm.train_dataloader())))
+    rollout, _ = m.collect(next(iter(dm.train_dataloader())))
     assert seen == [True]
     tensors = [getattr(rollout, f.name) for f in fields(rollout) if isinstance(getattr(rollout, f.name), torch.Tensor)]
     assert tensors and not any(t.is_inference() for t in tensors)
