@@ -4,7 +4,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from lit_rlhf.runner import _resolve_auto_monitor, plan
-from lit_rlhf.utils.config import ConfigError
+from lit_rlhf.utils.config import ConfigError, to_dict
 from lit_rlhf.utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_strategy
 from tests.conftest import ROOT, compose
 
@@ -185,27 +185,130 @@ def test_tiny_experiments_carry_the_demo_values(experiment, algo, tmp_path):
     assert (sft.lr, sft.weight_decay, rm.lr, rm.weight_decay) == (3e-3, 0.0, 1e-3, 0.0)
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (CONF / "algo").glob("*.yaml")))
-def test_presets_list_only_what_differs_from_the_typed_defaults(name):
-    """A preset's value equal to its dataclass default would be a second "default" of that key."""
-    import yaml
+def _load(group: str, name: str) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml"))  # Hydra's YAML parsing (1e-5 is a float)
 
-    from lit_rlhf.utils.config import to_dict
+
+def _merge(base: dict, top: dict) -> dict:
+    for key, value in top.items():
+        base[key] = _merge(dict(base[key]), value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return base
+
+
+def _schema_defaults(name: str) -> dict:
     from lit_rlhf.utils.schemas import schema_class
 
-    node = yaml.safe_load((CONF / "algo" / f"{name}.yaml").read_text())
-    parent_of = {"ppo_max": "ppo", "ppo_moss_release": "ppo", "ipo": "dpo", "cdpo": "dpo", "dapo": "grpo", "dr_grpo": "grpo",
-                 "rloo": "grpo"}  # fmt: skip
-    base = to_dict(schema_class(parent_of.get(name, name))())
-    parents = [d for d in node.get("defaults", []) if isinstance(d, str) and not d.startswith(("_", "/"))]
-    for parent in parents:  # ppo_max / ppo_moss_release: on top of ppo.yaml
-        base.update({k: v for k, v in yaml.safe_load((CONF / "algo" / f"{parent}.yaml").read_text()).items()
-                     if k != "defaults"})  # fmt: skip
-    for key, value in node.items():
-        if key in ("defaults", "_target_", "export_dir"):  # export_dir: an interpolation of the run dir
+    return to_dict(schema_class(name)())
+
+
+def _group_file(group: str, name: str) -> tuple[dict, dict, set[str]]:
+    """(what conf/<group>/<name>.yaml composes to from its defaults list alone, its own keys, the
+    typed packages): ``/schema/<s>@<package>`` entries give a dataclass's defaults at that package
+    (``_here_``: the whole file), a plain entry is a parent in the same group, composed first."""
+    node = _load(group, name)
+    base, typed = {}, set()
+    for entry in node.pop("defaults", []):
+        if isinstance(entry, str) and entry.startswith("/schema/"):
+            schema, _, package = entry.removeprefix("/schema/").partition("@")
+            package = "" if package in ("", "_here_") else package
+            base = _merge(base, {package: _schema_defaults(schema)} if package else _schema_defaults(schema))
+            typed.add(package)
+        elif isinstance(entry, str) and entry != "_self_":
+            parent_base, parent_own, parent_typed = _group_file(group, entry)
+            base, typed = _merge(_merge(base, parent_base), parent_own), typed | parent_typed
+    return base, node, typed
+
+
+def _restated(own: dict, base: dict, path: str, typed: bool, typed_packages: set[str]) -> list[str]:
+    """Keys of ``own`` whose value is what ``base`` already gives (recursing into mappings). Under a
+    typed package a key the dataclass lacks is reported too."""
+    found = []
+    for key, value in own.items():
+        full = f"{path}.{key}" if path else key
+        if key == "_target_":
             continue
-        assert key in base, f"{name}.yaml: {key} is not a config field"
-        assert value != base[key], f"{name}.yaml repeats {key}={value!r}, already the default"
+        in_type = typed or full in typed_packages
+        if key not in base:
+            if in_type:
+                found.append(f"{full} is not a config field")
+            continue
+        if isinstance(value, dict) and isinstance(base[key], dict):
+            found += _restated(value, base[key], full, in_type, typed_packages)
+        elif value == base[key]:
+            found.append(f"{full}={value!r}")
+    return found
+
+
+TYPED_FILES = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml")) if _group_file(g, p.stem)[2]]
+
+
+def test_every_typed_config_is_reached_by_the_restatement_check():
+    """Each registered schema is the start of some config file (so its files are in TYPED_FILES), and
+    every file of a group with typed files is either typed or an alias (a parent and no keys)."""
+    from lit_rlhf.utils.schemas import SCHEMAS
+
+    used = {e.removeprefix("/schema/").partition("@")[0] for g in GROUPS for p in (CONF / g).glob("*.yaml")
+            for e in _load(g, p.stem).get("defaults", []) if isinstance(e, str) and e.startswith("/schema/")}  # fmt: skip
+    assert used == set(SCHEMAS)
+    for group in {g for g, _ in TYPED_FILES}:
+        for path in (CONF / group).glob("*.yaml"):
+            base, own, typed = _group_file(group, path.stem)
+            assert typed or (base and not own), f"{group}/{path.name}: neither typed nor an alias"
+
+
+@pytest.mark.parametrize("group, name", TYPED_FILES, ids=[f"{g}={n}" for g, n in TYPED_FILES])
+def test_configs_list_only_what_differs_from_the_typed_defaults(group, name):
+    """A value equal to its dataclass default (or to the parent preset's) would be a second "default"
+    of that key: presets, model and data files and the pipeline list only what differs (a comment may
+    document a default)."""
+    base, own, typed = _group_file(group, name)
+    found = _restated(own, base, "", "" in typed, typed)
+    assert not found, f"{group}/{name}.yaml repeats its defaults: {found}"
+
+
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiments_set_only_what_their_presets_do_not(name):
+    """An experiment's algo/model/data value equal to what its chosen presets (or its parent
+    experiment) already compose to is a restatement, not a recipe value."""
+    chosen = {next(iter(e)): e[next(iter(e))] for e in _load("", "train")["defaults"] if isinstance(e, dict)}
+
+    def compose_experiment(exp: str) -> tuple[dict, dict, dict]:  # (choices, what they compose to, own keys)
+        node = _load("experiment", exp)
+        choices, body = dict(chosen), {}
+        for entry in node.pop("defaults", []):
+            if isinstance(entry, str) and entry != "_self_":  # a parent experiment
+                choices, parent_base, parent_own = compose_experiment(entry)
+                body = _merge(body, parent_own)
+            elif isinstance(entry, dict):
+                (key, value), = entry.items()
+                choices[key.removeprefix("override /")] = value
+        groups = {g: _group_file(g, choices[g]) for g in ("algo", "model", "data") if choices.get(g)}
+        base = {g: _merge(_merge(b, own), body.get(g, {})) for g, (b, own, _) in groups.items()}
+        return choices, base, node
+
+    _, base, own = compose_experiment(name)
+    found = [r for g in ("algo", "model", "data") if g in own for r in _restated(own[g], base.get(g, {}), g, False, set())]
+    assert not found, f"experiment/{name}.yaml repeats what its presets give: {found}"
+
+
+@pytest.mark.parametrize("section", ["sft", "preference", "prompt"])
+def test_data_sections_share_the_template_and_row_range_checks(section):
+    """The checks of the data configs' common base (``DataConfig.validate``) run for every section:
+    an unknown template and each row-range key that does not parse fail naming the section's key."""
+    from lit_rlhf.utils.config import build_config
+    from lit_rlhf.utils.schemas import schema_class
+
+    cls = schema_class(f"{section}_data")
+    build_config(cls, {"train_rows": "1-10", "template": "dialogue"}, f"data.{section}")  # valid: builds
+    with pytest.raises(ConfigError, match=rf"data\.{section}\.template: must be one of \["):
+        build_config(cls, {"template": "chatml-typo"}, f"data.{section}")
+    assert "train_rows" in cls.ROW_KEYS and set(cls.ROW_KEYS) == {k for k in to_dict(cls()) if k.endswith("_rows")}
+    for key in cls.ROW_KEYS:
+        with pytest.raises(ConfigError, match=rf"data\.{section}\.{key}: expected a row range"):
+            build_config(cls, {key: "first"}, f"data.{section}")
 
 
 def test_rollout_batch_is_one_key(tmp_path):

@@ -1,12 +1,16 @@
 """The data groups' typed configs (``data.sft``, ``data.preference``, ``data.prompt``;
 docs/configs.md), apart from their data modules so that composing and checking a config
 (train.py's key checks, ``--cfg job``, lit_rlhf/utils/schemas.py) imports neither torch nor
-Lightning. The data modules (data/sft.py, data/preference.py, data/prompts.py) re-export them."""
+Lightning. The data modules (data/sft.py, data/preference.py, data/prompts.py) re-export them.
+
+``DataConfig`` holds what the three sections share (split, rows, template, loader settings, the
+embedded task) and their common checks; ``HeldOutDataConfig`` adds the validation carve-out and
+bad-row rules that SFT pairs and preference pairs share."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from lit_rlhf.data.io import parse_rows, ranges_overlap
 from lit_rlhf.data.synthetic import TaskConfig
@@ -15,46 +19,75 @@ from lit_rlhf.utils.config import ConfigError, check
 
 
 @dataclass
-class SFTDataConfig:
+class DataConfig:
+    """What every data section shares: which rows of ``source`` to train on, the chat template,
+    the loader settings and the embedded task (each section adds its format, lengths and sizes)."""
+
+    source: str = "synthetic"
+    """"synthetic" (the embedded task), a .jsonl/.jsonl.gz/.json/.parquet file, a ``save_to_disk``
+    folder or a hub dataset name (prompt data: with a prompt column, or HH-style pairs)."""
+    train_split: str = "train"
+    """Split name for folder/hub sources."""
+    train_rows: str | None = None
+    """1-based inclusive row range of ``source`` to train on (e.g. "1-2000"); None = all rows."""
+    template: str = "plain"
+    """Chat template name (data/templates.py): the same for SFT, the reward model, DPO and the RL stages."""
+    eval_batch_size: int | None = field(default=None, metadata={"ge": 1})
+    """Validation (and test) batch size; None = batch_size."""
+    num_workers: int = field(default=0, metadata={"ge": 0})
+    """DataLoader worker processes (0 = load in the main process)."""
+    seed: int = 0
+    """Shuffling seed (also of the validation split, length grouping and, + 1, the ptx sampler where the section has them)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Embedded task settings (source=synthetic only)."""
+
+    ROW_KEYS: ClassVar[tuple[str, ...]] = ("train_rows",)
+    """The section's row-range keys, each checked to parse ("1-2000", "2001-")."""
+
+    def validate(self) -> None:
+        check(self.template in TEMPLATES, "template", f"must be one of {list(TEMPLATES)}, got {self.template!r}")
+        for key in self.ROW_KEYS:
+            try:
+                parse_rows(getattr(self, key))
+            except ValueError as err:
+                raise ConfigError(key, str(err)) from None
+
+
+@dataclass
+class HeldOutDataConfig(DataConfig):
+    """Labelled rows (SFT pairs, preference pairs): a validation part held out of them, and what to
+    do with rows whose response is empty."""
+
+    val_source: str | None = None
+    """Validation file/dataset; None = ``val_split`` of ``source`` (or its ``val_rows`` for
+    preference data), else a ``val_fraction`` carve-out."""
+    val_split: str | None = None
+    """Split name of ``source`` used for validation (folder/hub sources)."""
+    val_fraction: float = field(default=0.05, metadata={"ge": 0.0, "lt": 1.0})
+    """Share of the training rows held out for validation when no validation source, split (or rows) is set."""
+    on_empty: Literal["skip", "error"] = "skip"
+    """Rows with an empty (whitespace-only) response: skip them (counted) or fail."""
+    max_samples: int | None = field(default=None, metadata={"ge": 1})
+    """Use at most this many training rows (quick runs); None = all."""
+
+
+@dataclass
+class SFTDataConfig(HeldOutDataConfig):
     """Where SFT pairs come from and how they are batched (``data.sft.*``)."""
 
     source: str | None = "synthetic"
     """"synthetic" (the embedded task), a .jsonl/.jsonl.gz/.json/.parquet file, a
     ``save_to_disk`` folder, or a hub dataset name (required: None is refused)."""
-    val_source: str | None = None
-    """Validation file/dataset; None = ``val_split`` of ``source`` or a ``val_fraction`` split."""
-    train_split: str = "train"
-    """Split name for folder/hub sources."""
-    val_split: str | None = None
-    """Split name of ``source`` used for validation (folder/hub sources)."""
-    val_fraction: float = field(default=0.05, metadata={"ge": 0.0, "lt": 1.0})
-    """Fraction of the training rows held out for validation when no validation source is set."""
     format: Literal["prompt_response", "hh"] = "prompt_response"
     """prompt_response = the two fields below; hh = HH-RLHF pairs, trained on the prompt and the CHOSEN reply."""
-    train_rows: str | None = None
-    """1-based inclusive row range of ``source`` to train on (e.g. "1-2000"); None = all rows."""
     prompt_field: str = "prompt"
     """Column holding the prompt."""
     response_field: str = "response"
     """Column holding the response (the target)."""
-    template: str = "plain"
-    """Chat template name (data/templates.py), the same for SFT, RM and PPO."""
     max_length: int = field(default=128, metadata={"ge": 2})
     """Prompt + response tokens; longer pairs lose prompt tokens from the left first."""
-    on_empty: Literal["skip", "error"] = "skip"
-    """Rows with an empty (whitespace-only) response: skip them (counted) or fail."""
     batch_size: int = field(default=32, metadata={"ge": 1})
     """Pairs per training batch (per process)."""
-    eval_batch_size: int | None = field(default=None, metadata={"ge": 1})
-    """None = batch_size."""
-    num_workers: int = field(default=0, metadata={"ge": 0})
-    """DataLoader worker processes (0 = load in the main process)."""
-    seed: int = 0
-    """Shuffling and validation-split seed."""
-    max_samples: int | None = field(default=None, metadata={"ge": 1})
-    """Use at most this many training rows (quick runs)."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    """Embedded task settings (source=synthetic only)."""
     n_train: int = field(default=20000, metadata={"ge": 1})
     """Embedded task: training pairs to generate."""
     n_val: int = field(default=1000, metadata={"ge": 1})
@@ -63,37 +96,21 @@ class SFTDataConfig:
     def validate(self) -> None:
         check(self.source is not None, "source", "is required: a .jsonl/.json/.parquet file, a save_to_disk "
                                                  "folder or a hub dataset name, e.g. data.sft.source=/path/train.jsonl")  # fmt: skip
-        try:
-            parse_rows(self.train_rows)
-        except ValueError as err:
-            raise ConfigError("train_rows", str(err)) from None
-        check(self.template in TEMPLATES, "template", f"must be one of {list(TEMPLATES)}, got {self.template!r}")
+        super().validate()
 
 
 @dataclass
-class PreferenceDataConfig:
+class PreferenceDataConfig(HeldOutDataConfig):
     """Where preference pairs come from and how they are batched (``data.preference.*``)."""
 
-    source: str = "synthetic"
-    """"synthetic", a .jsonl/.jsonl.gz/.json/.parquet file, a ``save_to_disk`` folder or a hub name."""
     fallback_source: str | None = None
     """Used when ``source`` is a file that does not exist (e.g. the hub copy of a local file)."""
     hub_data_dir: str | None = None
     """Subset folder of a hub dataset (``harmless-base`` of ``Anthropic/hh-rlhf``)."""
     format: Literal["auto", "hh", "question", "generic"] = "auto"
     """Row layout; auto = detected from the first row's keys (hh, question, generic)."""
-    train_split: str = "train"
-    """Split name for folder/hub sources."""
-    train_rows: str | None = None
-    """1-based inclusive line/row range of the training pairs, e.g. "1-2000"; None = all."""
-    val_source: str | None = None
-    """Validation file/dataset; None = a split, row range or val_fraction of ``source``."""
-    val_split: str | None = None
-    """Split of ``source`` used for validation (folder/hub sources)."""
     val_rows: str | None = None
     """Row range of ``source`` for validation (instead of a ``val_fraction`` carve-out)."""
-    val_fraction: float = field(default=0.05, metadata={"ge": 0.0, "lt": 1.0})
-    """Share of the training rows held out for validation when no val source/split/rows is set."""
     test_source: str | None = None
     """Held-out pairs for ``test=true``; None = ``source`` when test_split or test_rows is set."""
     test_split: str | None = None
@@ -104,28 +121,14 @@ class PreferenceDataConfig:
     """Column with a per-pair rating (Llama-2 margin); None = margin 0."""
     margin_scale: Literal["llama2_small", "llama2_large", "raw"] = "llama2_small"
     """Rating 3/2/1/0 → margin 1, 2/3, 1/3, 0 (small) or 3, 2, 1, 0 (large); raw = the number itself."""
-    template: str = "plain"
-    """Chat template (data/templates.py); "dialogue" for HH-RLHF prompts that end in "Assistant:"."""
     max_length: int = field(default=512, metadata={"ge": 8})
     """Prompt + response tokens per sequence; longer pairs lose prompt tokens from the left (counted)."""
     on_identical: Literal["skip", "error"] = "skip"
     """Pairs whose chosen and rejected responses are identical: skip them (counted) or fail."""
-    on_empty: Literal["skip", "error"] = "skip"
-    """Pairs with an empty (whitespace-only) response: skip them (counted) or fail."""
     batch_size: int = field(default=16, metadata={"ge": 1})
     """Pairs per batch (2 × sequences)."""
-    eval_batch_size: int | None = field(default=None, metadata={"ge": 1})
-    """Pairs per validation/test batch; None = batch_size."""
     group_by_length: bool = True
     """Batch pairs of similar length (much less padding); order stays random across batches."""
-    num_workers: int = field(default=0, metadata={"ge": 0})
-    """DataLoader worker processes (0 = load in the main process)."""
-    seed: int = 0
-    """Shuffling, length grouping and validation-split seed."""
-    max_samples: int | None = field(default=None, metadata={"ge": 1})
-    """Use at most this many training pairs (quick runs); None = all."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    """Embedded task settings (source=synthetic only)."""
     n_train: int = field(default=10000, metadata={"ge": 1})
     """Embedded task: training pairs to generate."""
     n_val: int = field(default=500, metadata={"ge": 1})
@@ -133,13 +136,10 @@ class PreferenceDataConfig:
     n_test: int = field(default=1000, metadata={"ge": 1})
     """Embedded task: held-out pairs for test=true."""
 
+    ROW_KEYS: ClassVar[tuple[str, ...]] = ("train_rows", "val_rows", "test_rows")
+
     def validate(self) -> None:
-        check(self.template in TEMPLATES, "template", f"must be one of {list(TEMPLATES)}, got {self.template!r}")
-        for key in ("train_rows", "val_rows", "test_rows"):
-            try:
-                parse_rows(getattr(self, key))
-            except ValueError as err:
-                raise ConfigError(key, str(err)) from None
+        super().validate()
         same_test = self.test_source in (None, self.source) and self.test_split in (None, self.train_split)
         if self.test_rows is not None and same_test:
             check(
@@ -156,37 +156,21 @@ class PreferenceDataConfig:
 
 
 @dataclass
-class PromptDataConfig:
+class PromptDataConfig(DataConfig):
     """Prompts for rollouts (``data.prompt.*``)."""
 
-    source: str = "synthetic"
-    """"synthetic" (sentence openings), a file/dataset with a prompt column, or HH-style pairs."""
     format: Literal["auto", "prompt", "hh"] = "auto"
     """prompt = a ``prompt_field`` column; hh = the shared prompt of chosen/rejected dialogues."""
     prompt_field: str = "prompt"
     """Column holding the prompt (format=prompt)."""
-    train_split: str = "train"
-    """Split name for folder/hub sources."""
-    train_rows: str | None = None
-    """1-based inclusive row range of ``source`` used for training prompts; None = all."""
     val_rows: str | None = None
     """Rows of ``source`` whose prompts are sampled in validation (with ``algo.generation``); None = none."""
-    template: str = "plain"
-    """Chat template (data/templates.py), the same as the SFT and RM stages used."""
     max_prompt_length: int = field(default=64, metadata={"ge": 1})
     """Longer prompts lose tokens from the left (a leading BOS is kept); counted in the log."""
     batch_size: int | None = field(default=None, metadata={"ge": 1})
     """Prompts per training batch = the rollout batch per process. In train.py runs it is the RL
     stage's ``algo.rollout_batch_size`` (set by the runner; leave it None); set it when using the
     data module on its own."""
-    eval_batch_size: int | None = field(default=None, metadata={"ge": 1})
-    """Validation prompts per batch; None = batch_size."""
-    num_workers: int = field(default=0, metadata={"ge": 0})
-    """DataLoader worker processes (0 = load in the main process)."""
-    seed: int = 0
-    """Prompt shuffling seed (and, + 1, the ptx sampler's)."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    """Embedded task settings (source=synthetic only)."""
     n_train: int = field(default=20000, metadata={"ge": 1})
     """Embedded task: training prompts."""
     n_val: int = field(default=64, metadata={"ge": 0})
@@ -198,5 +182,4 @@ class PromptDataConfig:
     ptx_max_length: int = field(default=64, metadata={"ge": 2})
     """Prompt + response tokens of a ptx pair."""
 
-    def validate(self) -> None:
-        check(self.template in TEMPLATES, "template", f"must be one of {list(TEMPLATES)}, got {self.template!r}")
+    ROW_KEYS: ClassVar[tuple[str, ...]] = ("train_rows", "val_rows")

@@ -1,7 +1,8 @@
 """Every typed config's defaults as a Hydra schema, so YAML presets list only what differs.
 
 ``register()`` stores ``to_dict(Config())`` of each dataclass in Hydra's ConfigStore under the
-group ``schema`` (``schema/ppo``, ``schema/prompt_data`` …). A preset starts from one:
+group ``schema`` (``schema/ppo``, ``schema/prompt_data`` …). A preset (or a section of one:
+``/schema/prompt_data@prompt``, ``/schema/tiny_llama@tiny``) starts from one:
 
     defaults:
       - /schema/ppo@_here_     # every PPOConfig field at its dataclass default
@@ -32,9 +33,11 @@ SCHEMAS = {
     "grpo": "lit_rlhf.modules.configs:GRPOConfig",
     "pipeline": "lit_rlhf.pipeline:DemoConfig",
     "model": "lit_rlhf.models.spec:ModelSpec",
+    "tiny_llama": "lit_rlhf.models.spec:TinyLlamaConfig",  # model.tiny of conf/model/tiny_llama.yaml
     "sft_data": "lit_rlhf.data.configs:SFTDataConfig",
     "preference_data": "lit_rlhf.data.configs:PreferenceDataConfig",
     "prompt_data": "lit_rlhf.data.configs:PromptDataConfig",
+    "task": "lit_rlhf.data.synthetic:TaskConfig",  # data.task of conf/data/synthetic.yaml (the embedded task)
 }
 # the stages' modules and their typed configs' schemas: an unknown algo.* key is reported with
 # its config class without importing the stage (torch, Lightning); a test checks it against each
