@@ -87,7 +87,9 @@ class ResumeState(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         states, self._loader_states = self._loader_states, None
-        combined = getattr(trainer.fit_loop, "_combined_loader", None)
+        from lit_rlhf.compat.lightning import combined_loader
+
+        combined = combined_loader(trainer)
         if not states or combined is None:
             return
         loaders = [dl for dl in combined.flattened if callable(getattr(dl, "load_state_dict", None))]

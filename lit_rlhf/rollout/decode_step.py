@@ -13,6 +13,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lit_rlhf.compat.torch import (
+    global_forward_hooks_active,
+    has_forward_hooks,
+    mkldnn_linear,
+    mkldnn_linear_available,
+    mkldnn_reorder_linear_weight,
+)
+
 log = logging.getLogger(__name__)
 
 
@@ -54,8 +62,7 @@ def _linear(module: Any, x: Tensor) -> Tensor:
 def prepack_supported(weight: Tensor) -> bool:
     """Whether oneDNN prepacked projections apply: an fp32 CPU weight and a torch built with the
     oneDNN linear operators (the x86-64 CPU wheels have them; elsewhere a failure falls back)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))  # fmt: skip
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and mkldnn_linear_available()
 
 
 class _Packed:
@@ -75,10 +82,10 @@ class _Packed:
             self.bias = None
         else:
             self.bias = torch.cat([b if b is not None else weight.new_zeros(m.weight.shape[0]) for m, b in zip(modules, biases)])
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+        self.weight = mkldnn_reorder_linear_weight(weight.detach(), rows)
 
     def __call__(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return mkldnn_linear(x, self.weight, self.bias)
 
 
 class _PackedLayer:
@@ -97,11 +104,9 @@ def _inlinable(layer: Any) -> bool:
     layer built of plain ``nn.Linear`` projections and its own RMSNorms, with no forward hooks
     anywhere (a hook, a peft LoRA wrapper, a ZeRO-3 gather, a quantized linear or an FSDP unit
     needs the modules' own calls: the layer's ``forward`` is used for it)."""
-    from torch.nn.modules import module as torch_module
-
     if type(layer).__name__ not in _INLINE_LAYERS:
         return False
-    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+    if global_forward_hooks_active():
         return False
     try:
         linears = _projections(layer)
@@ -110,7 +115,7 @@ def _inlinable(layer: Any) -> bool:
         return False
     if not all(type(m) is torch.nn.Linear for m in linears) or not all(type(n).__name__ in _INLINE_NORMS for n in norms):
         return False
-    return not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())
+    return not any(has_forward_hooks(m) for m in layer.modules())
 
 
 def _inline_layer(layer: Any, cache_layer: Any, hidden: Tensor, mask: Tensor, cos: Tensor, sin_signed: Tensor,
@@ -169,7 +174,7 @@ class _LayerStep:
     def __init__(self, model: Any, max_positions: int, rows: int | None = None) -> None:
         import sys
 
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from lit_rlhf.compat.transformers import attention_interface
 
         inner = model.model
         self.embed, self.norm, self.head = inner.embed_tokens, inner.norm, model.get_output_embeddings()
@@ -184,13 +189,13 @@ class _LayerStep:
         if any(self.inline):  # the interface the layers' attention looks up, with its module's eager fallback
             first = self.layers[self.inline.index(True)].self_attn
             eager = getattr(sys.modules[type(first).__module__], "eager_attention_forward", None)
-            self.attention = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, eager)
+            self.attention = attention_interface(model.config, eager)
         self.packed: list[_PackedLayer | None] = [None] * len(self.layers)
         self.packed_head: _Packed | None = None
         if rows is not None and any(self.inline) and prepack_supported(self.embed.weight) and self._room_to_prepack(model):
             try:
                 self.packed = [_PackedLayer(layer, rows) if inline else None for layer, inline in zip(self.layers, self.inline)]
-                if type(self.head) is torch.nn.Linear and not (self.head._forward_hooks or self.head._forward_pre_hooks):
+                if type(self.head) is torch.nn.Linear and not has_forward_hooks(self.head):
                     self.packed_head = _Packed([self.head], rows)
             except RuntimeError as err:  # a oneDNN build without these kernels for this CPU: plain products
                 log.warning("prepacking the decoding weights failed (%s); decoding with F.linear", err)

@@ -43,10 +43,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 def atomic_deepspeed_saves(strategy: Any) -> None:
     """Make ``strategy.save_checkpoint`` (a DeepSpeedStrategy's: every rank writes its shards into
     one folder) write into ``.<name>.partial`` and swap it in once all ranks are done, so that a
-    kill never leaves ``last.ckpt/`` half written. Patches the instance (any DeepSpeedStrategy
-    subclass keeps its own saving code)."""
-    original = strategy.save_checkpoint
+    kill never leaves ``last.ckpt/`` half written. Wraps the instance's method
+    (:func:`lit_rlhf.compat.lightning.wrap_save_checkpoint`: any DeepSpeedStrategy subclass keeps
+    its own saving code)."""
+    from lit_rlhf.compat.lightning import wrap_save_checkpoint
 
+    wrap_save_checkpoint(strategy, lambda original: _atomic_folder_save(strategy, original))
+
+
+def _atomic_folder_save(strategy: Any, original: Any) -> Any:
     def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         filepath = strategy.broadcast(str(filepath))
         if "://" in filepath and not filepath.startswith("file://"):
@@ -60,7 +65,7 @@ def atomic_deepspeed_saves(strategy: Any) -> None:
             commit_folder(filepath)
         strategy.barrier("atomic_checkpoint_committed")
 
-    strategy.save_checkpoint = save_checkpoint
+    return save_checkpoint
 
 
 def _global_rank() -> int:

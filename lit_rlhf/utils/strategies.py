@@ -1,6 +1,6 @@
 """Strategies as the stages use them: FSDP with one unit per model and gathered rollouts, and the
 DeepSpeed strategy with what ZeRO-3 needs (whole-model build, gathered exports and rollouts;
-docs/scaling.md §4). Everything here that touches DeepSpeed's internals is in this module."""
+docs/scaling.md §4). The private APIs of Lightning and DeepSpeed they need are in lit_rlhf/compat/."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import contextlib
 from typing import Any, Iterator, Sequence
 
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+from lit_rlhf.compat.lightning import check_fsdp_setup_model, record_device, setup_activation_checkpointing
 
 
 class RLHFFSDPStrategy(FSDPStrategy):
@@ -44,6 +46,7 @@ class RLHFFSDPStrategy(FSDPStrategy):
         if str(kwargs.get("sharding_strategy", "FULL_SHARD")).upper().split(".")[-1].lstrip("_").startswith("HYBRID"):
             raise ValueError("strategy.sharding_strategy: hybrid sharding is not supported by lit_rlhf's "
                              "gradient-norm reduction; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD")  # fmt: skip
+        check_fsdp_setup_model()  # the Lightning method this class overrides must still exist
         self.wrap_layers = tuple(get_class(name) for name in wrap_layers)
         if activation_checkpointing:
             kwargs["activation_checkpointing_policy"] = set(self.wrap_layers)
@@ -53,8 +56,7 @@ class RLHFFSDPStrategy(FSDPStrategy):
         """The ``device_id`` FSDP places its units on (the CUDA index; tests override it for CPU)."""
         return self.root_device.index
 
-    def _setup_model(self, model: Any) -> Any:
-        from lightning.pytorch.strategies.fsdp import _setup_activation_checkpointing
+    def _setup_model(self, model: Any) -> Any:  # compat.lightning.FSDP_SETUP_MODEL, checked at __init__
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -85,7 +87,7 @@ class RLHFFSDPStrategy(FSDPStrategy):
                 sharding_strategy=self.sharding_strategy, device_id=self.fsdp_device_id(), auto_wrap_policy=policy,
                 **self.kwargs,
             )  # fmt: skip
-            _setup_activation_checkpointing(unit, self._activation_checkpointing_kwargs)
+            setup_activation_checkpointing(unit, self)
             setattr(model, name, unit)
         # FSDP placed the units (on the device, or on the CPU under cpu_offload). What it would have
         # moved wrapping the LightningModule whole moves here: the other children and the module's
@@ -95,7 +97,7 @@ class RLHFFSDPStrategy(FSDPStrategy):
                 child.to(self.root_device)
         for name, buffer in list(model.named_buffers(recurse=False)):
             setattr(model, name, buffer.to(self.root_device))
-        model._device = self.root_device  # what LightningModule.to records (lightning's _DeviceDtypeModuleMixin)
+        record_device(model, self.root_device)  # what LightningModule.to would record
         return model
 
     @property
@@ -206,18 +208,18 @@ def zero3_gathered(engine: Any) -> Iterator[None]:
     import deepspeed
     import torch
 
+    from lit_rlhf.compat.deepspeed import register_zero3_hooks, remove_zero3_hooks, zero3_offload
+
     module = engine.module
-    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+    offload = zero3_offload(engine)
     params = list(module.parameters())
     with torch.no_grad(), deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         if offload is not None:
             for p in params:
                 p.ds_active_sub_modules.clear()
-            for hook in offload.forward_hooks + offload.backward_hooks:
-                hook.remove()
-            offload.forward_hooks, offload.backward_hooks = [], []
+            remove_zero3_hooks(offload)
         try:
             yield
         finally:
             if offload is not None:
-                offload._register_deepspeed_module(offload.module)
+                register_zero3_hooks(offload)
