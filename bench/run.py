@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cases import CASES, ROOT, TRL_CASES, build_models, peak_rss_mb, shapes  # bench/cases.py (this script's folder)
+from cases import CASES, ROOT, TRL_CASES, build_models, peak_rss_mb, shapes  # bench/cases/ (this script's folder)
 
 
 # --------------------------------------------------------------------------- driver
@@ -124,7 +124,7 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
         by_round = f" (by round: {', '.join(f'{x:.2f}' for x in rounds)})" if len(rounds) > 1 else ""
         lines.append(f"| {label} | {fmt(value, '{:.2f}')}{by_round} | {target} |")
     paired = r.get("grpo_paired", {})
-    if "ratio" in paired:  # one process, steps alternating (bench/cases.py Alternation): the steadier measurement
+    if "ratio" in paired:  # one process, steps alternating (bench/cases/alternation.py): the steadier measurement
         rounds = paired.get("ratio_rounds") or [paired["ratio"]]
         derived["grpo_paired_over_trl"], derived["grpo_paired_over_trl_by_round"] = statistics.median(rounds), rounds
         by_round = f"; by round: {', '.join(f'{x:.2f}' for x in rounds)}" if len(rounds) > 1 else ""

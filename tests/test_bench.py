@@ -1,6 +1,8 @@
-"""The benchmark suite runs end to end in smoke mode (tiny shapes, no TRL, no timing asserts)."""
+"""The benchmark suite: its ratios are computed from the cases' measurements as documented, and it
+runs end to end in smoke mode (tiny shapes, no TRL, no timing asserts)."""
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -9,37 +11,97 @@ import pytest
 from tests.conftest import ROOT
 
 
-@pytest.mark.slow
-@pytest.mark.integration
-def test_bench_smoke(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900, cwd=ROOT)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads((tmp_path / "latest.json").read_text())
-    for case in ("generate_bare", "generate_ours", "floor", "ppo_ours", "rm_ours", "dpo_ours", "dpo_ours_precomputed",
-                 "grpo_ours"):  # fmt: skip
-        assert "error" not in result["results"][case], (case, result["results"][case])
-    assert result["results"]["ppo_ours"]["fused_first_forward"] is True
-    assert result["results"]["ppo_ours"]["rss_mb"] > 0
-    table = (tmp_path / "latest.md").read_text()
-    assert "lit_rlhf PPO step / naive floor" in table and "SMOKE" in table
-    assert "| GRPO samples/s, lit_rlhf / TRL (separate processes; the target is the paired row's) | — |" in table
-    assert "| GRPO samples/s, lit_rlhf / TRL, one process, steps alternating | — |" in table  # no TRL in smoke mode
-    assert result["results"]["grpo_ours"]["rollout_s"] > 0  # the phase breakdown
-
-
-def test_alternation_runs_one_loop_at_a_time_and_times_each_cycle():
-    """bench/cases.py ``Alternation``: two loops in two threads take strict turns (ours, theirs, …),
-    never compute at once, wait for each other's set-up, and each recorded cycle spans exactly
-    its loop's turn; a loop that ends (or fails) lets the other run on alone."""
-    import threading
-    import time
+@pytest.fixture(scope="module")
+def bench():
+    """bench/run.py as a module (its cases package is imported from bench/, as the script does)."""
+    import importlib.util
 
     sys.path.insert(0, str(ROOT / "bench"))
     try:
-        from cases import Alternation
+        spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
     finally:
         sys.path.remove(str(ROOT / "bench"))
+
+
+def test_summary_ratios_are_computed_from_the_measurements(bench):
+    """``summarize``: every ratio is lit_rlhf's throughput over TRL's (per round: TRL's step time over
+    ours), the PPO step over the sum of its parts, the paired GRPO ratio the median of its rounds,
+    peak-RSS ratios ours over TRL's and LoRA over full; a pair without TRL's side has no ratio."""
+    r = {
+        "floor": {"generate_s": 0.2, "score_forwards_s": 0.1, "train_fwd_bwd_s": 0.3, "floor_s": 0.6},
+        "ppo_ours": {"step_s": 0.5, "samples_per_s": 32.0, "rss_mb": 900.0, "rounds": [0.5, 0.4, 0.6]},
+        "ppo_trl": {"step_s": 1.5, "samples_per_s": 10.0, "rss_mb": 1000.0, "rounds": [1.5, 1.6, 1.2]},
+        "rm_ours": {"step_s": 0.1, "pairs_per_s": 160.0, "rounds": [0.1]},  # no rm_trl: no ratio
+        "grpo_ours": {"step_s": 0.4, "samples_per_s": 40.0, "rss_mb": 700.0, "rollout_s": 0.3, "update_s": 0.1},
+        "grpo_trl": {"step_s": 0.8, "samples_per_s": 20.0, "rss_mb": 560.0},
+        "grpo_paired": {"step_s": 0.7, "samples_per_s": 22.0, "ratio": 1.5, "ratio_rounds": [1.5, 1.2, 1.7],
+                        "ratio_q1": 1.4, "ratio_q3": 1.6, "pairs": 16},
+        "ppomem_full": {"step_s": 2.0, "samples_per_s": 4.0, "rss_mb": 3000.0, "base_mb": 400.0, "trainable": 2e8,
+                        "policy_params": 1e8},
+        "ppomem_lora": {"step_s": 2.0, "samples_per_s": 4.0, "rss_mb": 1500.0, "base_mb": 400.0, "trainable": 2e6,
+                        "policy_params": 1e8},
+    }  # fmt: skip
+    shapes = bench.shapes(True)
+    derived, table = bench.summarize(r, shapes, smoke=True)
+    assert derived["ppo_step_over_naive_floor"] == pytest.approx(0.5 / 0.6)
+    assert derived["ppo_ours_over_trl"] == pytest.approx(32.0 / 10.0)
+    assert derived["ppo_ours_over_trl_by_round"] == pytest.approx([1.5 / 0.5, 1.6 / 0.4, 1.2 / 0.6])
+    assert derived["grpo_ours_over_trl"] == pytest.approx(2.0) and derived["grpo_ours_over_trl_by_round"] == []
+    assert (derived["rm_ours_over_trl"], derived["rm_ours_over_trl_by_round"]) == (None, [])
+    assert (derived["dpo_ours_over_trl"], derived["dpo_ours_precomputed_over_trl"]) == (None, None)
+    assert derived["grpo_paired_over_trl"] == pytest.approx(statistics.median([1.5, 1.2, 1.7]))
+    assert derived["ppo_ours_rss_over_trl"] == pytest.approx(0.9) and derived["grpo_ours_rss_over_trl"] == pytest.approx(1.25)
+    assert derived["ppo_lora_rss_over_full"] == pytest.approx(0.5)
+    for value in (0.5 / 0.6, 3.2, 2.0, 0.9, 1.25, 0.5, 1.5):  # the table shows each computed ratio
+        assert f"{value:.2f}" in table
+    derived, _ = bench.summarize({k: v for k, v in r.items() if k not in ("floor", "grpo_paired", "ppo_trl")}, shapes, True)
+    assert "ppo_step_over_naive_floor" not in derived and "grpo_paired_over_trl" not in derived
+    assert derived["ppo_ours_over_trl"] is None and "ppo_ours_rss_over_trl" not in derived
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_bench_smoke(tmp_path, bench):
+    """Every case that needs no TRL runs and reports self-consistent measurements; the saved ratios
+    are those of its own results."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    saved = json.loads((tmp_path / "latest.json").read_text())
+    r, s = saved["results"], saved["shapes"]
+    assert s == bench.shapes(True)
+    ours = [c for c in bench.CASES if c not in bench.TRL_CASES]
+    assert set(ours) <= set(r) and not set(bench.TRL_CASES) & set(r)  # smoke mode runs no TRL case
+    for case in ours:
+        assert "error" not in r[case], (case, r[case])
+    floor = r["floor"]
+    assert floor["floor_s"] == pytest.approx(floor["generate_s"] + floor["score_forwards_s"] + floor["train_fwd_bwd_s"])
+    for case in ours:
+        if case != "floor":
+            unit = bench.UNITS[case.split("_")[0]]
+            per_step = s["batch"] * s["new_tokens"] if unit == "tokens_per_s" else s["batch"]
+            assert r[case]["step_s"] > 0 and r[case][unit] == pytest.approx(per_step / r[case]["step_s"]), case
+    assert r["ppo_ours"]["fused_first_forward"] is True  # 1 epoch over 1 minibatch: the rollout's forward is the update's
+    grpo = r["grpo_ours"]
+    assert 0 < grpo["rollout_s"] < grpo["step_s"] and grpo["update_s"] == pytest.approx(grpo["step_s"] - grpo["rollout_s"])
+    full, lora = r["ppomem_full"], r["ppomem_lora"]
+    assert lora["trainable"] < full["trainable"] and lora["policy_params"] == full["policy_params"]
+    assert saved["ratios"] == bench.summarize(r, s, True)[0]
+    assert saved["ratios"]["ppo_step_over_naive_floor"] == pytest.approx(r["ppo_ours"]["step_s"] / floor["floor_s"])
+    assert saved["ratios"]["ppo_ours_over_trl"] is None  # no TRL side in smoke mode
+
+
+def test_alternation_runs_one_loop_at_a_time_and_times_each_cycle(bench):
+    """bench/cases/alternation.py ``Alternation``: two loops in two threads take strict turns (ours,
+    theirs, …), never compute at once, wait for each other's set-up, and each recorded cycle spans
+    exactly its loop's turn; a loop that ends (or fails) lets the other run on alone."""
+    import threading
+    import time
+
+    from cases import Alternation  # bench/ is on sys.path while the ``bench`` fixture is active
 
     alt = Alternation("ours", "trl", timeout=30)
     log, busy = [], []

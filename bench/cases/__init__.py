@@ -1,0 +1,37 @@
+"""The benchmark cases (bench/run.py runs each in its own process), one module per family:
+generation (``generation.py``), PPO with its naive floor and its memory cases (``ppo.py``), the
+reward model (``rm.py``), DPO (``dpo.py``), GRPO — also both trainers in one process, steps
+alternating: :class:`Alternation` (``grpo.py``, ``alternation.py``); shared set-up and timers in
+``common.py``. Each case takes the models folder and the shapes and returns a dict of measurements."""
+
+from __future__ import annotations
+
+from .alternation import Alternation
+from .common import ROOT, build_models, peak_rss_mb, shapes
+from .dpo import case_dpo_ours, case_dpo_trl
+from .generation import case_generate_bare, case_generate_ours
+from .grpo import case_grpo_ours, case_grpo_paired, case_grpo_trl
+from .ppo import case_floor, case_ppo_memory, case_ppo_ours, case_ppo_trl
+from .rm import case_rm_ours, case_rm_trl
+
+CASES = {
+    "generate_bare": case_generate_bare,
+    "generate_ours": case_generate_ours,
+    "floor": case_floor,
+    "ppo_ours": case_ppo_ours,
+    "ppo_trl": case_ppo_trl,
+    "rm_ours": case_rm_ours,
+    "rm_trl": case_rm_trl,
+    "dpo_ours": case_dpo_ours,
+    "dpo_trl": case_dpo_trl,
+    "dpo_ours_precomputed": lambda models, s: case_dpo_ours(models, s, precompute=True),
+    "dpo_trl_precomputed": lambda models, s: case_dpo_trl(models, s, precompute=True),
+    "grpo_ours": case_grpo_ours,
+    "grpo_trl": case_grpo_trl,
+    "grpo_paired": case_grpo_paired,
+    "ppomem_full": lambda models, s: case_ppo_memory(models, s, lora=False),
+    "ppomem_lora": lambda models, s: case_ppo_memory(models, s, lora=True),
+}
+TRL_CASES = {"ppo_trl", "rm_trl", "dpo_trl", "dpo_trl_precomputed", "grpo_trl", "grpo_paired"}
+
+__all__ = ["CASES", "TRL_CASES", "ROOT", "Alternation", "build_models", "peak_rss_mb", "shapes"]
