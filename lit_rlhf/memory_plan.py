@@ -33,10 +33,12 @@ CUDA context and allocator fragmentation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lit_rlhf.models.arch import arch_of
+from lit_rlhf.utils.config import ConfigError, build_config, check
 
 GIB = 1024**3
 
@@ -314,11 +316,40 @@ def plan_for(cfg: Any, job: Any, gpu_memory_gb: float | None = None, reserve_gb:
     return plan
 
 
+@dataclass
+class PlanSettings:
+    """``memory_plan.*`` (conf/train.yaml), validated by :func:`plan_settings`."""
+
+    gpu_memory_gb: float | None = field(default=None, metadata={"gt": 0})
+    """Memory of one GPU in GiB; None = the visible GPU's (none on CPU: no fit check)."""
+    reserve_gb: float = field(default=2.0, metadata={"ge": 0})
+    """Kept free for the CUDA context and allocator fragmentation."""
+    enforce: bool = True
+    """Refuse a GPU launch that the plan says cannot fit."""
+
+    def validate(self) -> None:
+        gpu = self.gpu_memory_gb
+        check(gpu is None or math.isfinite(gpu), "gpu_memory_gb", f"must be a finite number of GiB, got {gpu}")
+        check(math.isfinite(self.reserve_gb), "reserve_gb", f"must be a finite number of GiB, got {self.reserve_gb}")
+        if gpu is not None:
+            check(self.reserve_gb < gpu, "reserve_gb",
+                  f"must be less than gpu_memory_gb={gpu:g}, got {self.reserve_gb:g}")  # fmt: skip
+
+
+def plan_settings(cfg: Any) -> PlanSettings:
+    """``cfg.memory_plan`` validated: an unknown key, a wrong type or a GPU memory ≤ 0 is a
+    ConfigError naming ``memory_plan.<key>``."""
+    node = cfg.get("memory_plan")
+    if node is not None and not hasattr(node, "items"):
+        raise ConfigError("memory_plan", f"must be a mapping (gpu_memory_gb, reserve_gb, enforce), got {node!r}")
+    return build_config(PlanSettings, node, "memory_plan")
+
+
 def gpu_memory_gb(cfg: Any) -> float | None:
-    """``memory_plan.gpu_memory_gb``, else the first visible CUDA device's memory, else None."""
-    node = cfg.get("memory_plan") or {}
-    if node.get("gpu_memory_gb"):
-        return float(node.gpu_memory_gb)
+    """``memory_plan.gpu_memory_gb`` (validated), else the first visible CUDA device's memory, else None."""
+    settings = plan_settings(cfg)
+    if settings.gpu_memory_gb is not None:
+        return settings.gpu_memory_gb
     try:
         import torch
 

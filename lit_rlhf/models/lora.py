@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from lit_rlhf.models.spec import LoraSpec
+from lit_rlhf.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -41,21 +42,40 @@ def _targets(spec: LoraSpec) -> Any:
 
 
 def peft_config(spec: LoraSpec, base_path: str | None = None) -> Any:
+    """peft's ``LoraConfig`` of ``spec``; a value peft refuses is a ConfigError naming ``model.lora``."""
     from peft import LoraConfig
 
-    return LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=_targets(spec),
-                      bias="none", base_model_name_or_path=base_path)  # fmt: skip
+    try:
+        return LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=_targets(spec),
+                          bias="none", base_model_name_or_path=base_path)  # fmt: skip
+    except (TypeError, ValueError) as err:
+        raise ConfigError("model.lora", f"peft: {_one_line(err)}") from None
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 def add_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
-    """Inject adapters into ``model`` in place and freeze everything else in it; returns ``model``."""
+    """Inject adapters into ``model`` in place and freeze everything else in it; returns ``model``.
+
+    Raises:
+        ConfigError: naming ``model.lora.target_modules`` when peft cannot adapt what it names (no
+            such module, or one that is not a layer peft adapts), or when it names a layer other
+            than a plain linear one (the adapter and merged exports handle those only).
+    """
     from peft import inject_adapter_in_model
 
-    inject_adapter_in_model(peft_config(spec), model)
+    key, config = "model.lora.target_modules", peft_config(spec)
+    try:
+        inject_adapter_in_model(config, model)
+    except (TypeError, ValueError) as err:  # peft's NoMatchingPeftModuleError is a ValueError
+        where = f"{type(model).__name__}, {list(spec.target_modules)}"
+        raise ConfigError(key, f"peft: {_one_line(err)} ({where})") from None
     layers = lora_layers(model)
     if not layers:
-        raise ValueError(f"model.lora.target_modules={list(spec.target_modules)} matched no layer of "
-                         f"{type(model).__name__}")  # fmt: skip
+        raise ConfigError(key, f"{list(spec.target_modules)} matched no layer of {type(model).__name__}")
+    _check_linear(layers, key)
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
         if ".lora_" in name and p.dtype in (torch.float16, torch.bfloat16):
@@ -65,6 +85,18 @@ def add_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
     log.info("LoRA r=%d alpha=%g on %d layers of %s: %d trainable parameters of %d (%.2f%%)", spec.r, spec.alpha,
              len(layers), type(model).__name__, trainable, total, 100.0 * trainable / max(total, 1))  # fmt: skip
     return model
+
+
+def _check_linear(layers: dict[str, nn.Module], key: str) -> None:
+    """Every adapted layer a plain ``nn.Linear`` one: what :func:`merged_state_dict` and
+    :func:`adapter_state_dict` handle (an embedding would only fail at the export, after training)."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    for name, layer in layers.items():
+        if not isinstance(layer, LoraLinear) or layer.fan_in_fan_out:
+            base = type(getattr(layer, "base_layer", layer)).__name__
+            raise ConfigError(key, f"{name} is a {base}: only nn.Linear layers can be adapted (the exports "
+                                   "handle no other)")  # fmt: skip
 
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -7,6 +7,7 @@ Modules receive specs and build weights late, in ``configure_model()`` (docs/arc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -69,6 +70,18 @@ class LoraSpec:
     export: Literal["adapter", "merged"] = "adapter"
     """What a stage exports: the adapter in peft's format (MBs; needs the base model to load), or
     the merged full model. A base built from a config (model.tiny) has no path to name: merged."""
+
+    def validate(self) -> None:
+        """What peft would accept silently but train wrongly: an infinite alpha, or "all-linear"
+        next to names (peft then reads it as a module name and adapts only the others)."""
+        check(math.isfinite(self.alpha), "alpha", f"must be a finite number, got {self.alpha}")
+        targets = list(self.target_modules)
+        check(bool(targets), "target_modules", "must name at least one module (e.g. [q_proj, v_proj]) or be "
+                                               "[all-linear]")  # fmt: skip
+        check(all(t and not any(c.isspace() for c in t) for t in targets), "target_modules",
+              f"each entry must be a non-empty module name without spaces, got {targets}")  # fmt: skip
+        check("all-linear" not in targets or targets == ["all-linear"], "target_modules",
+              f"all-linear stands alone (it already means every linear layer), got {targets}")  # fmt: skip
 
 
 @dataclass

@@ -158,11 +158,84 @@ class RLConfig(OptimConfig):
             "set exactly one of algo.reward_path (a saved reward model), algo.reward_fn (a {_target_: …} callable) "
             f"and algo.reward_fns (weighted callables); got {rewards or 'none'}",
         )
-        for key, value in [("reward_fn", self.reward_fn), ("gold_reward_fn", self.gold_reward_fn)] + [
-            (f"reward_fns[{i}]", v) for i, v in enumerate(self.reward_fns or [])
-        ]:
-            check(value is None or "_target_" in value, key, "must be a mapping with a _target_ (a factory "
-                                                             "returning the reward callable)")  # fmt: skip
+        check_reward_specs(self.reward_fn, self.reward_fns, self.gold_reward_fn)
+
+
+REWARD_FNS_OWN_KEYS = ("weight", "name")
+"""Keys of an ``algo.reward_fns`` item that the stage reads (modules/rl.py) and the factory never gets."""
+
+
+def check_reward_specs(reward_fn: dict | None, reward_fns: list[dict] | None, gold_reward_fn: dict | None) -> None:
+    """Each ``{_target_: factory, **kwargs}`` of ``reward_fn``, ``gold_reward_fn`` and ``reward_fns``
+    (with an item's ``weight`` and ``name``): a ConfigError naming ``<key>.<field>``, e.g.
+    ``reward_fns[1].weight``, before anything is built. The factory is imported and the keyword
+    arguments checked against its signature: a typo'd path or argument fails here, naming its key,
+    not in Hydra's instantiate when the stage builds. Names must differ: each component is logged
+    as ``reward/<name>`` (default: the factory's name)."""
+    specs = [("reward_fn", reward_fn, ()), ("gold_reward_fn", gold_reward_fn, ())]
+    specs += [(f"reward_fns[{i}]", v, REWARD_FNS_OWN_KEYS) for i, v in enumerate(reward_fns or [])]
+    for key, spec, own in specs:
+        if spec is not None:
+            _check_reward_spec(key, spec, own)
+    names: dict[str, int] = {}
+    for i, spec in enumerate(reward_fns or []):
+        name = spec.get("name") or spec["_target_"].rsplit(".", 1)[-1]
+        check(name not in names, f"reward_fns[{i}].name",
+              f"{name!r} already names reward_fns[{names.get(name)}] (components are logged as reward/<name>): "
+              "set distinct names")  # fmt: skip
+        names[name] = i
+
+
+def _check_reward_spec(key: str, spec: dict, own: tuple[str, ...]) -> None:
+    """One ``{_target_: …}`` mapping; ``own``: the keys the stage reads itself (not the factory's)."""
+    import math
+    from collections.abc import Mapping
+
+    from lit_rlhf.utils.config import check_call_arguments
+
+    check(isinstance(spec, Mapping), key, f"must be a mapping with a _target_ (a factory returning the reward "
+                                          f"callable), got {spec!r}")  # fmt: skip
+    target = spec.get("_target_")
+    check(isinstance(target, str) and len(target.split(".")) > 1 and all(p.isidentifier() for p in target.split(".")),
+          f"{key}._target_", f"must be the dotted path of a factory returning the reward callable (e.g. "
+                             f"lit_rlhf.data.synthetic.gold_reward_fn), got {target!r}")  # fmt: skip
+    if "weight" in own and spec.get("weight") is not None:
+        w = spec["weight"]
+        check(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w), f"{key}.weight",
+              f"must be a finite number, got {w!r}")  # fmt: skip
+    if "name" in own and spec.get("name") is not None:
+        check(isinstance(spec["name"], str) and spec["name"].strip() != "", f"{key}.name",
+              f"must be a non-empty string, got {spec['name']!r}")  # fmt: skip
+    factory = _import_target(target, f"{key}._target_")
+    kwargs = {k: None if isinstance(v, Mapping) and "_target_" in v else v  # nested instantiation: names only
+              for k, v in spec.items() if not k.startswith("_") and k not in own}  # fmt: skip
+    check_call_arguments(factory, kwargs, key)
+
+
+def _import_target(path: str, key: str) -> object:
+    """The object at dotted ``path`` (module, then attributes); a ConfigError naming ``key`` if it
+    cannot be imported or is not callable."""
+    import importlib
+
+    from lit_rlhf.utils.config import ConfigError
+
+    module, attrs = path, []
+    try:
+        while True:
+            try:
+                obj = importlib.import_module(module)
+                break
+            except ModuleNotFoundError as err:  # not a module: one attribute further (unless a dependency is missing)
+                if "." not in module or not (err.name == module or module.startswith(f"{err.name}.")):
+                    raise
+                module, attr = module.rsplit(".", 1)
+                attrs.insert(0, attr)
+        for attr in attrs:
+            obj = getattr(obj, attr)
+    except Exception as err:  # the user's module may raise anything while importing
+        raise ConfigError(key, f"cannot import {path!r}: {type(err).__name__}: {' '.join(str(err).split())}") from None
+    check(callable(obj), key, f"{path!r} is not callable (a factory returning the reward callable)")
+    return obj
 
 
 @dataclass
