@@ -23,6 +23,11 @@ class GenerationConfig:
     """CTRL penalty on tokens already in the prompt or response (1.0 = off)."""
     do_sample: bool = True
     """False = greedy (evaluation)."""
+    inline_layers: bool = True
+    """Decode Llama-layout decoder layers (Llama, Mistral, Qwen2) with lit_rlhf's own layer step
+    (rollout/decode_step.py: the layers' ops without the module plumbing), checked once per model
+    against the model's forward on its first decoding step and dropped, with a warning, if they
+    differ. False = the model's own forward at every step (slower on CPU; and no prepacking)."""
     prepack: bool = True
     """fp32 on CPU: decode with oneDNN-prepacked copies of the decoder layers' projections and the LM
     head (q/k/v and gate/up each as one product; one extra copy of those weights while sampling;

@@ -1,4 +1,4 @@
-"""One decoding step through a causal LM's decoder layers (:class:`_LayerStep`), used by the
+"""One decoding step through a causal LM's decoder layers (:class:`LayerStep`), used by the
 decoding loop of :mod:`lit_rlhf.rollout.generate` for models whose 4-D decode masks are prebuilt:
 the layers called directly, Llama-layout layers inlined op for op (or, fp32 on CPU, with
 oneDNN-prepacked projections), checked once per model against the model's own forward
@@ -126,7 +126,7 @@ def _inline_layer(layer: Any, cache_layer: Any, hidden: Tensor, mask: Tensor, co
     dim) (:func:`_rotary`). Without ``packed`` the ops are the layer's own, in its order: bit for
     bit its forward. With ``packed`` (:class:`_PackedLayer`) the projections are oneDNN products
     of prepacked weights, q/k/v in one and gate/up in one: equal to the layer's forward up to
-    float rounding (another summation order), which :func:`_layer_step_ok` bounds."""
+    float rounding (another summation order), which :func:`layer_step_ok` bounds."""
     attn, mlp = layer.self_attn, layer.mlp
     residual = hidden
     x = _rms_norm(layer.input_layernorm, hidden)
@@ -153,7 +153,7 @@ def _inline_layer(layer: Any, cache_layer: Any, hidden: Tensor, mask: Tensor, co
     return residual + packed.down(mlp.act_fn(gate) * up)
 
 
-class _LayerStep:
+class LayerStep:
     """One decoding forward that calls the model's decoder layers directly: the embedding, each
     layer, the final norm and the LM head at the new token, with the prebuilt 4-D mask and the
     rotary ``(cos, sin)`` looked up in a table built once per rollout. It skips what the
@@ -166,7 +166,7 @@ class _LayerStep:
     prepacked weights (:class:`_PackedLayer`: one copy of those weights for the rollout).
     Only for the standard decoder layout
     (``model.model`` with ``embed_tokens``, ``rotary_emb``, ``layers``, ``norm``; an LM head;
-    plain rotary) where the decode masks are prebuilt, and only after :func:`_layer_step_ok`
+    plain rotary) where the decode masks are prebuilt, and only after :func:`layer_step_ok`
     found its logits equal to the model's own on the model's first decoding step. Callable like
     the model for one step. ``make bench`` (``generate_*``) measures it against ``generate``.
     """
@@ -200,6 +200,11 @@ class _LayerStep:
             except RuntimeError as err:  # a oneDNN build without these kernels for this CPU: plain products
                 log.warning("prepacking the decoding weights failed (%s); decoding with F.linear", err)
                 self.packed, self.packed_head = [None] * len(self.layers), None
+
+    @property
+    def prepacked(self) -> bool:
+        """Whether any projection multiplies a prepacked copy (rounds like oneDNN, not ``F.linear``)."""
+        return self.packed_head is not None or any(p is not None for p in self.packed)
 
     def _room_to_prepack(self, model: Any) -> bool:
         """Whether the prepacked copy (every inlined projection and the head, fp32) takes at most
@@ -243,7 +248,15 @@ class _LayerStep:
         return SimpleNamespace(logits=self.head(last) if self.packed_head is None else self.packed_head(last), cache=cache)
 
 
-_LAYER_STEP_VERDICTS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+# per model: {prepacked: verdict} (the prepacked and the exact step round differently: each is judged on its own)
+_VERDICTS: "weakref.WeakKeyDictionary[Any, dict[bool, bool]]" = weakref.WeakKeyDictionary()
+
+
+def layer_step_verdict(model: Any, prepacked: bool) -> bool | None:
+    """Whether the layer-level step (prepacked or exact) decodes ``model`` as its forward does:
+    True / False once judged (:func:`layer_step_ok`, on the model's first decoding step), None before."""
+    return _VERDICTS.get(model, {}).get(prepacked)
+
 _PREPACK_SKIPPED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models told once that their copy would not fit
 
 
@@ -257,9 +270,9 @@ def _available_memory() -> int | None:
         return None
 
 
-def _layer_step_ok(model: Any, step: _LayerStep, kwargs: dict[str, Any]) -> tuple[bool, Any]:
-    """Whether ``step`` decodes ``model`` as its own forward does, decided once per model on its
-    first decoding step: both run the same step (the layer step first, its cache entries then
+def layer_step_ok(model: Any, step: LayerStep, kwargs: dict[str, Any]) -> tuple[bool, Any]:
+    """Whether ``step`` decodes ``model`` as its own forward does, decided once per model (and per
+    prepacked / exact step) on its first decoding step: both run the same step (the layer step first, its cache entries then
     overwritten by the model's), logits compared at 1e-4 (fp32) / 2e-2 (half) of their scale.
     Returns the verdict and the model's own output for this step."""
     cache = kwargs["cache"]
@@ -275,13 +288,13 @@ def _layer_step_ok(model: Any, step: _LayerStep, kwargs: dict[str, Any]) -> tupl
     out = model(**kwargs)
     theirs = out.logits[:, -1]
     if failure is not None:
-        _LAYER_STEP_VERDICTS[model] = False
+        _VERDICTS.setdefault(model, {})[step.prepacked] = False
         log.warning("layer-level decoding of %s failed (%s); decoding with its forward", type(model).__name__, failure)
         return False, out
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
     tol = (1e-4 if dtype == torch.float32 else 2e-2) * max(1.0, float(theirs.abs().max()))
     gap = float((mine.float() - theirs.float()).abs().max())
-    verdict = _LAYER_STEP_VERDICTS[model] = gap <= tol
+    verdict = _VERDICTS.setdefault(model, {})[step.prepacked] = gap <= tol
     if verdict:
         log.info("layer-level decoding of %s matches its forward (max |Δ| %.1e)", type(model).__name__, gap)
     else:

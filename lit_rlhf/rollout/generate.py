@@ -10,7 +10,7 @@ from torch import Tensor
 
 from lit_rlhf.core.masked import position_ids_from_mask
 from lit_rlhf.rollout.config import GenerationConfig  # noqa: F401  (re-exported)
-from lit_rlhf.rollout.decode_step import _LAYER_STEP_VERDICTS, _layer_step_ok, _LayerStep
+from lit_rlhf.rollout.decode_step import LayerStep, layer_step_ok, layer_step_verdict
 
 
 def response_mask_from_eos(response_ids: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
@@ -140,10 +140,10 @@ def _decode_mask_table(model: Any, mask: Tensor, max_new_tokens: int) -> Tensor 
 
 
 def _layer_step_usable(model: Any, cache: Any) -> bool:
-    """:class:`_LayerStep` applies: the standard layout, and a cache of preallocated layers only
+    """:class:`LayerStep` applies: the standard layout, and a cache of preallocated layers only
     (the verdict rewinds them)."""
     layer_class = _preallocated_layer_class()
-    return _LayerStep.supported(model) and all(type(layer) is layer_class for layer in cache.layers)
+    return LayerStep.supported(model) and all(type(layer) is layer_class for layer in cache.layers)
 
 
 def _all_ranks_done(done: bool, device: torch.device) -> bool:
@@ -177,10 +177,11 @@ def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: Generation
         seen.scatter_(1, prompt_ids.masked_fill(mask == 0, 0), mask.bool())
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     table = _decode_mask_table(model, mask, gen.max_new_tokens)
-    forward: Any = model  # None: decide at the first decoding step (_layer_step_ok)
-    if table is not None and _LAYER_STEP_VERDICTS.get(model) is not False and _layer_step_usable(model, cache):
-        step_fn = _LayerStep(model, int(next_pos.max()) + gen.max_new_tokens + 1, rows=b if gen.prepack else None)
-        forward = step_fn if _LAYER_STEP_VERDICTS.get(model) else None
+    forward: Any = model  # None: decide at the first decoding step (layer_step_ok)
+    if gen.inline_layers and table is not None and _layer_step_usable(model, cache):
+        step_fn = LayerStep(model, int(next_pos.max()) + gen.max_new_tokens + 1, rows=b if gen.prepack else None)
+        verdict = layer_step_verdict(model, step_fn.prepacked)
+        forward = model if verdict is False else step_fn if verdict else None
     tokens = []
     mass = logits.new_zeros(())  # Σ of every step's probabilities: finite iff they all are
     for step in range(gen.max_new_tokens):
@@ -203,7 +204,7 @@ def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: Generation
         step_mask = mask if table is None else table[..., : prompt_ids.shape[1] + step + 1]
         kwargs = dict(input_ids=nxt[:, None], attention_mask=step_mask, position_ids=next_pos, cache=out.cache, use_cache=True)
         if forward is None:
-            ok, out = _layer_step_ok(model, step_fn, kwargs)  # out: the model's own, for this step
+            ok, out = layer_step_ok(model, step_fn, kwargs)  # out: the model's own, for this step
             forward = step_fn if ok else model
         else:
             out = forward(**kwargs)

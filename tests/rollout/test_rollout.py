@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -222,7 +224,7 @@ def test_prebuilt_decode_masks_sample_exactly_as_transformers_masks(attn, tokeni
         assert bool((table[1, 0, 0, 3:] == 0).all())
     torch.manual_seed(5)
     prebuilt = sample(model, ids, mask, gen, eos_id=-1, pad_id=0)[0]
-    assert generate._LAYER_STEP_VERDICTS[model] is True  # decoded through its layers
+    assert generate.layer_step_verdict(model, prepacked=True) is True  # decoded through its (prepacked) layers
     monkeypatch.setattr(generate, "_decode_mask_table", lambda *a: None)
     torch.manual_seed(5)
     rebuilt = sample(model, ids, mask, gen, eos_id=-1, pad_id=0)[0]
@@ -245,7 +247,7 @@ def test_layer_step_that_differs_from_the_forward_is_not_used(tokenizer, monkeyp
     twin.load_state_dict(model.state_dict())
     ids, mask = pad([[2, 10, 11, 12, 13], [2, 20]], tokenizer.pad_token_id, "left")
     gen = GenerationConfig(max_new_tokens=10, temperature=1.3)
-    real = generate._LayerStep.__call__
+    real = generate.LayerStep.__call__
     calls = []
 
     def off_by_a_bit(self, **kw):
@@ -254,21 +256,23 @@ def test_layer_step_that_differs_from_the_forward_is_not_used(tokenizer, monkeyp
         out.logits = out.logits + 0.5
         return out
 
-    monkeypatch.setattr(generate._LayerStep, "__call__", lambda self, **kw: off_by_a_bit(self, **kw))
+    monkeypatch.setattr(generate.LayerStep, "__call__", lambda self, **kw: off_by_a_bit(self, **kw))
     with caplog.at_level(logging.WARNING, logger="lit_rlhf.rollout.decode_step"):
         torch.manual_seed(4)
         got = sample(model, ids, mask, gen, eos_id=-1, pad_id=0)[0]
-    assert generate._LAYER_STEP_VERDICTS[model] is False and "decoding with its forward" in caplog.text
+    assert generate.layer_step_verdict(model, prepacked=True) is False and "decoding with its forward" in caplog.text
     assert len(calls) == 1  # the check only
-    generate._LAYER_STEP_VERDICTS[twin] = False  # the model's forward throughout
-    torch.manual_seed(4)
-    assert got.tolist() == sample(twin, ids, mask, gen, eos_id=-1, pad_id=0)[0].tolist()
+    torch.manual_seed(4)  # the twin decodes with the model's forward throughout (no layer step at all)
+    assert got.tolist() == sample(twin, ids, mask, replace(gen, inline_layers=False), eos_id=-1, pad_id=0)[0].tolist()
+    assert generate.layer_step_verdict(twin, prepacked=True) is None and len(calls) == 1
     torch.manual_seed(4)
     sample(model, ids, mask, gen, eos_id=-1, pad_id=0)
     assert len(calls) == 1  # remembered: not tried again
+    sample(model, ids, mask, replace(gen, prepack=False), eos_id=-1, pad_id=0)  # the exact step is judged on its own
+    assert len(calls) == 2 and generate.layer_step_verdict(model, prepacked=False) is False
     dynamic = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                            intermediate_size=64, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))  # fmt: skip
-    assert generate._LayerStep.supported(model) and not generate._LayerStep.supported(dynamic)
+    assert generate.LayerStep.supported(model) and not generate.LayerStep.supported(dynamic)
 
 
 def _decoder_and_batch(arch, attn, kv_heads, dtype, hidden, intermediate, steps):
@@ -309,7 +313,7 @@ def test_inlined_layers_decode_bit_for_bit_as_their_forward(arch, attn, kv_heads
         cache = generate._preallocated_cache(model, ids.shape[1] + steps)
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-            step = decode_step._LayerStep(model, ids.shape[1] + steps + 1)
+            step = decode_step.LayerStep(model, ids.shape[1] + steps + 1)
             assert step.inline == [True, True]
             step.inline = [inline] * 2
             tokens, pos, logits = torch.tensor([[3], [4], [5]]), positions[:, -1:] + 1, []
@@ -457,7 +461,7 @@ def test_prepacked_projections_decode_like_the_layer_forward(arch, attn, kv_head
         cache = generate._preallocated_cache(model, ids.shape[1] + steps)
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-            step = decode_step._LayerStep(model, ids.shape[1] + steps + 1, rows=rows)
+            step = decode_step.LayerStep(model, ids.shape[1] + steps + 1, rows=rows)
             assert step.inline == [True, True]
             if rows is None:
                 step.inline = [False, False]  # each layer's own forward
@@ -492,16 +496,16 @@ def test_prepacking_only_for_fp32_cpu_weights_of_plain_layers():
     model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                          intermediate_size=64))  # fmt: skip
     assert decode_step.prepack_supported(model.lm_head.weight)
-    step = decode_step._LayerStep(model, 16, rows=2)
+    step = decode_step.LayerStep(model, 16, rows=2)
     assert all(p is not None for p in step.packed) and step.packed_head is not None
-    assert all(p is None for p in decode_step._LayerStep(model, 16).packed)
+    assert all(p is None for p in decode_step.LayerStep(model, 16).packed)
     handle = model.model.layers[1].register_forward_hook(lambda *a: None)
-    step = decode_step._LayerStep(model, 16, rows=2)
+    step = decode_step.LayerStep(model, 16, rows=2)
     assert step.packed[0] is not None and step.packed[1] is None
     handle.remove()
     half = model.to(torch.bfloat16)
     assert not decode_step.prepack_supported(half.lm_head.weight)
-    assert all(p is None for p in decode_step._LayerStep(half, 16, rows=2).packed)
+    assert all(p is None for p in decode_step.LayerStep(half, 16, rows=2).packed)
 
 
 def test_a_oneDNN_failure_falls_back_to_plain_products_or_the_model_forward(tokenizer, monkeypatch, caplog):
@@ -523,23 +527,23 @@ def test_a_oneDNN_failure_falls_back_to_plain_products_or_the_model_forward(toke
         m.load_state_dict(models[0].state_dict())
     ids, mask = pad([[2, 10, 11, 12], [2, 20]], tokenizer.pad_token_id, "left")
     gen = GenerationConfig(max_new_tokens=8, do_sample=False)
-    generate._LAYER_STEP_VERDICTS[models[0]] = False  # the model's forward throughout: the expected tokens
-    expected = sample(models[0], ids, mask, gen, eos_id=-1, pad_id=0)[0]
+    # the model's forward throughout: the expected tokens
+    expected = sample(models[0], ids, mask, replace(gen, inline_layers=False), eos_id=-1, pad_id=0)[0]
 
     def unavailable(*args, **kwargs):
         raise RuntimeError("no such kernel")
 
     with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="lit_rlhf.rollout.decode_step"):
         m.setattr(torch.ops.mkldnn, "_reorder_linear_weight", unavailable)
-        assert all(p is None for p in decode_step._LayerStep(models[1], 16, rows=2).packed)
+        assert all(p is None for p in decode_step.LayerStep(models[1], 16, rows=2).packed)
         got = sample(models[1], ids, mask, gen, eos_id=-1, pad_id=0)[0]
     assert "prepacking the decoding weights failed" in caplog.text
-    assert generate._LAYER_STEP_VERDICTS[models[1]] is True and torch.equal(got, expected)  # exact inlined path
+    assert generate.layer_step_verdict(models[1], prepacked=False) is True and torch.equal(got, expected)  # exact inlined path
     caplog.clear()
     with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="lit_rlhf.rollout.decode_step"):
         m.setattr(decode_step._Packed, "__call__", unavailable)
         got = sample(models[2], ids, mask, gen, eos_id=-1, pad_id=0)[0]
-    assert generate._LAYER_STEP_VERDICTS[models[2]] is False and "failed (no such kernel)" in caplog.text
+    assert generate.layer_step_verdict(models[2], prepacked=True) is False and "failed (no such kernel)" in caplog.text
     assert torch.equal(got, expected)
 
 
@@ -557,10 +561,10 @@ def test_prepacking_is_skipped_when_its_copy_would_not_fit(monkeypatch, caplog):
     layer = 4 * 32 * 32 + 3 * 32 * 64  # q, k, v, o and gate, up, down
     need = 4 * (2 * layer + 40 * 32)
     monkeypatch.setattr(decode_step, "_available_memory", lambda: 2 * need)
-    assert all(p is not None for p in decode_step._LayerStep(model, 16, rows=2).packed)
+    assert all(p is not None for p in decode_step.LayerStep(model, 16, rows=2).packed)
     monkeypatch.setattr(decode_step, "_available_memory", lambda: 2 * need - 1)
     with caplog.at_level(logging.WARNING, logger="lit_rlhf.rollout.decode_step"):
         for _ in range(2):
-            step = decode_step._LayerStep(model, 16, rows=2)
+            step = decode_step.LayerStep(model, 16, rows=2)
             assert all(p is None for p in step.packed) and step.packed_head is None and step.inline == [True, True]
     assert caplog.text.count("would take") == 1
