@@ -24,6 +24,7 @@ from torch import Tensor
 
 from lit_rlhf.core.advantages import group_advantages
 from lit_rlhf.core.losses import ppo_policy_loss
+from lit_rlhf.core.masked import masked_mean
 from lit_rlhf.core.rewards import overlong_penalty
 from lit_rlhf.core.types import Rollout, cat_rollouts
 from lit_rlhf.modules.configs import GRPOConfig
@@ -144,7 +145,7 @@ class GRPOModule(RLModule):
         loss, pg = ppo_policy_loss(fwd.logprobs, mb.logprobs, mb.advantages, mask, c.clip_eps_low, c.clip_eps_high,
                                    None, agg, constant)  # fmt: skip
         stats = {f"policy/{k}": v for k, v in pg.items()}
-        stats["policy/entropy"] = (fwd.entropy * mask).sum() / mask.sum().clamp(min=1)
+        stats["policy/entropy"] = masked_mean(fwd.entropy, mask)
         kl_term, kl_stats = self.kl_loss(fwd.logprobs, mb, mask, agg, constant)
         if kl_term is not None:
             loss = loss + kl_term

@@ -109,7 +109,7 @@ class PPOModule(RLModule):
             scores = penalize_missing_eos(scores, rollout.ended, c.missing_eos_penalty)
         scores = reparameterize_scores(scores, self.reward_moments, c.score_norm, c.score_clip, all_reduce_sum, valid)
         if rollout.ref_logprobs is not None:
-            kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, c.kl_estimator)
+            kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, c.kl_estimator, mask=mask)
         else:  # β = 0 and algo.monitor_kl=false: no reference, no KL
             kl = torch.zeros_like(rollout.logprobs)
         beta = self.kl_ctl.value if c.kl_placement == "reward" else 0.0

@@ -398,7 +398,7 @@ class RLModule(RLHFModule):
         beta = self.kl_ctl.value
         if not beta or mb.ref_logprobs is None:
             return None, {}
-        kl = aggregate(kl_penalty(logprobs, mb.ref_logprobs, self.config.kl_estimator), mask, aggregation, constant)
+        kl = aggregate(kl_penalty(logprobs, mb.ref_logprobs, self.config.kl_estimator, mask=mask), mask, aggregation, constant)
         return beta * kl, {"policy/kl_loss": kl.detach()}
 
     def update(self, rollout: Rollout, ptx: dict[str, Tensor] | None = None) -> dict[str, Tensor]:

@@ -273,3 +273,34 @@ def test_critic_starts_as_a_trainable_copy_of_the_reward_model(saved_models, tok
     assert all(not (a is b) and a.data_ptr() != b.data_ptr()
                for a, b in zip(m.critic.parameters(), frozen.parameters()))  # fmt: skip
     assert all(p.requires_grad for p in m.critic.parameters()) and not any(p.requires_grad for p in frozen.parameters())
+
+
+def test_beta_zero_without_kl_monitoring_trains_without_a_reference(saved_models, tokenizer, caplog):
+    """algo.kl_coef=0 algo.monitor_kl=false: no reference is built, the rollout has no reference
+    log-probs, the rewards are the bare scores on the EOS token (no KL term), and a collapse
+    rollback's raise of β says that it cannot act."""
+    import logging
+
+    m = make(saved_models, tokenizer, kl_coef=0.0, monitor_kl=False, minibatch_size=8)
+    outputs = []
+
+    class Keep(pl.Callback):
+        def on_train_batch_end(self, trainer, module, out, batch, batch_idx):
+            outputs.append(out)
+
+    fit(m, data(tokenizer), max_steps=1, callbacks=[Keep()])
+    r = outputs[0]["rollout"]
+    assert "reference" not in m.frozen and r.ref_logprobs is None
+    last = r.response_mask.sum(1) - 1  # the EOS (or last) token of each response gets the whole score
+    shaped = r.rewards.gather(1, last[:, None]).squeeze(1)
+    assert float(r.rewards.sum() - shaped.sum()) == pytest.approx(0.0, abs=1e-6)  # nothing elsewhere: no −β·kl
+    assert torch.isfinite(shaped).all() and not torch.equal(shaped, torch.zeros_like(shaped))
+    with caplog.at_level(logging.WARNING, logger="lit_rlhf.modules.rl"):
+        assert m.scale_kl_coef(2.0) == (0.0, 0.002)
+    assert "holds no reference model" in caplog.text
+    with_ref = make(saved_models, tokenizer, kl_coef=0.0)
+    with_ref.configure_model()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lit_rlhf.modules.rl"):
+        with_ref.scale_kl_coef(2.0)
+    assert "reference" in with_ref.frozen and "holds no reference model" not in caplog.text
