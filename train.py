@@ -26,8 +26,10 @@ def main(cfg: DictConfig) -> float | None:
     from lit_rlhf.runner import metric_value, run
     from lit_rlhf.utils.config import ConfigError
 
+    from lit_rlhf.utils.console import one_line_per_event
     from lit_rlhf.utils.secrets import mask_override, restore_secrets
 
+    one_line_per_event()  # Lightning's own console handler off (Hydra's prints it), ads and known warnings filtered
     restore_secrets(cfg)  # DDP ranks 1… start from the masked .hydra/config.yaml
     sys.argv[1:] = [mask_override(a) for a in sys.argv[1:]]  # loggers (W&B) record the command line
     try:
@@ -45,7 +47,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    from lit_rlhf.utils.cli import check_overrides
+    from lit_rlhf.utils.cli import check_overrides, plan_only_overrides, without_unused_pipeline
     from lit_rlhf.utils.config import ConfigError
     from lit_rlhf.utils.schemas import register
 
@@ -53,8 +55,8 @@ if __name__ == "__main__":
     if "--plan" in sys.argv[1:]:
         sys.argv.remove("--plan")
         PLAN_ONLY = True
-        sys.argv.append("hydra.output_subdir=null")  # a plan writes no run directory files
-        sys.argv.append("hydra/job_logging=disabled")
+        sys.argv[1:] = plan_only_overrides(sys.argv[1:])  # a plan writes no run directory, no file
+    sys.argv[1:] = without_unused_pipeline(sys.argv[1:])  # a stage chosen: no pipeline node in the job
 
     try:  # an unknown key gets the allowed keys, not Hydra's "Key 'x' is not in struct"
         sys.argv[1:] = check_overrides(sys.argv[1:], Path(__file__).resolve().parent / "conf")

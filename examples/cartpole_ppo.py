@@ -146,12 +146,18 @@ def plot(results: list[dict], out: Path, solved: float) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4])
-    ap.add_argument("--total-steps", type=int, default=Args.total_steps)
-    ap.add_argument("--out", default="logs/cartpole")
-    a = ap.parse_args()
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4], help="one training run per seed")
+    ap.add_argument("--total-steps", type=int, default=Args.total_steps,
+                    help="environment steps per seed, over all vectorized environments")  # fmt: skip
+    ap.add_argument("--out", default="logs/cartpole", help="folder for cartpole.png and results.json")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
     torch.set_num_threads(1)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -165,7 +171,8 @@ def main() -> None:
               f"final {r['final_mean']:.1f} ({r['episodes']} episodes, {r['seconds']} s)", flush=True)  # fmt: skip
     plot(results, out / "cartpole.png", Args.solved)
     solved = sum(r["steps_to_solved"] is not None for r in results)
-    (out / "results.json").write_text(json.dumps({"args": asdict(Args()), "results": results}, indent=1))
+    ran = {k: v for k, v in asdict(Args(total_steps=a.total_steps)).items() if k != "seed"} | {"seeds": a.seeds}
+    (out / "results.json").write_text(json.dumps({"args": ran, "results": results}, indent=1))
     print(f"{solved} of {len(results)} seeds reached {Args.solved:g} within {a.total_steps} steps; curve: {out / 'cartpole.png'}")
 
 

@@ -1,5 +1,8 @@
 """The embedded stability dashboard: a PNG of a run's health from its CSV logs (no W&B needed).
 
+RL runs started by train.py keep ``<run>/csv/metrics.csv`` whatever the logger (W&B, TensorBoard,
+none: lit_rlhf/runner.py adds a CSV log beside them), so every such run can be drawn.
+
     python -m lit_rlhf.report RUN_DIR [RUN_DIR ...] [--labels a b] [--out stability.png]
 
 Panels (MOSS-RLHF's collapse signals, docs/algorithms.md §4): reward (mean with the 5–95% band,
@@ -26,6 +29,14 @@ def find_metrics_csv(run_dir: str) -> str | None:
         return direct
     found = sorted(glob.glob(os.path.join(run_dir, "**", "metrics.csv"), recursive=True))
     return found[0] if found else None
+
+
+def missing_csv_message(run_dir: str) -> str:
+    """What the report needs, in one line, for a run directory it cannot draw."""
+    if not os.path.isdir(run_dir):
+        return f"{run_dir}: not a directory (give a run directory: logs/<stage>/runs/<time>)"
+    return (f"{run_dir}: no metrics.csv (the report reads <run>/csv/metrics.csv, which RL runs of train.py "
+            "keep beside any logger; an older run with logger=wandb alone has none: see its W&B dashboard)")  # fmt: skip
 
 
 def read_series(path: str) -> dict[str, tuple[list[float], list[float]]]:
@@ -126,7 +137,7 @@ def render(run_dirs: Sequence[str], out: str, labels: Sequence[str] | None = Non
     """Write the stability PNG for one or more runs; returns its path.
 
     Raises:
-        FileNotFoundError: a run directory without a metrics.csv (run with logger=csv).
+        FileNotFoundError: a run directory without a metrics.csv (:func:`missing_csv_message`).
     """
     import matplotlib
 
@@ -138,7 +149,7 @@ def render(run_dirs: Sequence[str], out: str, labels: Sequence[str] | None = Non
     for d in run_dirs:
         path = find_metrics_csv(d)
         if path is None:
-            raise FileNotFoundError(f"{d}: no metrics.csv (the report reads the CSV logger; run with logger=csv)")
+            raise FileNotFoundError(missing_csv_message(d))
         runs.append((read_series(path), read_scores(d)))
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -169,6 +180,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--out", help="output PNG (default: <first run dir>/stability.png)")
     args = ap.parse_args(argv)
     out = args.out or os.path.join(args.run_dirs[0], "stability.png")
+    missing = [d for d in args.run_dirs if not os.path.isdir(d) or find_metrics_csv(d) is None]
+    if missing:
+        raise SystemExit(f"python -m lit_rlhf.report: {missing_csv_message(missing[0])}")
     print(render(args.run_dirs, out, args.labels))
 
 

@@ -11,6 +11,7 @@ or a model is built.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,24 @@ class Plan:
     data: Any = None
     pipeline_cls: type | None = None
     pipeline: Any = None
+
+
+def model_node(node: Any) -> Any:
+    """``cfg.model`` with a given ``name_or_path`` winning over a tiny config's ``tiny`` (and its
+    ``tokenizer: synthetic`` / ``train_tokenizer``): ``model.name_or_path=<run>/sft/policy`` on top
+    of ``model=tiny_llama`` loads the saved model and the tokenizer saved beside it."""
+    from omegaconf import open_dict
+
+    if not isinstance(node, DictConfig) or node.get("name_or_path") is None or node.get("tiny") is None:
+        return node
+    node = node.copy()
+    with open_dict(node):
+        node.tiny, node.train_tokenizer = None, None
+        if node.get("tokenizer") == "synthetic":
+            node.tokenizer = None
+    log.info("model.name_or_path=%s is set: the tiny config's model.tiny (and its tokenizer) are not used",
+             node.name_or_path)  # fmt: skip
+    return node
 
 
 def get_class(node: Any, key: str) -> type:
@@ -98,7 +117,7 @@ def plan(cfg: DictConfig) -> Plan:
     """Validate the model, algo and data configs into dataclasses; raise ConfigError on any problem."""
     from lit_rlhf.modules.base import RLHFModule
 
-    model = build_config(ModelSpec, cfg.model, "model")
+    model = build_config(ModelSpec, model_node(cfg.model), "model")
     if cfg.get("trainer") is not None:
         import lightning.pytorch as pl
 
@@ -152,13 +171,14 @@ def _resolve_auto_monitor(callbacks_cfg: Any, algo_cls: type) -> Any:
     return callbacks_cfg
 
 
-def build(cfg: DictConfig) -> tuple[Plan, Any, Any]:
-    """Validate, seed, and build the data module and the LightningModule (weights still unbuilt)."""
+def build(cfg: DictConfig, p: Plan | None = None) -> tuple[Plan, Any, Any]:
+    """Validate (unless ``p``, the job's plan, is given), seed, and build the data module and the
+    LightningModule (weights still unbuilt)."""
     import lightning.pytorch as pl
 
     from lit_rlhf.models.builders import build_tokenizer
 
-    p = plan(cfg)
+    p = p or plan(cfg)
     p.algo_cls.check_paths(p.algo)  # a missing/empty model folder names its algo.* key, not model.name_or_path
     if cfg.get("test", False) and "test_step" not in vars(p.algo_cls):
         raise ConfigError("test", f"{p.algo_cls.__name__} has no test loop; run with test=false")
@@ -186,7 +206,7 @@ def build_trainer(cfg: DictConfig, algo_cls: type) -> tuple[Any, list[Any]]:
         callbacks.append(RLProgressBar())  # RL stages count iterations and optimizer steps, not epochs
     if not any(isinstance(c, ResumeState) for c in callbacks):
         callbacks.append(ResumeState())  # exact resume: sampling continues where the killed run was
-    loggers = instantiate_loggers(cfg.get("logger"))
+    loggers = with_stability_csv(instantiate_loggers(cfg.get("logger")), callbacks, algo_cls, cfg.trainer)
     strategy = instantiate_strategy(cfg.get("strategy"))
     if _manages_own_checkpoints(strategy):
         atomic_deepspeed_saves(strategy)  # DeepSpeed writes folders itself: no CheckpointIO applies
@@ -195,6 +215,50 @@ def build_trainer(cfg: DictConfig, algo_cls: type) -> tuple[Any, list[Any]]:
         plugins = [AtomicCheckpointIO()]
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, plugins=plugins)
     return trainer, loggers
+
+
+def with_stability_csv(loggers: list[Any], callbacks: list[Any], algo_cls: type, trainer_cfg: Any) -> list[Any]:
+    """``loggers`` plus a CSV log (``<run>/csv/metrics.csv``) when an RL stage draws its stability
+    PNG (StabilityReport reads that file) and no CSV logger is configured: the PNG exists whatever
+    the logger (``logger=wandb``, ``tensorboard``, ``none``)."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lit_rlhf.callbacks.report import StabilityReport
+    from lit_rlhf.modules.rl import RLModule
+
+    wanted = issubclass(algo_cls, RLModule) and any(isinstance(c, StabilityReport) for c in callbacks)
+    if not wanted or any(isinstance(lg, CSVLogger) for lg in loggers):
+        return loggers
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    save_dir = trainer_cfg.get("default_root_dir") or os.getcwd()  # the run directory StabilityReport reads
+    if rank_zero_only.rank == 0:
+        log.info("stability.png reads a CSV log: keeping %s beside the configured logger(s)",
+                 os.path.join(save_dir, "csv", "metrics.csv"))  # fmt: skip
+    return [*loggers, CSVLogger(save_dir=save_dir, name="csv", version="")]
+
+
+def resume_path(trainer: Any, ckpt_path: str | None) -> str | None:
+    """``ckpt_path`` for ``trainer.fit``, with ``last`` resolved here and said in one log line: the
+    newest ``last*.ckpt`` of this run's checkpoint folder, or None (a fresh start: the first launch
+    of a job that a requeue will resume) when the folder holds none yet."""
+    if ckpt_path != "last":
+        return ckpt_path
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+    found = {p for c in callbacks for p in c._find_last_checkpoints(trainer)}  # what Lightning's "last" looks at
+    folders = sorted({str(c.dirpath) for c in callbacks if c.dirpath}) or ["(no ModelCheckpoint folder)"]
+    if not found:
+        if trainer.is_global_zero:
+            log.info("ckpt_path=last: %s holds no checkpoint yet: this run starts from step 0 (to resume an earlier "
+                     "run: hydra.run.dir=<its run dir> ckpt_path=last, or ckpt_path=<its checkpoints/last.ckpt>)",
+                     ", ".join(folders))  # fmt: skip
+        return None
+    newest = max(found, key=os.path.getmtime)
+    if trainer.is_global_zero:
+        log.info("ckpt_path=last: resuming from %s", newest)
+    return newest
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
@@ -213,26 +277,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
         return p.pipeline_cls(p.pipeline).run(cfg)
     check_checkpoint_path(cfg.get("ckpt_path"))
     check_memory_plan(cfg, p)  # before any weight is loaded
-    p, datamodule, module = build(cfg)
+    p, datamodule, module = build(cfg, p)
     trainer, loggers = build_trainer(cfg, p.algo_cls)
     try:
         for lg in loggers:
             lg.log_hyperparams(loggable_config(cfg))
-        if cfg.get("validate_before_fit", False):
-            # the starting point (e.g. the SFT policy's reward) in the same logs as the run
-            baseline = trainer.validate(module, datamodule=datamodule, verbose=False)
-            if baseline and trainer.is_global_zero:
-                log.info("before fit: %s", ", ".join(f"{k}={v:.4g}" for k, v in sorted(baseline[0].items())))
-        if cfg.get("train", True):
-            trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-        if cfg.get("test", False):
-            # the best checkpoint of this fit when one was kept, else the weights as they are
-            ckpt = cfg.get("ckpt_path")
-            if cfg.get("train", True):
-                ckpt = "best" if trainer.checkpoint_callback and trainer.checkpoint_callback.best_model_path else None
-            trainer.test(module, datamodule=datamodule, ckpt_path=ckpt)
-            metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
+        metrics = _fit_and_test(cfg, trainer, module, datamodule)
     finally:
         finish_loggers(loggers)
     if trainer.is_global_zero:
@@ -243,6 +293,50 @@ def run(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
+def _scalars(trainer: Any) -> dict[str, float]:
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+
+
+def _fit_and_test(cfg: DictConfig, trainer: Any, module: Any, datamodule: Any) -> dict[str, float]:
+    """The job's loops: the optional baseline validation, fit (plus a final validation when the fit
+    logged no ``optimized_metric``), the optional test; returns the final metrics."""
+    if cfg.get("validate_before_fit", False):
+        # the starting point (e.g. the SFT policy's reward) in the same logs as the run
+        baseline = trainer.validate(module, datamodule=datamodule, verbose=False)
+        if baseline and trainer.is_global_zero:
+            log.info("before fit: %s", ", ".join(f"{k}={v:.4g}" for k, v in sorted(baseline[0].items())))
+    if cfg.get("train", True):
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path(trainer, cfg.get("ckpt_path")))
+    metrics = _scalars(trainer)
+    if cfg.get("train", True) and _validate_for_metric(trainer, module, datamodule, cfg.get("optimized_metric")):
+        metrics.update(_scalars(trainer))
+    if cfg.get("test", False):
+        # the best checkpoint of this fit when one was kept, else the weights as they are
+        ckpt = cfg.get("ckpt_path")
+        if cfg.get("train", True):
+            ckpt = "best" if trainer.checkpoint_callback and trainer.checkpoint_callback.best_model_path else None
+        trainer.test(module, datamodule=datamodule, ckpt_path=ckpt)
+        metrics.update(_scalars(trainer))
+    return metrics
+
+
+def _validate_for_metric(trainer: Any, module: Any, datamodule: Any, name: str | None) -> bool:
+    """A final validation when the fit ended before its first one (a short ``trainer.max_steps``)
+    and so never logged ``optimized_metric``: the sweeper gets the metric of the weights trained.
+    Returns whether it ran."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not name or name in trainer.callback_metrics or trainer.interrupted:
+        return False
+    if not is_overridden("validation_step", module):
+        return False
+    if trainer.is_global_zero:
+        log.info("optimized_metric %s was not logged during the fit (no validation ran before the budget ended, "
+                 "trainer.max_steps=%s): running a final validation", name, trainer.max_steps)  # fmt: skip
+    trainer.validate(module, datamodule=datamodule, verbose=False)
+    return True
+
+
 def _manages_own_checkpoints(strategy: Any) -> bool:
     """DeepSpeed writes checkpoint folders itself (no CheckpointIO plugin applies)."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -251,11 +345,13 @@ def _manages_own_checkpoints(strategy: Any) -> bool:
 
 
 def metric_value(metrics: dict[str, float], name: str | None) -> float | None:
-    """The value a sweeper optimizes; a clear error if the named metric was never logged."""
+    """The value a sweeper optimizes. A metric the finished run never logged (even after the final
+    validation) is an error line and NaN, never a failed run: its export is kept, the other jobs of
+    a sweep still run, and Optuna records the trial as failed."""
     if name is None:
         return None
     if name not in metrics:
-        raise ConfigError(
-            "optimized_metric", f"'{name}' was not logged by this run; logged: {', '.join(sorted(metrics)) or 'none'}"
-        )
+        log.error("optimized_metric: '%s' was not logged by this run (the sweeper gets NaN); logged: %s", name,
+                  ", ".join(sorted(metrics)) or "none")  # fmt: skip
+        return float("nan")
     return metrics[name]

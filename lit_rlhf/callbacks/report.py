@@ -11,7 +11,8 @@ log = logging.getLogger(__name__)
 
 
 class StabilityReport(pl.Callback):
-    """At the end of fit, on rank zero, render the run's stability panels from its CSV log.
+    """At the end of fit, on rank zero, render the run's stability panels from its CSV log (the
+    runner keeps one beside any logger for RL stages: lit_rlhf/runner.py ``with_stability_csv``).
 
     Only runs that produced rollouts are reported (SFT and RM fits have no stability metrics).
     A failure to draw is logged, never raised: the run's results matter more than its picture.
@@ -34,7 +35,8 @@ class StabilityReport(pl.Callback):
 
         run_dir = trainer.default_root_dir
         if find_metrics_csv(run_dir) is None:
-            log.info("no CSV log in %s: skipping the stability PNG (add logger=csv)", run_dir)
+            log.info("no CSV log in %s: skipping the stability PNG (train.py keeps csv/metrics.csv beside any "
+                     "logger; a trainer built elsewhere needs a CSVLogger)", run_dir)  # fmt: skip
             return
         try:
             path = render([run_dir], os.path.join(run_dir, self.filename))

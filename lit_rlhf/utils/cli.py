@@ -75,7 +75,9 @@ def _unknown_key_error(cfg: Any, parent: str, part: str, keys: list[str], config
                                  "the demo pipeline)")  # fmt: skip
     key = f"{parent}.{part}" if parent else part
     close = difflib.get_close_matches(part, keys, n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
+    from lit_rlhf.utils.secrets import top_level_hint
+
+    hint = (f" Did you mean '{close[0]}'?" if close else "") + top_level_hint(key)
     owner = ""
     if parent == "algo":
         from lit_rlhf.utils.schemas import STAGE_SCHEMAS, schema_class
@@ -94,6 +96,33 @@ def _unknown_key_error(cfg: Any, parent: str, part: str, keys: list[str], config
     return ConfigError(key, f"unknown key{owner}.{hint} Allowed keys: {allowed}")
 
 
+# targets whose constructor arguments are read from their source file, not by importing them:
+# importing Lightning takes ~7 s, and a trainer.* key must be judged as fast as an algo.* one
+_SOURCE_SIGNATURES = {"lightning.pytorch.Trainer": ("lightning", "pytorch/trainer/trainer.py", "Trainer")}
+
+
+def _source_arguments(target: str) -> list[str] | None:
+    """The ``__init__`` arguments of a class in :data:`_SOURCE_SIGNATURES`, parsed from its source
+    without importing its package (None: not listed, or not found there)."""
+    import ast
+    import importlib.util
+
+    if target not in _SOURCE_SIGNATURES:
+        return None
+    package, relative, name = _SOURCE_SIGNATURES[target]
+    spec = importlib.util.find_spec(package)  # a top-level package: found, not imported
+    path = Path(next(iter(spec.submodule_search_locations or []), "")) / relative if spec else None
+    if path is None or not path.is_file():
+        return None
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            init = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+            if init is not None:
+                a = init.args
+                return [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs) if x.arg != "self"]
+    return None
+
+
 def _target_arguments(cfg: Any, parent: str) -> list[str]:
     """The named arguments of the ``_target_`` the node at ``parent`` builds (none if it has none).
     lit_rlhf's own targets are left out: their keys are their typed config's fields, and their
@@ -106,6 +135,9 @@ def _target_arguments(cfg: Any, parent: str) -> list[str]:
     node = OmegaConf.select(cfg, parent) if parent else None
     if not isinstance(node, DictConfig) or "_target_" not in node or str(node._target_).startswith("lit_rlhf."):
         return []
+    from_source = _source_arguments(str(node._target_))
+    if from_source is not None:
+        return from_source
     try:
         params = inspect.signature(get_method(node._target_)).parameters
     except Exception:  # an unimportable target: the runner reports it
@@ -168,3 +200,40 @@ def check_overrides(argv: list[str], config_dir: str | Path, config_name: str = 
             else:
                 raise _unknown_key_error(cfg, parent, part, sorted(set(known) | set(arguments)), config_dir)
     return [f"++{a}" if a.split("=", 1)[0] in force else a for a in argv]
+
+
+def _chooses(overrides: list[str], group: str) -> bool:
+    """Whether the overrides choose an option of ``group`` (``group=x``, not ``group=null``)."""
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.lstrip("+") == group and value not in ("", "null"):
+            return True
+    return False
+
+
+def without_unused_pipeline(argv: list[str]) -> list[str]:
+    """``argv`` plus ``pipeline=null`` when it chooses a stage (``algo=…`` or ``experiment=…``, which
+    all choose one) and no pipeline: the demo pipeline's node, which only runs when no stage is
+    chosen, is then not part of the job (``--cfg job`` does not print it)."""
+    overrides = _cli_overrides(argv)
+    if not overrides or not (_chooses(overrides, "algo") or _chooses(overrides, "experiment")):
+        return argv
+    if any(o.partition("=")[0].lstrip("+~") == "pipeline" for o in overrides):
+        return argv
+    return _with_overrides(argv, ["~pipeline"])
+
+
+def _with_overrides(argv: list[str], extra: list[str]) -> list[str]:
+    """``extra`` inserted after the command line's first override (Hydra's parser takes the
+    overrides as one run of arguments: appended after ``--cfg job`` they would be refused)."""
+    first = next((i for i, a in enumerate(argv) if a in (_cli_overrides(argv) or [])), len(argv) - 1)
+    return [*argv[: first + 1], *extra, *argv[first + 1 :]]
+
+
+def plan_only_overrides(argv: list[str]) -> list[str]:
+    """``train.py --plan``'s overrides: no ``.hydra/`` files, no log file, and (unless the command
+    names one with ``hydra.run.dir``) no run directory: the job "runs" in the current directory."""
+    extra = ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    if not any(a.startswith("hydra.run.dir=") for a in argv):
+        extra.append("hydra.run.dir=.")
+    return _with_overrides(argv, extra)

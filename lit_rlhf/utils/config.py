@@ -153,6 +153,9 @@ def build_config(cls: type[T], values: Mapping[str, Any] | None, prefix: str = "
         if name not in fields:
             close = difflib.get_close_matches(name, list(fields), n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
+            from lit_rlhf.utils.secrets import top_level_hint
+
+            hint += top_level_hint(key)
             raise ConfigError(
                 key, f"unknown key for {cls.__name__}.{hint} Allowed keys: {', '.join(sorted(fields))}"
             )

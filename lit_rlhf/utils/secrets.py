@@ -27,6 +27,16 @@ def is_secret(key: object) -> bool:
 MASK = "***"
 
 
+def top_level_hint(key: str) -> str:
+    """For an unknown secret-looking key inside a typed config group (``+algo.api_key=…``: the typed
+    configs have no such field), where a secret goes instead: a new top-level key."""
+    name = key.rsplit(".", 1)[-1]
+    if "." not in key or not is_secret(name):
+        return ""
+    return (f" A secret goes at the top level: +{name}=… (masked in .hydra/, the logged config and W&B's "
+            f"command line), used where it is needed as ${{{name}}}.")  # fmt: skip
+
+
 def mask_override(override: str) -> str:
     """``+wandb_api_key=abc`` → ``+wandb_api_key=***``; other overrides unchanged."""
     key, sep, value = override.partition("=")

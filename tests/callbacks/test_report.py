@@ -37,16 +37,54 @@ def test_series_parsing_skips_blanks(tmp_path):
     assert len(series["stability/kl"][0]) == 30
 
 
-def test_png_is_produced_and_not_trivial(tmp_path):
+def test_figure_draws_each_logged_series_in_its_panel(tmp_path, monkeypatch):
+    """The figure ``render`` saves: the six titled panels, each run's logged series as lines of exactly
+    the logged values (reward with its 5-95% band and validation points, KL, perplexity on a log scale,
+    length, entropy / clip fraction), the reward histogram with one column of all 16 scores per
+    logged step, runs side by side, and the PNG at the figure's size."""
+    import matplotlib.figure
     import matplotlib.image as mpimg
 
-    fake_run(tmp_path / "ppo", 0.3)
-    fake_run(tmp_path / "ppo_max", 0.05)
-    out = render([str(tmp_path / "ppo"), str(tmp_path / "ppo_max")], str(tmp_path / "both.png"))
+    from lit_rlhf.report import PANEL_TITLES
+
+    drifts = {"ppo": 0.3, "ppo_max": 0.05}
+    for name, drift in drifts.items():
+        fake_run(tmp_path / name, drift)
+    saved = []
+    original = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), original(fig, *a, **k))[1])
+    out = render([str(tmp_path / n) for n in drifts], str(tmp_path / "both.png"))
+    (fig,) = saved
+    axes = fig.axes[:6]
+    assert [ax.get_title() for ax in axes] == [t for t, _ in PANEL_TITLES]
+    assert all(name in fig.get_suptitle() for name in drifts)
+    steps = np.arange(30.0)
+
+    def line(ax, label, xs=steps):
+        (found,) = [ln for ln in ax.get_lines() if ln.get_label() == label]
+        assert np.array_equal(found.get_xdata(), xs), label
+        return np.asarray(found.get_ydata())
+
+    reward, kl, ppl, length, hist, policy = axes
+    for name, drift in drifts.items():
+        assert np.allclose(line(reward, f"{name} train"), 0.1 * steps)
+        assert np.allclose(line(reward, f"{name} val", xs=[0.0, 10.0, 20.0]), [0.0, 1.0, 2.0])  # logged every 10 steps
+        assert np.allclose(line(kl, f"{name} KL / response"), drift * steps)
+        assert np.allclose(line(kl, f"{name} k3"), 0.5 * drift * steps)
+        assert np.allclose(line(ppl, f"{name} policy"), 6 - 0.1 * steps) and np.allclose(line(ppl, f"{name} reference"), 6)
+        assert np.allclose(line(length, f"{name} mean"), 10 + drift * steps)
+        assert np.allclose(line(length, f"{name} max"), 20 + drift * steps)
+        assert np.allclose(line(policy, f"{name} entropy"), 2.0) and np.allclose(line(policy, f"{name} clip fraction"), 0.05)
+    (band_ppo, band_max) = reward.collections  # the 5-95% bands, one per run
+    lo, hi = band_ppo.get_paths()[0].vertices[:, 1].min(), band_ppo.get_paths()[0].vertices[:, 1].max()
+    assert np.isclose(lo, -1.0) and np.isclose(hi, 0.1 * 29 + 1)
+    assert ppl.get_yscale() == "log"
+    (image,) = hist.get_images()
+    grid = np.asarray(image.get_array())
+    assert grid.shape == (40, 2 * 30) and (grid.sum(axis=0) == 16).all()  # every score of every step, in range
+    assert {t.get_text() for t in hist.texts} == set(drifts)
     img = mpimg.imread(out)
-    assert img.shape[0] > 600 and img.shape[1] > 1200
-    colours = np.unique((img[..., :3] * 255).astype(np.uint8).reshape(-1, 3), axis=0)
-    assert len(colours) > 200  # lines, fills and the heat map: far from a blank canvas
+    assert img.shape[:2] == (round(fig.get_figheight() * fig.dpi), round(fig.get_figwidth() * fig.dpi))
 
 
 def test_cli_and_missing_csv(tmp_path):
@@ -58,3 +96,16 @@ def test_cli_and_missing_csv(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no metrics.csv"):
         render([str(tmp_path / "empty")], str(tmp_path / "x.png"))
+
+
+def test_cli_says_in_one_line_what_it_needs(tmp_path):
+    """A run directory without its CSV log (e.g. a W&B-only run of an older version) or a wrong path:
+    one line naming the directory and what the report reads, not a FileNotFoundError traceback."""
+    (tmp_path / "wandb_only" / "wandb").mkdir(parents=True)
+    for run_dir, says in ((tmp_path / "wandb_only", "no metrics.csv (the report reads <run>/csv/metrics.csv"),
+                          (tmp_path / "nowhere", "not a directory")):  # fmt: skip
+        out = subprocess.run([sys.executable, "-m", "lit_rlhf.report", str(run_dir)], capture_output=True, text=True,
+                             cwd=ROOT)  # fmt: skip
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith(f"python -m lit_rlhf.report: {run_dir}: ")
+        assert says in out.stderr
