@@ -2,6 +2,7 @@
 typed-config message before Hydra composes; everything else is left to Hydra."""
 
 import pytest
+from omegaconf import OmegaConf
 
 from lit_rlhf.utils.cli import check_overrides
 from lit_rlhf.utils.config import ConfigError
@@ -16,11 +17,78 @@ def error(*argv):
     return str(info.value)
 
 
-def test_known_keys_pass():
-    check_overrides(["algo=sft", "algo.lr=1e-3", "trainer.max_steps=5", "seed=3", "--cfg", "job"], CONF)
-    check_overrides(["-m", "algo=sft,rm", "algo.lr=1e-3,3e-3"], CONF)  # both stages have lr
-    check_overrides(["experiment=ppo_max_synthetic_tiny", "algo.kl_coef=0.1"], CONF)  # the experiment picks ppo_max
-    check_overrides(["data=sft_file", "data.sft.source=x.jsonl", "algo=sft"], CONF)
+SECTIONS = {"model": "model", "data.sft": "sft_data", "data.preference": "preference_data", "data.prompt": "prompt_data"}
+
+
+def typed_values(overrides: list[str], tmp_path) -> dict[str, object]:
+    """Every field of the typed configs a command line composes to (algo, model, data sections),
+    flattened to dotted keys: what the stage would be built with."""
+    from lit_rlhf.utils.config import build_config, to_dict
+    from lit_rlhf.utils.schemas import STAGE_SCHEMAS, schema_class
+    from tests.conftest import compose
+
+    cfg = compose(overrides, tmp_path)
+    nodes = {"algo": STAGE_SCHEMAS[cfg.algo._target_], **SECTIONS}
+    out = {}
+
+    def flatten(prefix, value):
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                flatten(f"{prefix}.{k}", v)
+        else:
+            out[prefix] = value
+
+    for key, schema in nodes.items():
+        node = OmegaConf.select(cfg, key)
+        if node is not None:
+            flatten(key, to_dict(build_config(schema_class(schema), node, key)))
+    return out
+
+
+def assert_overrides_reach_the_typed_configs(choices: list[str], overrides: dict[str, object], tmp_path):
+    """The pre-check passes the command line through untouched, and Hydra + the typed configs then
+    set exactly the overridden fields to the given values: every other field keeps the value it has
+    without the overrides, and each overridden field had another value before."""
+    argv = [*choices, *(f"{k}={v}" for k, v in overrides.items())]
+    assert check_overrides(list(argv), CONF) == argv
+    before, after = typed_values(choices, tmp_path), typed_values(argv, tmp_path)
+    changed = {k for k in after if after[k] != before.get(k)}
+    assert changed == set(overrides), sorted(changed ^ set(overrides))
+    for key, value in overrides.items():
+        assert after[key] == value and before[key] != value, key
+
+
+def test_known_keys_pass_and_set_their_fields(tmp_path):
+    assert_overrides_reach_the_typed_configs(["algo=sft"], {"algo.lr": 1e-3}, tmp_path)
+    # the experiment picks ppo_max (with the RL stage's required paths)
+    assert_overrides_reach_the_typed_configs(["experiment=ppo_max_synthetic_tiny", "algo.policy_path=/m/sft", "algo.reward_path=/m/rm"],
+                                             {"algo.kl_coef": 0.1}, tmp_path)  # fmt: skip
+    assert_overrides_reach_the_typed_configs(["data=sft_file", "data.sft.source=x.jsonl", "algo=sft"],
+                                             {"data.sft.prompt_field": "question"}, tmp_path)  # fmt: skip
+    for argv in (["algo=sft", "algo.lr=1e-3", "trainer.max_steps=5", "seed=3", "--cfg", "job"],
+                 ["-m", "algo=sft,rm", "algo.lr=1e-3,3e-3"]):  # both stages have lr  # fmt: skip
+        assert check_overrides(list(argv), CONF) == argv
+
+
+def test_keys_only_the_typed_configs_declare_are_set_without_plus(tmp_path):
+    """Keys a preset YAML does not list exist through the schemas (lit_rlhf/utils/schemas.py):
+    no '+' needed, for algo, data and model keys alike, and each reaches its typed field."""
+    rl = ["algo.policy_path=/m/sft", "algo.reward_path=/m/rm"]
+    assert_overrides_reach_the_typed_configs(["algo=ppo", *rl], {"algo.ppo_epochs": 2, "algo.generation.top_k": 5}, tmp_path)
+    assert_overrides_reach_the_typed_configs(["algo=rm"], {"data.preference.margin_field": "rating",
+                                                           "data.preference.val_fraction": 0.1}, tmp_path)  # fmt: skip
+    assert_overrides_reach_the_typed_configs(["algo=sft"], {"model.revision": "main", "data.sft.max_samples": 10}, tmp_path)
+    assert error("algo=ppo", "algo.ppo_epoch=2").startswith("algo.ppo_epoch: unknown key for PPOConfig. Did you mean 'ppo_epochs'?")
+
+
+def test_hydra_flags_and_their_values_are_not_overrides():
+    """The value after ``--cfg``/``-cn`` is skipped (were ``job`` read as an override, the line
+    would not parse and nothing would be checked): the overrides around the flags are still checked."""
+    argv = ["--config-name", "train", "-cn", "train", "algo=sft", "algo.lr=1e-3", "--cfg", "job"]
+    assert check_overrides(list(argv), CONF) == argv
+    assert error("--cfg", "job", "-cn", "train", "algo=sft", "algo.lrr=1").startswith("algo.lrr: unknown key for SFTConfig")
+    # --info (like --help) runs no job: nothing is checked, not even an unknown key
+    assert check_overrides(["algo=sft", "algo.lrr=1", "--info"], CONF) == ["algo=sft", "algo.lrr=1", "--info"]
 
 
 def test_unknown_algo_key_names_the_class_the_closest_key_and_the_allowed_ones():
@@ -35,20 +103,6 @@ def test_without_a_stage_algo_keys_say_to_choose_one():
     assert "ppo_max" in msg and "sft" in msg and "runs the demo pipeline" in msg
 
 
-def test_keys_only_the_typed_configs_declare_are_known():
-    """Keys a preset YAML does not list exist through the schemas (lit_rlhf/utils/schemas.py):
-    no '+' needed, for algo, data and model keys alike."""
-    check_overrides(["algo=ppo", "algo.ppo_epochs=2", "algo.generation.top_k=5"], CONF)
-    check_overrides(["algo=rm", "data.preference.margin_field=rating", "data.preference.val_fraction=0.1"], CONF)
-    check_overrides(["algo=sft", "model.revision=main", "data.sft.max_samples=10"], CONF)
-    assert error("algo=ppo", "algo.ppo_epoch=2").startswith("algo.ppo_epoch: unknown key for PPOConfig. Did you mean 'ppo_epochs'?")
-
-
-def test_hydra_flags_are_not_overrides():
-    check_overrides(["--config-name", "train", "-cn", "train", "algo=sft", "algo.lr=1e-3"], CONF)
-    check_overrides(["--info", "defaults"], CONF)  # not a run: nothing to check
-
-
 def test_every_value_of_a_swept_choice_is_checked():
     assert error("-m", "algo=rm,sft", "algo.beta_rm=1").startswith("algo.beta_rm: unknown key for SFTConfig")
 
@@ -56,19 +110,51 @@ def test_every_value_of_a_swept_choice_is_checked():
 def test_unknown_keys_outside_algo():
     assert error("algo=sft", "sed=3").startswith("sed: unknown key. Did you mean 'seed'?")
     assert error("algo=sft", "trainer.max_stepz=3").startswith("trainer.max_stepz: unknown key. Did you mean 'max_steps'?")
-    check_overrides(["algo=sft", "trainer.max_steps.x=3"], CONF)  # below a leaf value: Hydra judges
+    argv = ["algo=sft", "trainer.max_steps.x=3"]  # below a leaf value: Hydra judges
+    assert check_overrides(list(argv), CONF) == argv
 
 
-@pytest.mark.parametrize("argv", [
-    ["algo=sft", "+algo.extra=1"],              # adding on purpose: the typed config judges it later
-    ["algo=sft", "~trainer.max_steps"],         # deletions
-    ["algo=sft", "hydra.run.dir=/tmp/x"],       # Hydra's own keys
-    ["algo=nosuchalgo", "algo.lr=1"],           # a bad group choice: Hydra lists the options
-    ["algo=sft", "algo.lr=[unclosed"],          # a parse error: Hydra reports it
-    ["--help"],
-])  # fmt: skip
-def test_what_hydra_judges_is_left_to_hydra(argv):
-    check_overrides(argv, CONF)
+def _hydra_refuses(pattern):
+    def then(argv, tmp_path):
+        from tests.conftest import compose
+
+        with pytest.raises(Exception, match=pattern):
+            compose(argv, tmp_path)
+
+    return then
+
+
+def _typed_config_refuses_extra(argv, tmp_path):  # '+' adds the key; the typed config judges it when the job starts
+    from lit_rlhf.utils.config import build_config
+    from lit_rlhf.utils.schemas import schema_class
+    from tests.conftest import compose
+
+    cfg = compose(argv, tmp_path)
+    assert cfg.algo.extra == 1
+    with pytest.raises(ConfigError, match=r"algo\.extra: unknown key for SFTConfig"):
+        build_config(schema_class("sft"), cfg.algo, "algo")
+
+
+def _deleted(argv, tmp_path):
+    from tests.conftest import compose
+
+    assert "max_steps" not in compose(argv, tmp_path).trainer
+
+
+@pytest.mark.parametrize("argv, then", [
+    (["algo=sft", "+algo.extra=1"], _typed_config_refuses_extra),             # adding on purpose
+    (["algo=sft", "~trainer.max_steps"], _deleted),                            # deletions
+    (["algo=sft", "hydra.run.dir=/tmp/x"], None),                              # Hydra's own keys
+    (["algo=nosuchalgo", "algo.lr=1"], _hydra_refuses(r"(?s)nosuchalgo.*Available options")),  # Hydra lists the options
+    (["algo=sft", "algo.lr=[unclosed"], _hydra_refuses(r"no viable alternative at input '\[unclosed'")),  # a parse error
+    (["--help"], None),
+], ids=["plus", "delete", "hydra-key", "bad-choice", "parse-error", "help"])  # fmt: skip
+def test_what_hydra_judges_is_left_to_hydra(argv, then, tmp_path):
+    """The pre-check passes these through untouched (no error of its own, nothing rewritten); Hydra,
+    or the typed config when the job starts, then judges them."""
+    assert check_overrides(list(argv), CONF) == argv
+    if then is not None:
+        then(argv, tmp_path)
 
 
 def test_stage_schemas_name_each_stage_modules_own_config():
