@@ -111,3 +111,12 @@ def test_known_ads_and_harmless_warnings_are_dropped_where_emitted_and_lightning
             warnings.warn_explicit("`isinstance(treespec, LeafSpec)` is deprecated, use …", FutureWarning, "x.py", 1,
                                    module=module)  # fmt: skip
     assert [str(w.message)[:9] for w in caught] == ["`isinstan"]  # only the one raised outside Lightning's helper
+
+
+def test_the_wandb_logger_leaves_out_the_setting_wandb_warns_about_on_every_run(tmp_path):
+    """Lightning's WandbLogger passes ``anonymous=None`` to ``wandb.init``; wandb warns "The anonymous
+    setting has no effect" whenever the key is present, whatever its value."""
+    from lit_rlhf.utils.loggers import wandb_logger
+
+    logger = wandb_logger(str(tmp_path), offline=True, project="p")
+    assert "anonymous" not in logger._wandb_init and logger._wandb_init["project"] == "p"

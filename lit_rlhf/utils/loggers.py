@@ -32,7 +32,10 @@ def wandb_logger(save_dir: str, offline: bool | None = None, **kwargs: Any) -> A
     if offline is None:
         offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not wandb_api_key_available()
     os.makedirs(save_dir, exist_ok=True)
-    return WandbLogger(save_dir=save_dir, offline=offline, mode="offline" if offline else "online", **kwargs)
+    logger = WandbLogger(save_dir=save_dir, offline=offline, mode="offline" if offline else "online", **kwargs)
+    if logger._wandb_init.get("anonymous") is None:  # Lightning passes anonymous=None, which wandb>=0.19 warns
+        logger._wandb_init.pop("anonymous", None)  # about on every run ("The anonymous setting has no effect")
+    return logger
 
 
 def wandb_loggers(loggers: Any) -> list[Any]:
