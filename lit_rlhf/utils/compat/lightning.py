@@ -58,3 +58,9 @@ def setup_activation_checkpointing(unit: Any, strategy: Any) -> None:
     kwargs = private_attr(strategy, "_activation_checkpointing_kwargs", "lightning",
                           "FSDPStrategy._activation_checkpointing_kwargs")  # fmt: skip
     setup(unit, kwargs)
+
+
+def wandb_init_kwargs(logger: Any) -> dict[str, Any]:
+    """The keyword arguments a ``WandbLogger`` will pass to ``wandb.init`` (mutable: lit_rlhf drops
+    Lightning's ``anonymous=None``, which wandb warns about on every run)."""
+    return private_attr(logger, "_wandb_init", "lightning", "WandbLogger._wandb_init")
