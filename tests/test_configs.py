@@ -1,5 +1,8 @@
 """Every option of every config group composes; the cheap parts instantiate; validation runs."""
 
+import dataclasses
+import functools
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -69,16 +72,20 @@ def test_option_composes_and_validates(group, option, tmp_path):
             assert names.index("CollapseAlarm") > max(names.index(m) for m in ("KLMonitor", "ResponseLengthMonitor"))
 
 
-def test_deepspeed_stage_2_settings(tmp_path):
-    cfg = compose(["model=llama7b", "algo=sft", "strategy=deepspeed_stage_2"], tmp_path)
-    ds = cfg.strategy.config
-    assert ds.zero_optimization.stage == 2 and ds.bf16.enabled and ds.gradient_clipping == 1.0
-    assert cfg.trainer.precision == "bf16-mixed" and cfg.trainer.accelerator == "gpu"
-    assert cfg.model.name_or_path == "NousResearch/Llama-2-7b-hf" and cfg.model.trust_remote_code is False
-    off = compose(["strategy=deepspeed_stage_2_offload"], tmp_path)
-    assert off.strategy.config.zero_optimization.offload_optimizer.device == "cpu"
-    assert off.algo.optimizer == "cpu_adam"
-    assert compose(["strategy=deepspeed_stage_3"], tmp_path).strategy.config.zero_optimization.stage == 3
+@pytest.mark.parametrize("option", [o for g, o in OPTIONS if g == "strategy" and o.startswith("deepspeed")])
+def test_deepspeed_options_agree_with_their_name_the_trainer_and_the_stage(option, tmp_path):
+    """A DeepSpeed option builds lit_rlhf's DeepSpeed strategy at the ZeRO stage its name says; its bf16
+    switch follows the trainer's precision; its global grad-norm clip (which replaces the stage's own
+    under DeepSpeed, docs/algorithms.md §2.6) is ``algo.max_grad_norm``, so choosing a strategy does not
+    change the clip; an offloaded optimizer comes with DeepSpeed's CPU Adam, the only optimizer that
+    steps offloaded states, and only then."""
+    cfg = compose(["model=llama7b", "algo=ppo_max", f"strategy={option}", *RM], tmp_path)
+    ds, algo = cfg.strategy.config, plan(cfg).algo
+    assert type(instantiate_strategy(cfg.strategy)).__name__ == "RLHFDeepSpeedStrategy"
+    assert ds.zero_optimization.stage == int(option.split("_")[2])
+    assert ds.bf16.enabled == str(cfg.trainer.precision).startswith("bf16") and cfg.trainer.accelerator == "gpu"
+    assert ds.gradient_clipping == algo.max_grad_norm
+    assert (algo.optimizer == "cpu_adam") == ("offload_optimizer" in ds.zero_optimization)
 
 
 def test_aliases_match_their_targets(tmp_path):
@@ -132,57 +139,100 @@ def test_checkpoint_monitor_auto_follows_the_stage(algo, metric, mode, tmp_path)
     assert cfg.callbacks.model_checkpoint.monitor == "auto"  # the composed config is left as written
 
 
+def _presets_table() -> dict[str, dict[str, object]]:
+    """docs/algorithms.md §3's table as {preset: {dotted algo key: value}}: a cell's values pair with
+    its row's backticked keys in order ("a / b", "a (b, c)", "a : b, c"; "`x` = `y`" share a value;
+    "same" = the first preset's column; "`generation`: new tokens, T …" names generation's keys)."""
+    import re
+
+    import yaml
+
+    text = (ROOT / "docs" / "algorithms.md").read_text()
+    rows = [line for line in text[text.index("## 3. Presets"):text.index("## 4.")].splitlines() if line.startswith("| ")]
+    presets = re.findall(r"`algo=(\w+)`", rows[0])
+    split = re.compile(r"\s*[/,:()]\s*")
+    words = {"new tokens": "max_new_tokens", "T": "temperature", "top-p": "top_p", "rep. penalty": "repetition_penalty"}
+
+    def value(token: str) -> object:
+        v = yaml.safe_load(token)
+        try:
+            return float(v) if isinstance(v, str) else v  # YAML 1.1 reads 5e-7 as a string
+        except ValueError:
+            return v
+
+    table: dict[str, dict[str, object]] = {p: {} for p in presets}
+    for row in rows[1:]:  # after the header (the |---| line is not a "| " row)
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        prefix = re.match(r"`(\w+)`:\s*(.*)", cells[0])
+        segments = split.split(prefix.group(2)) if prefix else [x for x in split.split(cells[0]) if x]
+        keys = [[f"{prefix.group(1)}.{words[x]}"] if prefix else re.findall(r"`(\w+)`", x) for x in segments]
+        for preset, cell in zip(presets, cells[1:]):
+            cell = cells[1] if cell == "same" else cell
+            for names, token in zip(keys, [x for x in split.split(cell) if x]):
+                table[preset].update({name: value(token) for name in names})  # names [] = no config key (critic init)
+    return table
+
+
 def test_ppo_presets_follow_the_algorithms_table(tmp_path):
-    """docs/algorithms.md §3: ppo_max = ppo + switches; ppo_moss_release = what the released scripts run."""
-    ppo = plan(compose(["algo=ppo", "model=llama7b", *RM], tmp_path)).algo
-    pmax = plan(compose(["algo=ppo_max", "model=llama7b", *RM], tmp_path)).algo
-    moss = plan(compose(["algo=ppo_moss_release", "model=llama7b", *RM], tmp_path)).algo
-    assert (ppo.score_norm, ppo.score_clip, ppo.kl_coef, ppo.whiten_advantages, ppo.lam) == ("none", None, 0.0, True, 0.95)
-    assert (pmax.score_norm, pmax.score_clip, pmax.kl_coef, pmax.kl_estimator) == ("normalize", 5.0, 0.05, "k1")
-    assert (pmax.whiten_advantages, pmax.lam, pmax.critic_warmup_steps, pmax.warmup_ratio) == (False, 0.9, 20, 0.1)
-    assert (ppo.ptx_coef, pmax.ptx_coef > 0, ppo.adaptive_kl, pmax.adaptive_kl) == (0.0, True, False, False)  # ptx: on with a set
-    assert (moss.score_norm, moss.kl_coef, moss.lam, moss.ptx_coef, moss.critic_warmup_steps) == ("scale", 0.01, 0.95, 0.0, 0)
-    for a in (ppo, pmax, moss):
-        assert (a.clip_eps_low, a.clip_eps_high, a.value_clip, a.max_grad_norm, a.gamma) == (0.2, 0.2, 0.2, 1.0, 1.0)
-        g = a.generation
-        assert (g.temperature, g.top_p, g.repetition_penalty) == (0.8, 0.9, 1.1)
+    """docs/algorithms.md §3 is what the presets compose to: every value of its table, for each of
+    ppo, ppo_max and ppo_moss_release, is the typed config's (with the 7B model of its headline command)."""
+    table = _presets_table()
+    assert set(table) == {"ppo", "ppo_max", "ppo_moss_release"} and all(len(v) >= 20 for v in table.values())
+    for preset, values in table.items():
+        algo = to_dict(plan(compose([f"algo={preset}", "model=llama7b", *RM], tmp_path)).algo)
+        typed = {key: functools.reduce(dict.__getitem__, key.split("."), algo) for key in values}
+        assert typed == values, preset
 
 
 def test_headline_7b_command_composes_the_7b_recipe(tmp_path):
     """`python train.py model=llama7b algo=ppo_max strategy=deepspeed_stage_2 algo.reward_path=…` is the
-    whole command: the policy is the model group's Llama-2 7B, and the values are the paper's 7B recipe."""
+    whole command: the policy is the model group's model (the preset's values are checked against
+    docs/algorithms.md above), the prompt loader's batch is the rollout batch, the strategy builds."""
     cfg = compose(["model=llama7b", "algo=ppo_max", "strategy=deepspeed_stage_2", *RM], tmp_path)
     p = plan(cfg)  # no algo.policy_path
-    a = p.algo
-    assert (a.lr, a.critic_lr, a.warmup_ratio, a.scheduler) == (5e-7, 1.65e-6, 0.1, "constant")
-    assert (a.rollout_batch_size, a.minibatch_size, a.ppo_epochs) == (32, 8, 1)  # rollout = 4 x minibatch
-    assert (a.generation.max_new_tokens, a.generation.temperature, a.generation.top_p) == (256, 0.8, 0.9)
-    assert p.data.batch_size == 32  # the prompt loader's batch IS the rollout batch
-    assert (p.model.name_or_path, p.model.dtype, p.model.gradient_checkpointing) == ("NousResearch/Llama-2-7b-hf",
-                                                                                      "bfloat16", True)  # fmt: skip
-    assert cfg.strategy.config.zero_optimization.stage == 2 and cfg.trainer.precision == "bf16-mixed"
+    assert p.algo.policy_path is None and p.model.name_or_path == cfg.model.name_or_path
+    assert p.data.batch_size == p.algo.rollout_batch_size  # the prompt loader's batch IS the rollout batch
     assert type(instantiate_strategy(cfg.strategy)).__name__ == "RLHFDeepSpeedStrategy"  # a Lightning DeepSpeedStrategy
-    # an SFT export instead of the base model: the same recipe, trained from that folder
-    p = plan(compose(["model=llama7b", "algo=ppo_max", "algo.policy_path=/ckpt/sft-7b", *RM], tmp_path))
-    assert (p.model.name_or_path, p.model.dtype) == ("/ckpt/sft-7b", "bfloat16")
+    # an SFT export instead of the base model: the same recipe, trained from that folder with the model group's settings
+    p2 = plan(compose(["model=llama7b", "algo=ppo_max", "algo.policy_path=/ckpt/sft-7b", *RM], tmp_path))
+    assert p2.model.name_or_path == "/ckpt/sft-7b" and p2.algo == dataclasses.replace(p.algo, policy_path="/ckpt/sft-7b")
+    assert (p2.model.dtype, p2.model.gradient_checkpointing) == (cfg.model.dtype, cfg.model.gradient_checkpointing)
 
 
-@pytest.mark.parametrize("experiment, algo", [("ppo_synthetic_tiny", "ppo"), ("ppo_max_synthetic_tiny", "ppo_max")])
-def test_tiny_experiments_carry_the_demo_values(experiment, algo, tmp_path):
-    """The tiny model's values live in its experiments (the demo composes them), not in the presets."""
+def _flat(node: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(node, dict) and node:
+        return {k: v for key, sub in node.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: node}
+
+
+TINY = sorted(p.stem for p in (CONF / "experiment").glob("*_synthetic_tiny.yaml"))
+
+
+@pytest.mark.parametrize("experiment", TINY)
+def test_tiny_experiments_carry_the_demo_values(experiment, tmp_path):
+    """The tiny model's values live in its experiments (the demo composes them), not in the presets:
+    each algo value an experiment (or its parent) sets is the typed config's and differs from the
+    preset's, every other algo value is the preset's, and an RL stage's prompt batch is its rollout batch."""
     from hydra.core.hydra_config import HydraConfig
 
-    cfg = compose([f"experiment={experiment}", "algo.policy_path=/m/sft", *RM], tmp_path)
-    p = plan(cfg)
-    a = p.algo
-    assert HydraConfig.get().runtime.choices.algo == algo
-    assert (a.lr, a.critic_lr, a.rollout_batch_size, a.minibatch_size, a.generation.max_new_tokens) == (1e-4, 3e-4, 16, 4, 24)
-    assert (a.critic_warmup_steps, a.kl_coef) == ((2, 0.05) if algo == "ppo_max" else (0, 0.0))
-    assert a.gold_reward_fn["_target_"] == "lit_rlhf.data.synthetic.gold_reward_fn" and p.data.batch_size == 16
-    assert (cfg.trainer.max_steps, cfg.trainer.val_check_interval, cfg.validate_before_fit) == (800, 25, True)
-    sft = plan(compose(["experiment=sft_synthetic_tiny"], tmp_path)).algo
-    rm = plan(compose(["experiment=rm_synthetic_tiny"], tmp_path)).algo
-    assert (sft.lr, sft.weight_decay, rm.lr, rm.weight_decay) == (3e-3, 0.0, 1e-3, 0.0)
+    own, name = {}, experiment
+    while name:  # the experiment's algo keys over its parents'
+        node = _load("experiment", name)
+        own = _merge(dict(node.get("algo", {})), own)
+        name = next((e for e in node.get("defaults", []) if isinstance(e, str) and e != "_self_"), None)
+    needs = NEEDS_USER_VALUE.get(("experiment", experiment), [])
+    p = plan(compose([f"experiment={experiment}", *needs], tmp_path))
+    preset = plan(compose([f"algo={HydraConfig.get().runtime.choices.algo}", *needs], tmp_path)).algo
+    typed, base, set_here = _flat(to_dict(p.algo)), _flat(to_dict(preset)), _flat(own)
+    for key, value in set_here.items():
+        if isinstance(value, str) and value.startswith("${"):  # an interpolation: resolved, e.g. the task's config
+            assert any(k.startswith(f"{key}.") for k in typed), key
+            continue
+        assert typed[key] == value and base.get(key) != value, key
+    changed = {k for k in typed if typed[k] != base.get(k)}
+    assert changed and all(any(k == s or k.startswith(f"{s}.") for s in set_here) for k in changed), changed
+    if hasattr(p.algo, "rollout_batch_size"):
+        assert p.data.batch_size * getattr(p.algo, "num_generations", 1) == p.algo.rollout_batch_size
 
 
 def _load(group: str, name: str) -> dict:
