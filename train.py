@@ -47,9 +47,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    from lit_rlhf.utils.cli import check_overrides, plan_only_overrides, without_unused_pipeline
+    from lit_rlhf.launch.cli import check_overrides, plan_only_overrides, without_unused_pipeline
     from lit_rlhf.utils.config import ConfigError
-    from lit_rlhf.utils.schemas import register
+    from lit_rlhf.launch.schemas import register
 
     register()  # the typed configs' defaults as Hydra schemas (conf/algo/*.yaml start from them)
     if "--plan" in sys.argv[1:]:

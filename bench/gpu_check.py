@@ -81,7 +81,7 @@ def run_variant(variant: str, folder: Path) -> dict:
     data = PromptDataModule(n_train=s["batch"] * 20, n_val=0, batch_size=s["batch"],
                             max_prompt_length=s["prompt_len"]).connect(tok)  # fmt: skip
     if variant in ("zero2", "zero3"):
-        from lit_rlhf.utils.strategies import RLHFDeepSpeedStrategy
+        from lit_rlhf.runtime.strategies import RLHFDeepSpeedStrategy
 
         stage = int(variant[-1])
         strategy: object = RLHFDeepSpeedStrategy(config={"zero_optimization": {"stage": stage}, "bf16": {"enabled": True},
@@ -90,7 +90,7 @@ def run_variant(variant: str, folder: Path) -> dict:
         precision = "bf16-mixed"
         trainer_strategy = f"deepspeed_stage_{stage}"
     elif variant == "fsdp":
-        from lit_rlhf.utils.strategies import RLHFFSDPStrategy
+        from lit_rlhf.runtime.strategies import RLHFFSDPStrategy
 
         strategy = RLHFFSDPStrategy(wrap_layers=["transformers.models.llama.modeling_llama.LlamaDecoderLayer"],
                                     sharding_strategy="FULL_SHARD", state_dict_type="full")  # fmt: skip
@@ -147,10 +147,10 @@ def run_variant(variant: str, folder: Path) -> dict:
 
     job = type("Job", (), {"model": spec, "algo": cfg, "data": data.config, "algo_cls": PPOModule})()
     plan_cfg = OmegaConf.create({"trainer": {"devices": 1, "num_nodes": 1, "precision": precision},
-                                 "strategy": {"_target_": "lit_rlhf.utils.strategies.RLHFDeepSpeedStrategy",
+                                 "strategy": {"_target_": "lit_rlhf.runtime.strategies.RLHFDeepSpeedStrategy",
                                               "config": {"zero_optimization": {"stage": int(trainer_strategy[-1])}}}
                                  if trainer_strategy.startswith("deepspeed") else
-                                 {"_target_": "lit_rlhf.utils.strategies.RLHFFSDPStrategy"} if trainer_strategy == "fsdp"
+                                 {"_target_": "lit_rlhf.runtime.strategies.RLHFFSDPStrategy"} if trainer_strategy == "fsdp"
                                  else "auto"})  # fmt: skip
     plan = estimate(plan_cfg, job)
     return {"variant": variant, "gpu": name, "policy_params": p, "step_s": step_s, "rollout_tokens_per_s": rollout_tok_s,

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lit_rlhf.models.arch import arch_of
+from lit_rlhf.launch.strategy import strategy_kind
 from lit_rlhf.utils.config import ConfigError, build_config, check
 
 GIB = 1024**3
@@ -181,21 +182,6 @@ def _count(n: int) -> str:
 
 
 # ------------------------------------------------------------------ from a config
-def strategy_kind(cfg: Any) -> tuple[str, bool, bool]:
-    """(ddp | fsdp | zero2 | zero3, optimizer offload, parameter offload) of a composed config's strategy."""
-    node = cfg.get("strategy")
-    target = str(node.get("_target_", "")) if hasattr(node, "get") else str(node or "")
-    if "DeepSpeed" in target or "deepspeed" in target.lower():
-        zero = (node.get("config") or {}).get("zero_optimization") or {}
-        stage = int(zero.get("stage", 0))
-        opt_off = str((zero.get("offload_optimizer") or {}).get("device", "none")) == "cpu"
-        par_off = str((zero.get("offload_param") or {}).get("device", "none")) == "cpu"
-        return ("zero3" if stage == 3 else "zero2"), opt_off, par_off
-    if "fsdp" in target.lower():
-        return "fsdp", False, False
-    return "ddp", False, False
-
-
 def setup_from(cfg: Any, job: Any) -> Setup:
     """The :class:`Setup` of a composed config ``cfg`` whose validated pieces are ``job`` (runner.plan)."""
     strategy, opt_off, par_off = strategy_kind(cfg)

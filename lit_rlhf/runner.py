@@ -74,19 +74,20 @@ def get_class(node: Any, key: str) -> type:
 
 def memory_plan(cfg: DictConfig, job: Plan | None = None) -> Any:
     """The per-GPU memory plan of a stage job (lit_rlhf/memory_plan.py), None for pipelines."""
-    from lit_rlhf.memory_plan import gpu_memory_gb, plan_for
+    from lit_rlhf.memory_plan import gpu_memory_gb, plan_for, plan_settings
 
     job = job or plan(cfg)
     if job.algo_cls is None:
         return None
-    node = cfg.get("memory_plan") or {}
-    return plan_for(cfg, job, gpu_memory_gb(cfg), float(node.get("reserve_gb", 2.0)))
+    return plan_for(cfg, job, gpu_memory_gb(cfg), plan_settings(cfg).reserve_gb)
 
 
 def print_memory_plan(cfg: DictConfig) -> bool | None:
     """``train.py --plan``: print the plan; returns whether it fits (None: no GPU memory to check)."""
     try:
         p = memory_plan(cfg)
+    except ConfigError:
+        raise  # a bad value (memory_plan.*, or any key): the caller names it
     except ValueError as err:  # an architecture not readable here (hub id without a local config.json)
         print(f"No memory plan: {err}. Point model.name_or_path (and the algo.*_path keys) at local folders.")
         return None
@@ -99,12 +100,15 @@ def print_memory_plan(cfg: DictConfig) -> bool | None:
 
 def check_memory_plan(cfg: DictConfig, job: Plan) -> None:
     """Refuse a GPU launch that the memory plan says cannot fit (``memory_plan.enforce``)."""
+    from lit_rlhf.memory_plan import plan_settings
+
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    node = cfg.get("memory_plan") or {}
-    if accelerator not in ("gpu", "cuda") or not node.get("enforce", True) or job.algo_cls is None:
+    if accelerator not in ("gpu", "cuda") or not plan_settings(cfg).enforce or job.algo_cls is None:
         return
     try:
         p = memory_plan(cfg, job)
+    except ConfigError:
+        raise
     except ValueError as err:  # unknown architecture offline: no plan, no refusal
         log.warning("memory plan skipped: %s", err)
         return
@@ -115,8 +119,10 @@ def check_memory_plan(cfg: DictConfig, job: Plan) -> None:
 
 def plan(cfg: DictConfig) -> Plan:
     """Validate the model, algo and data configs into dataclasses; raise ConfigError on any problem."""
+    from lit_rlhf.memory_plan import plan_settings
     from lit_rlhf.modules.base import RLHFModule
 
+    plan_settings(cfg)  # memory_plan.* checked on every machine, not only where a GPU plan is made
     model = build_config(ModelSpec, model_node(cfg.model), "model")
     if cfg.get("trainer") is not None:
         import lightning.pytorch as pl
@@ -145,7 +151,7 @@ def plan(cfg: DictConfig) -> Plan:
     data = algo_cls.resolve_data_config(algo, build_config(data_cls.config_class, cfg.data[kind], f"data.{kind}"))
     model = algo_cls.resolve_model_spec(algo, model)
     algo_cls.check_compatible(algo, model)
-    from lit_rlhf.memory_plan import strategy_kind
+    from lit_rlhf.launch.strategy import strategy_kind
 
     if model.lora.enabled and strategy_kind(cfg)[0] == "fsdp":
         raise ConfigError("strategy", "model.lora.enabled=true with strategy=fsdp is not supported (the RL stages' "
@@ -198,7 +204,7 @@ def build_trainer(cfg: DictConfig, algo_cls: type) -> tuple[Any, list[Any]]:
 
     from lit_rlhf.callbacks.progress import RLProgressBar
     from lit_rlhf.callbacks.resume import ResumeState
-    from lit_rlhf.utils.checkpoint_io import AtomicCheckpointIO, atomic_deepspeed_saves
+    from lit_rlhf.runtime.checkpoint_io import AtomicCheckpointIO, atomic_deepspeed_saves
     from lit_rlhf.utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_strategy
 
     callbacks = instantiate_callbacks(_resolve_auto_monitor(cfg.get("callbacks"), algo_cls))
@@ -246,8 +252,10 @@ def resume_path(trainer: Any, ckpt_path: str | None) -> str | None:
         return ckpt_path
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    from lit_rlhf.utils.compat.lightning import last_checkpoints
+
     callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
-    found = {p for c in callbacks for p in c._find_last_checkpoints(trainer)}  # what Lightning's "last" looks at
+    found = {p for c in callbacks for p in last_checkpoints(c, trainer)}  # what Lightning's "last" looks at
     folders = sorted({str(c.dirpath) for c in callbacks if c.dirpath}) or ["(no ModelCheckpoint folder)"]
     if not found:
         if trainer.is_global_zero:
@@ -263,7 +271,7 @@ def resume_path(trainer: Any, ckpt_path: str | None) -> str | None:
 
 def run(cfg: DictConfig) -> dict[str, float]:
     """Run one job; returns the final ``trainer.callback_metrics`` as floats."""
-    from lit_rlhf.utils.checkpoint_io import check_checkpoint_path
+    from lit_rlhf.runtime.checkpoint_io import check_checkpoint_path
     from lit_rlhf.utils.instantiate import finish_loggers, loggable_config
 
     try:  # per-shard "Loading weights" bars drown the training log

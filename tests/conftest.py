@@ -15,7 +15,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
-from lit_rlhf.utils.schemas import register  # noqa: E402
+from lit_rlhf.launch.schemas import register  # noqa: E402
 
 register()  # the Hydra schemas every preset starts from (train.py does the same)
 

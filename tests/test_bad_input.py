@@ -65,7 +65,7 @@ def test_a_truncated_checkpoint_is_refused(tmp_path):
     torch.save({"state_dict": {"w": torch.zeros(1000)}}, good)
     cut = tmp_path / "cut.ckpt"
     cut.write_bytes(good.read_bytes()[:-200])
-    from lit_rlhf.utils.checkpoint_io import check_checkpoint_path
+    from lit_rlhf.runtime.checkpoint_io import check_checkpoint_path
 
     check_checkpoint_path(str(good))
     with pytest.raises(ConfigError, match="is not a complete checkpoint"):
@@ -112,7 +112,7 @@ def test_a_minibatch_larger_than_the_rollout_is_reported(saved_models, tokenizer
 
 
 def test_callable_arguments_missing_from_the_yaml_are_accepted_and_typos_refused():
-    from lit_rlhf.utils.cli import check_overrides
+    from lit_rlhf.launch.cli import check_overrides
     from tests.conftest import ROOT
 
     argv = ["algo=sft", "callbacks.model_checkpoint.every_n_train_steps=5", "trainer.gradient_clip_algorithm=norm"]
@@ -172,8 +172,6 @@ def test_a_gpu_memory_that_is_not_a_plan_names_the_key(value, message, tmp_path)
         memory_plan(cfg)  # what --plan prints
 
 
-@pytest.mark.xfail(strict=True, reason="runner.plan does not call memory_plan.plan_settings yet, and check_memory_plan "
-                                       "catches ValueError (ConfigError is one) as 'memory plan skipped'")  # fmt: skip
 def test_a_bad_memory_plan_value_is_refused_by_the_plan_and_by_a_gpu_launch(tmp_path):
     from lit_rlhf.runner import check_memory_plan
 

@@ -1,4 +1,4 @@
-"""Checkpoints survive kills during saves (lit_rlhf/utils/checkpoint_io.py)."""
+"""Checkpoints survive kills during saves (lit_rlhf/runtime/checkpoint_io.py)."""
 
 import os
 import random
@@ -38,7 +38,7 @@ def test_a_kill_during_a_save_never_destroys_the_last_checkpoint(tmp_path):
     assert list(tmpdir.iterdir()) == []  # TMPDIR is never used
     leftovers = [p.name for p in ckpt.parent.iterdir() if p.name != "last.ckpt"]
     proc = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[2]); import torch; "
-                           "from lit_rlhf.utils.checkpoint_io import AtomicCheckpointIO as A; "
+                           "from lit_rlhf.runtime.checkpoint_io import AtomicCheckpointIO as A; "
                            "A().save_checkpoint({'i': -1}, sys.argv[1])", str(ckpt), str(ROOT)], env=env)  # fmt: skip
     assert proc.returncode == 0
     assert [p.name for p in ckpt.parent.iterdir()] == ["last.ckpt"], leftovers  # stale temporaries removed
@@ -60,7 +60,7 @@ def test_a_kill_during_a_folder_swap_leaves_a_complete_checkpoint(tmp_path, kill
     """Folder saves (DeepSpeed checkpoints, exports) are 5 steps of which 2-5 are renames
     (lit_rlhf/utils/io.py): a kill leaves one of the states built here. The resume check restores
     the newest complete save in each, and nothing of the sequence is left beside it."""
-    from lit_rlhf.utils.checkpoint_io import check_checkpoint_path
+    from lit_rlhf.runtime.checkpoint_io import check_checkpoint_path
 
     dest = tmp_path / "last.ckpt"
     partial, new, old = (tmp_path / f".last.ckpt.{k}" for k in ("partial", "new", "old"))

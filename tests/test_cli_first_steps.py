@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from lit_rlhf.utils.cli import _source_arguments, check_overrides, plan_only_overrides, without_unused_pipeline
+from lit_rlhf.launch.cli import _source_arguments, check_overrides, plan_only_overrides, without_unused_pipeline
 from lit_rlhf.utils.config import ConfigError
 from tests.conftest import ROOT, compose
 
@@ -68,8 +68,8 @@ def test_trainer_arguments_read_from_lightnings_source_match_its_signature():
 def test_a_trainer_key_is_judged_without_importing_lightning():
     """An unknown trainer.* key used to import Lightning for Trainer's signature (~7 s); an unlisted
     valid one still gets its ``++``. Measured with ``-X importtime`` in a fresh interpreter."""
-    code = ("from lit_rlhf.utils.cli import check_overrides as c; from lit_rlhf.utils.config import ConfigError; "
-            "from lit_rlhf.utils.schemas import register; register()\n"
+    code = ("from lit_rlhf.launch.cli import check_overrides as c; from lit_rlhf.utils.config import ConfigError; "
+            "from lit_rlhf.launch.schemas import register; register()\n"
             "print(c(['algo=sft', 'trainer.overfit_batches=1'], 'conf'))\n"
             "try: c(['algo=sft', 'trainer.max_stepz=1'], 'conf')\nexcept ConfigError as e: print(e)")  # fmt: skip
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=ROOT, env=ENV, capture_output=True,

@@ -1,10 +1,10 @@
-"""train.py's pre-check of command-line overrides (lit_rlhf/utils/cli.py): unknown keys get the
+"""train.py's pre-check of command-line overrides (lit_rlhf/launch/cli.py): unknown keys get the
 typed-config message before Hydra composes; everything else is left to Hydra."""
 
 import pytest
 from omegaconf import OmegaConf
 
-from lit_rlhf.utils.cli import check_overrides
+from lit_rlhf.launch.cli import check_overrides
 from lit_rlhf.utils.config import ConfigError
 from tests.conftest import ROOT
 
@@ -24,7 +24,7 @@ def typed_values(overrides: list[str], tmp_path) -> dict[str, object]:
     """Every field of the typed configs a command line composes to (algo, model, data sections),
     flattened to dotted keys: what the stage would be built with."""
     from lit_rlhf.utils.config import build_config, to_dict
-    from lit_rlhf.utils.schemas import STAGE_SCHEMAS, schema_class
+    from lit_rlhf.launch.schemas import STAGE_SCHEMAS, schema_class
     from tests.conftest import compose
 
     cfg = compose(overrides, tmp_path)
@@ -71,7 +71,7 @@ def test_known_keys_pass_and_set_their_fields(tmp_path):
 
 
 def test_keys_only_the_typed_configs_declare_are_set_without_plus(tmp_path):
-    """Keys a preset YAML does not list exist through the schemas (lit_rlhf/utils/schemas.py):
+    """Keys a preset YAML does not list exist through the schemas (lit_rlhf/launch/schemas.py):
     no '+' needed, for algo, data and model keys alike, and each reaches its typed field."""
     rl = ["algo.policy_path=/m/sft", "algo.reward_path=/m/rm"]
     assert_overrides_reach_the_typed_configs(["algo=ppo", *rl], {"algo.ppo_epochs": 2, "algo.generation.top_k": 5}, tmp_path)
@@ -126,7 +126,7 @@ def _hydra_refuses(pattern):
 
 def _typed_config_refuses_extra(argv, tmp_path):  # '+' adds the key; the typed config judges it when the job starts
     from lit_rlhf.utils.config import build_config
-    from lit_rlhf.utils.schemas import schema_class
+    from lit_rlhf.launch.schemas import schema_class
     from tests.conftest import compose
 
     cfg = compose(argv, tmp_path)
@@ -158,13 +158,13 @@ def test_what_hydra_judges_is_left_to_hydra(argv, then, tmp_path):
 
 
 def test_stage_schemas_name_each_stage_modules_own_config():
-    """The light map train.py's key check names configs by (utils/schemas.py: STAGE_SCHEMAS) is each
+    """The light map train.py's key check names configs by (launch/schemas.py: STAGE_SCHEMAS) is each
     stage module's ``config_class``, and covers every stage the conf/algo presets build."""
     import importlib
 
     from omegaconf import OmegaConf
 
-    from lit_rlhf.utils.schemas import STAGE_SCHEMAS, schema_class
+    from lit_rlhf.launch.schemas import STAGE_SCHEMAS, schema_class
 
     for target, name in STAGE_SCHEMAS.items():
         module, cls = target.rsplit(".", 1)
@@ -188,5 +188,5 @@ def test_key_checks_and_printed_configs_import_neither_torch_nor_lightning(tmp_p
                               *args], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
         assert expect in out.stdout + out.stderr, out.stderr[-2000:]
         imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
-        assert "hydra" in imported and "lit_rlhf.utils.schemas" in imported  # the measurement sees imports
+        assert "hydra" in imported and "lit_rlhf.launch.schemas" in imported  # the measurement sees imports
         assert not imported & set(heavy), sorted(imported & set(heavy))

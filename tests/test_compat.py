@@ -1,4 +1,4 @@
-"""lit_rlhf/compat: every private API of another project that lit_rlhf uses, exercised against the
+"""lit_rlhf/utils/compat: every private API of another project that lit_rlhf uses, exercised against the
 installed packages, so that an upgrade that moves one fails HERE, naming it and the pinned version."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lit_rlhf.compat import PINNED, CompatError, private_attr
+from lit_rlhf.utils.compat import PINNED, CompatError, private_attr
 
 
 def test_a_moved_internal_names_the_package_the_internal_and_the_pinned_version():
@@ -16,7 +16,7 @@ def test_a_moved_internal_names_the_package_the_internal_and_the_pinned_version(
         private_attr(object(), "_gone", "lightning", "Trainer.fit_loop._gone")
     text = str(err.value)
     assert "Trainer.fit_loop._gone" in text and f"lightning=={PINNED['lightning']}" in text
-    assert "lit_rlhf/compat/lightning.py" in text
+    assert "lit_rlhf/utils/compat/lightning.py" in text
 
 
 def test_pins_agree_with_pyproject():
@@ -30,7 +30,7 @@ def test_pins_agree_with_pyproject():
 
 class _Seen(pl.Callback):
     def on_train_start(self, trainer, module):
-        from lit_rlhf.compat.lightning import combined_loader
+        from lit_rlhf.utils.compat.lightning import combined_loader
 
         self.loader = combined_loader(trainer)
 
@@ -38,7 +38,7 @@ class _Seen(pl.Callback):
 def test_lightning_combined_loader_and_last_checkpoints(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lit_rlhf.compat.lightning import last_checkpoints
+    from lit_rlhf.utils.compat.lightning import last_checkpoints
 
     seen, ckpt = _Seen(), ModelCheckpoint(dirpath=tmp_path, save_last=True)
     trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
@@ -49,7 +49,7 @@ def test_lightning_combined_loader_and_last_checkpoints(tmp_path):
 
 
 def test_lightning_record_device_is_what_module_device_reports():
-    from lit_rlhf.compat.lightning import record_device
+    from lit_rlhf.utils.compat.lightning import record_device
 
     module = BoringModel()
     assert module.device == torch.device("cpu")
@@ -61,7 +61,7 @@ def test_lightning_fsdp_hooks_exist_and_checkpointing_wraps_the_policy_layers():
     from lightning.pytorch.strategies import FSDPStrategy
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    from lit_rlhf.compat.lightning import FSDP_SETUP_MODEL, check_fsdp_setup_model, setup_activation_checkpointing
+    from lit_rlhf.utils.compat.lightning import FSDP_SETUP_MODEL, check_fsdp_setup_model, setup_activation_checkpointing
 
     check_fsdp_setup_model()
     assert callable(getattr(FSDPStrategy, FSDP_SETUP_MODEL))
@@ -71,7 +71,7 @@ def test_lightning_fsdp_hooks_exist_and_checkpointing_wraps_the_policy_layers():
 
 
 def test_lightning_wrap_save_checkpoint_routes_the_instance_through_the_wrapper():
-    from lit_rlhf.compat.lightning import wrap_save_checkpoint
+    from lit_rlhf.utils.compat.lightning import wrap_save_checkpoint
 
     calls = []
 
@@ -93,7 +93,7 @@ def test_deepspeed_zero3_hook_registration_exists():
 
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
-    from lit_rlhf.compat.deepspeed import zero3_offload
+    from lit_rlhf.utils.compat.deepspeed import zero3_offload
 
     assert callable(private_attr(DeepSpeedZeRoOffload, "_register_deepspeed_module", "deepspeed", "x"))
     init = inspect.getsource(DeepSpeedZeRoOffload)
@@ -102,7 +102,7 @@ def test_deepspeed_zero3_hook_registration_exists():
 
 
 def test_torch_mkldnn_linear_equals_f_linear():
-    from lit_rlhf.compat.torch import mkldnn_linear, mkldnn_linear_available, mkldnn_reorder_linear_weight
+    from lit_rlhf.utils.compat.torch import mkldnn_linear, mkldnn_linear_available, mkldnn_reorder_linear_weight
 
     if not mkldnn_linear_available():
         pytest.skip("this torch build has no oneDNN linear operators (the decoding step falls back)")
@@ -113,7 +113,7 @@ def test_torch_mkldnn_linear_equals_f_linear():
 
 
 def test_torch_hook_registries():
-    from lit_rlhf.compat.torch import global_forward_hooks_active, has_forward_hooks
+    from lit_rlhf.utils.compat.torch import global_forward_hooks_active, has_forward_hooks
 
     m = torch.nn.Linear(2, 2)
     assert not global_forward_hooks_active() and not has_forward_hooks(m)
@@ -131,7 +131,7 @@ def test_transformers_attention_interface_follows_the_config():
     from transformers import LlamaConfig
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from lit_rlhf.compat.transformers import attention_interface
+    from lit_rlhf.utils.compat.transformers import attention_interface
 
     def eager(*args):
         return None
@@ -147,9 +147,19 @@ def test_omegaconf_raw_node_does_not_resolve():
     from omegaconf import OmegaConf
     from omegaconf.errors import InterpolationKeyError
 
-    from lit_rlhf.compat.omegaconf import raw_node
+    from lit_rlhf.utils.compat.omegaconf import raw_node
 
     cfg = OmegaConf.create({"a": "${missing}"})
     with pytest.raises(InterpolationKeyError):
         cfg.a  # noqa: B018  (plain access resolves)
     assert raw_node(cfg, "a")._value() == "${missing}"
+
+
+def test_lightning_wandb_init_kwargs_are_what_wandb_init_gets(tmp_path):
+    from lightning.pytorch.loggers import WandbLogger
+
+    from lit_rlhf.utils.compat.lightning import wandb_init_kwargs
+
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="p")
+    init = wandb_init_kwargs(logger)
+    assert init["project"] == "p" and init["dir"] == str(tmp_path) and "anonymous" in init

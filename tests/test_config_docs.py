@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from lit_rlhf.utils.schemas import SCHEMAS, schema_class
+from lit_rlhf.launch.schemas import SCHEMAS, schema_class
 
 
 def documented_fields(cls: type) -> set[str]:

@@ -246,7 +246,7 @@ def _merge(base: dict, top: dict) -> dict:
 
 
 def _schema_defaults(name: str) -> dict:
-    from lit_rlhf.utils.schemas import schema_class
+    from lit_rlhf.launch.schemas import schema_class
 
     return to_dict(schema_class(name)())
 
@@ -295,7 +295,7 @@ TYPED_FILES = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.ya
 def test_every_typed_config_is_reached_by_the_restatement_check():
     """Each registered schema is the start of some config file (so its files are in TYPED_FILES), and
     every file of a group with typed files is either typed or an alias (a parent and no keys)."""
-    from lit_rlhf.utils.schemas import SCHEMAS
+    from lit_rlhf.launch.schemas import SCHEMAS
 
     used = {e.removeprefix("/schema/").partition("@")[0] for g in GROUPS for p in (CONF / g).glob("*.yaml")
             for e in _load(g, p.stem).get("defaults", []) if isinstance(e, str) and e.startswith("/schema/")}  # fmt: skip
@@ -349,7 +349,7 @@ def test_data_sections_share_the_template_and_row_range_checks(section):
     """The checks of the data configs' common base (``DataConfig.validate``) run for every section:
     an unknown template and each row-range key that does not parse fail naming the section's key."""
     from lit_rlhf.utils.config import build_config
-    from lit_rlhf.utils.schemas import schema_class
+    from lit_rlhf.launch.schemas import schema_class
 
     cls = schema_class(f"{section}_data")
     build_config(cls, {"train_rows": "1-10", "template": "dialogue"}, f"data.{section}")  # valid: builds

@@ -156,7 +156,7 @@ def test_deepspeed_zero3_matches_the_unsharded_run_and_samples_from_whole_weight
     """Real ZeRO-3 (every parameter partitioned: no persistence threshold) on 1 and 2 CPU processes:
     the ranks agree, the result is the unsharded run's, and every no-grad actor forward of the
     rollouts (each decoding step) found all the actor's weights already gathered: gathered once
-    per rollout, not fetched layer by layer per step (lit_rlhf/utils/strategies.py zero3_gathered)."""
+    per rollout, not fetched layer by layer per step (lit_rlhf/runtime/strategies.py zero3_gathered)."""
     ranks = ppo_runs("deepspeed3", devices)
     assert (ranks[0]["wrapper"], ranks[0]["zero_stage"]) == ("DeepSpeedEngine", 3)
     assert_ranks_agree_and_trained(ranks, models)
@@ -168,7 +168,7 @@ def test_deepspeed_zero3_matches_the_unsharded_run_and_samples_from_whole_weight
 @pytest.mark.slow
 @pytest.mark.integration
 def test_fsdp_matches_the_unsharded_run_and_samples_from_whole_weights(ppo_runs, models):
-    """Real FSDP (full shard, each model its own root: lit_rlhf.utils.strategies.RLHFFSDPStrategy) on
+    """Real FSDP (full shard, each model its own root: lit_rlhf.runtime.strategies.RLHFFSDPStrategy) on
     2 CPU processes: PPO's manual backward passes work, the ranks agree, the result is the DDP run's
     (the gradient-norm clip, active at every update here, uses the norm across shards; the
     optimizer splits matrices from vectors as DDP does, though FSDP flattens its shards), and every

@@ -1,4 +1,4 @@
-"""lit_rlhf/utils/strategies.py without processes: the FSDP strategy's refusals, the gradient norm
+"""lit_rlhf/runtime/strategies.py without processes: the FSDP strategy's refusals, the gradient norm
 every non-DeepSpeed update checks and clips with (against torch's own), and the shape rule the
 optimizer groups read. The strategies'
 real runs (FSDP, ZeRO-2/3 on 2 CPU processes) are in tests/test_distributed.py."""
@@ -6,7 +6,7 @@ real runs (FSDP, ZeRO-2/3 on 2 CPU processes) are in tests/test_distributed.py."
 import pytest
 import torch
 
-from lit_rlhf.utils.strategies import RLHFFSDPStrategy, built_ndim, sharded_grad_norm
+from lit_rlhf.runtime.strategies import RLHFFSDPStrategy, built_ndim, sharded_grad_norm
 
 LAYER = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
 

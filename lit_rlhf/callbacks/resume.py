@@ -87,7 +87,7 @@ class ResumeState(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         states, self._loader_states = self._loader_states, None
-        from lit_rlhf.compat.lightning import combined_loader
+        from lit_rlhf.utils.compat.lightning import combined_loader
 
         combined = combined_loader(trainer)
         if not states or combined is None:

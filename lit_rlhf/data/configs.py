@@ -1,6 +1,6 @@
 """The data groups' typed configs (``data.sft``, ``data.preference``, ``data.prompt``;
 docs/configs.md), apart from their data modules so that composing and checking a config
-(train.py's key checks, ``--cfg job``, lit_rlhf/utils/schemas.py) imports neither torch nor
+(train.py's key checks, ``--cfg job``, lit_rlhf/launch/schemas.py) imports neither torch nor
 Lightning. The data modules (data/sft.py, data/preference.py, data/prompts.py) re-export them.
 
 ``DataConfig`` holds what the three sections share (split, rows, template, loader settings, the

@@ -8,7 +8,7 @@ turns an unknown key into the same :class:`ConfigError` the typed configs raise:
 ``algo.lrr: unknown key for SFTConfig. Did you mean 'lr'? Allowed keys: …``.
 
 Every typed key is in the composed config (the presets start from the typed configs' schemas,
-lit_rlhf/utils/schemas.py), so a key is known exactly when its dataclass has the field.
+lit_rlhf/launch/schemas.py), so a key is known exactly when its dataclass has the field.
 Anything it cannot judge (a parse error, ``+``/``++``/``~`` overrides, ``hydra.*`` keys, list
 indices) is left to Hydra, which reports it as before.
 """
@@ -20,6 +20,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+from lit_rlhf.utils.compat.omegaconf import raw_node
 from lit_rlhf.utils.config import ConfigError
 
 _MAX_COMBINATIONS = 16
@@ -59,7 +60,7 @@ def _missing_key(cfg: Any, dotted: str) -> tuple[str, str, list[str]] | None:
         keys = [str(k) for k in node.keys()]
         if part not in keys:
             return ".".join(path), part, keys
-        node = node._get_node(part)  # no interpolation is resolved
+        node = raw_node(node, part)  # no interpolation is resolved
         path.append(part)
     return None
 
@@ -80,7 +81,7 @@ def _unknown_key_error(cfg: Any, parent: str, part: str, keys: list[str], config
     hint = (f" Did you mean '{close[0]}'?" if close else "") + top_level_hint(key)
     owner = ""
     if parent == "algo":
-        from lit_rlhf.utils.schemas import STAGE_SCHEMAS, schema_class
+        from lit_rlhf.launch.schemas import STAGE_SCHEMAS, schema_class
 
         target = str(cfg.algo.get("_target_", ""))
         if target in STAGE_SCHEMAS:  # lit_rlhf's stages: named without importing them

@@ -133,7 +133,7 @@ class RLHFModule(pl.LightningModule):
         """``model``'s trainable parameters as two optimizer groups: matrices with
         ``algo.weight_decay``, vectors (norm weights, biases) without; ``extra`` keys (e.g. ``lr``)
         in both. Judged on the shape as built, which FSDP's flat shards hide (strategies.built_ndim)."""
-        from lit_rlhf.utils.strategies import built_ndim
+        from lit_rlhf.runtime.strategies import built_ndim
 
         params = [p for p in model.parameters() if p.requires_grad]
         return [{"params": [p for p in params if built_ndim(p) >= 2], "weight_decay": self.config.weight_decay, **extra},
@@ -149,11 +149,11 @@ class RLHFModule(pl.LightningModule):
                                     gradient_clip_algorithm: str | None = None) -> None:  # fmt: skip
         """``trainer.gradient_clip_val`` (automatic optimization): Lightning's, except norm clipping
         under FSDP, which Lightning refuses: lit_rlhf clips by the norm across shards there."""
-        from lit_rlhf.utils.strategies import RLHFFSDPStrategy
+        from lit_rlhf.runtime.strategies import RLHFFSDPStrategy
 
         strategy = self.trainer.strategy
         if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and isinstance(strategy, RLHFFSDPStrategy):
-            from lit_rlhf.utils.strategies import sharded_grad_norm
+            from lit_rlhf.runtime.strategies import sharded_grad_norm
 
             params = [p for group in optimizer.param_groups for p in group["params"]]
             torch.nn.utils.clip_grads_with_norm_(params, float(gradient_clip_val), sharded_grad_norm(params, strategy))
@@ -230,10 +230,10 @@ class RLHFModule(pl.LightningModule):
           no autograd bookkeeping at all, faster decoding than ``no_grad``;
         * DeepSpeed ZeRO-3: ``no_grad`` with the trained models' partitions gathered ONCE for the
           whole context and the engine's per-module fetch/release hooks removed meanwhile
-          (:func:`lit_rlhf.utils.strategies.zero3_gathered`; docs/scaling.md §4), instead of gathering layer by layer at
+          (:func:`lit_rlhf.runtime.strategies.zero3_gathered`; docs/scaling.md §4), instead of gathering layer by layer at
           every decoding step; partitioned again on exit;
-        * FSDP (:class:`lit_rlhf.utils.strategies.RLHFFSDPStrategy`): ``no_grad`` with every unit's
-          weights gathered once for the context (:func:`lit_rlhf.utils.strategies.fsdp_gathered`);
+        * FSDP (:class:`lit_rlhf.runtime.strategies.RLHFFSDPStrategy`): ``no_grad`` with every unit's
+          weights gathered once for the context (:func:`lit_rlhf.runtime.strategies.fsdp_gathered`);
         * any other strategy: ``no_grad``.
         """
         if self._trainer is None:
@@ -247,12 +247,12 @@ class RLHFModule(pl.LightningModule):
             engine = getattr(strategy, "model", None)  # None before setup: nothing partitioned yet
             if not hasattr(engine, "module"):
                 return torch.no_grad()
-            from lit_rlhf.utils.strategies import zero3_gathered
+            from lit_rlhf.runtime.strategies import zero3_gathered
 
             return zero3_gathered(engine)
         if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
             return torch.inference_mode()
-        from lit_rlhf.utils.strategies import RLHFFSDPStrategy, fsdp_gathered
+        from lit_rlhf.runtime.strategies import RLHFFSDPStrategy, fsdp_gathered
 
         if isinstance(strategy, RLHFFSDPStrategy) and strategy.wrapped:  # before setup: nothing sharded yet
             return fsdp_gathered(self)

@@ -1,7 +1,7 @@
 """Typed, validated configs of every stage (``algo.*`` keys); each field's default and meaning.
 
 The dataclass defaults ARE the presets' base values: they are registered as Hydra schemas
-(lit_rlhf/utils/schemas.py), so ``conf/algo/*.yaml`` lists only what differs from them and
+(lit_rlhf/launch/schemas.py), so ``conf/algo/*.yaml`` lists only what differs from them and
 ``--cfg job`` shows every key. Defaults are the published recipes for real LMs (7B scale,
 docs/algorithms.md §3); values for the tiny embedded-task model live in conf/experiment/*_tiny.yaml.
 

@@ -463,13 +463,13 @@ class RLModule(RLHFModule):
         A loss that is not finite on some rank, or a non-finite gradient norm, is skipped and
         counted: no optimizer or schedule step (lit_rlhf/modules/health.py). The norm is computed
         once for the check and the clip, across shards under FSDP
-        (:func:`lit_rlhf.utils.strategies.sharded_grad_norm`), so every rank decides alike. Under
+        (:func:`lit_rlhf.runtime.strategies.sharded_grad_norm`), so every rank decides alike. Under
         DeepSpeed the gradients live in the engine: only the loss is checked there. Returns
         whether the update was applied.
         """
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
-        from lit_rlhf.utils.strategies import sharded_grad_norm
+        from lit_rlhf.runtime.strategies import sharded_grad_norm
 
         strategy = self.trainer.strategy
         max_norm = self.config.max_grad_norm

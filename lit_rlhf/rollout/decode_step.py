@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lit_rlhf.compat.torch import (
+from lit_rlhf.utils.compat.torch import (
     global_forward_hooks_active,
     has_forward_hooks,
     mkldnn_linear,
@@ -174,7 +174,7 @@ class LayerStep:
     def __init__(self, model: Any, max_positions: int, rows: int | None = None) -> None:
         import sys
 
-        from lit_rlhf.compat.transformers import attention_interface
+        from lit_rlhf.utils.compat.transformers import attention_interface
 
         inner = model.model
         self.embed, self.norm, self.head = inner.embed_tokens, inner.norm, model.get_output_embeddings()

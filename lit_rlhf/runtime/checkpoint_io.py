@@ -44,9 +44,9 @@ def atomic_deepspeed_saves(strategy: Any) -> None:
     """Make ``strategy.save_checkpoint`` (a DeepSpeedStrategy's: every rank writes its shards into
     one folder) write into ``.<name>.partial`` and swap it in once all ranks are done, so that a
     kill never leaves ``last.ckpt/`` half written. Wraps the instance's method
-    (:func:`lit_rlhf.compat.lightning.wrap_save_checkpoint`: any DeepSpeedStrategy subclass keeps
+    (:func:`lit_rlhf.utils.compat.lightning.wrap_save_checkpoint`: any DeepSpeedStrategy subclass keeps
     its own saving code)."""
-    from lit_rlhf.compat.lightning import wrap_save_checkpoint
+    from lit_rlhf.utils.compat.lightning import wrap_save_checkpoint
 
     wrap_save_checkpoint(strategy, lambda original: _atomic_folder_save(strategy, original))
 

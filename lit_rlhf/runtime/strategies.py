@@ -1,6 +1,6 @@
 """Strategies as the stages use them: FSDP with one unit per model and gathered rollouts, and the
 DeepSpeed strategy with what ZeRO-3 needs (whole-model build, gathered exports and rollouts;
-docs/scaling.md §4). The private APIs of Lightning and DeepSpeed they need are in lit_rlhf/compat/."""
+docs/scaling.md §4). The private APIs of Lightning and DeepSpeed they need are in lit_rlhf/utils/compat/."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Iterator, Sequence
 
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
-from lit_rlhf.compat.lightning import check_fsdp_setup_model, record_device, setup_activation_checkpointing
+from lit_rlhf.utils.compat.lightning import check_fsdp_setup_model, record_device, setup_activation_checkpointing
 
 
 class RLHFFSDPStrategy(FSDPStrategy):
@@ -208,7 +208,7 @@ def zero3_gathered(engine: Any) -> Iterator[None]:
     import deepspeed
     import torch
 
-    from lit_rlhf.compat.deepspeed import register_zero3_hooks, remove_zero3_hooks, zero3_offload
+    from lit_rlhf.utils.compat.deepspeed import register_zero3_hooks, remove_zero3_hooks, zero3_offload
 
     module = engine.module
     offload = zero3_offload(engine)

@@ -29,12 +29,15 @@ def wandb_logger(save_dir: str, offline: bool | None = None, **kwargs: Any) -> A
     """
     from lightning.pytorch.loggers import WandbLogger
 
+    from lit_rlhf.utils.compat.lightning import wandb_init_kwargs
+
     if offline is None:
         offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not wandb_api_key_available()
     os.makedirs(save_dir, exist_ok=True)
     logger = WandbLogger(save_dir=save_dir, offline=offline, mode="offline" if offline else "online", **kwargs)
-    if logger._wandb_init.get("anonymous") is None:  # Lightning passes anonymous=None, which wandb>=0.19 warns
-        logger._wandb_init.pop("anonymous", None)  # about on every run ("The anonymous setting has no effect")
+    init = wandb_init_kwargs(logger)
+    if init.get("anonymous") is None:  # Lightning passes anonymous=None, which wandb>=0.19 warns
+        init.pop("anonymous", None)  # about on every run ("The anonymous setting has no effect")
     return logger
 
 

@@ -44,6 +44,6 @@ def multiproc_args(models_help: str, extra: list[tuple[str, dict[str, Any]]] = (
 def wrapper_name(trainer: Any, model: Any) -> str:
     """What the strategy wrapped: its engine/DDP wrapper around the LightningModule, or under FSDP
     (which wraps each model the module holds instead) the type of ``model``."""
-    from lit_rlhf.utils.strategies import RLHFFSDPStrategy
+    from lit_rlhf.runtime.strategies import RLHFFSDPStrategy
 
     return type(model if isinstance(trainer.strategy, RLHFFSDPStrategy) else trainer.strategy.model).__name__

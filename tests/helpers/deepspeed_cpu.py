@@ -19,7 +19,7 @@ import argparse
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 
-from lit_rlhf.utils.strategies import RLHFDeepSpeedStrategy
+from lit_rlhf.runtime.strategies import RLHFDeepSpeedStrategy
 
 
 class CPUDeepSpeedStrategy(RLHFDeepSpeedStrategy):

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lit_rlhf.utils.strategies import RLHFFSDPStrategy
+from lit_rlhf.runtime.strategies import RLHFFSDPStrategy
 
 
 def _full_state_dict_context_without_offload(module: Any, world_size: int, rank0_only: bool = True) -> Any:

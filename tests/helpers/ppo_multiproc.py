@@ -31,7 +31,7 @@ from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args  # noqa: E
 
 
 def fsdp(trainer) -> bool:
-    from lit_rlhf.utils.strategies import RLHFFSDPStrategy
+    from lit_rlhf.runtime.strategies import RLHFFSDPStrategy
 
     return isinstance(trainer.strategy, RLHFFSDPStrategy)
 

@@ -25,7 +25,7 @@ from lit_rlhf.data.preference import PreferenceDataModule  # noqa: E402
 from lit_rlhf.models.builders import build_tokenizer  # noqa: E402
 from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig  # noqa: E402
 from lit_rlhf.modules.reward_model import RewardModelModule  # noqa: E402
-from lit_rlhf.utils.checkpoint_io import atomic_deepspeed_saves  # noqa: E402
+from lit_rlhf.runtime.checkpoint_io import atomic_deepspeed_saves  # noqa: E402
 from tests.helpers.deepspeed_cpu import CPUDeepSpeedStrategy  # noqa: E402
 
 

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from lit_rlhf.utils.checkpoint_io import AtomicCheckpointIO  # noqa: E402
+from lit_rlhf.runtime.checkpoint_io import AtomicCheckpointIO  # noqa: E402
 
 if __name__ == "__main__":
     io, start = AtomicCheckpointIO(), 0

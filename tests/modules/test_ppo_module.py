@@ -229,7 +229,7 @@ def test_rollout_runs_in_inference_mode_unless_parameters_are_sharded(saved_mode
 
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
 
-    from lit_rlhf.utils.strategies import RLHFFSDPStrategy  # (not set up: nothing to gather)
+    from lit_rlhf.runtime.strategies import RLHFFSDPStrategy  # (not set up: nothing to gather)
 
     m = make(saved_models, tokenizer, minibatch_size=8)
     m.configure_model()

@@ -29,7 +29,7 @@ class CompatError(RuntimeError):
         super().__init__(
             f"{package} {installed}: {internal} is no longer where lit_rlhf expects it{': ' + detail if detail else ''} "
             f"(lit_rlhf is tested with {package}=={PINNED[package]}; install that version, or update "
-            f"lit_rlhf/compat/{package}.py)"
+            f"lit_rlhf/utils/compat/{package}.py)"
         )
 
 

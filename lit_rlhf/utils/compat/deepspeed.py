@@ -1,11 +1,11 @@
-"""DeepSpeed internals (pinned deepspeed==0.19.8; lit_rlhf/compat/__init__.py): ZeRO-3's
+"""DeepSpeed internals (pinned deepspeed==0.19.8; lit_rlhf/utils/compat/__init__.py): ZeRO-3's
 per-module parameter hooks, removed for a rollout and registered again after it."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from lit_rlhf.compat import private_attr
+from lit_rlhf.utils.compat import private_attr
 
 
 def zero3_offload(engine: Any) -> Any:

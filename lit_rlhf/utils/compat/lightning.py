@@ -1,4 +1,4 @@
-"""Lightning internals (pinned lightning==2.6.6; lit_rlhf/compat/__init__.py)."""
+"""Lightning internals (pinned lightning==2.6.6; lit_rlhf/utils/compat/__init__.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-from lit_rlhf.compat import private_attr
+from lit_rlhf.utils.compat import private_attr
 
 
 def combined_loader(trainer: Any) -> Any:

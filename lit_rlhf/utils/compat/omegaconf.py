@@ -1,10 +1,10 @@
-"""OmegaConf internals (pinned omegaconf==2.3.1; lit_rlhf/compat/__init__.py)."""
+"""OmegaConf internals (pinned omegaconf==2.3.1; lit_rlhf/utils/compat/__init__.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from lit_rlhf.compat import private_attr
+from lit_rlhf.utils.compat import private_attr
 
 
 def raw_node(node: Any, key: str) -> Any:

@@ -1,4 +1,4 @@
-"""torch internals (pinned torch==2.13.0; lit_rlhf/compat/__init__.py): oneDNN's prepacked
+"""torch internals (pinned torch==2.13.0; lit_rlhf/utils/compat/__init__.py): oneDNN's prepacked
 linear operators and the module hook registries the decoding step checks before inlining."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lit_rlhf.compat import private_attr
+from lit_rlhf.utils.compat import private_attr
 
 
 def mkldnn_linear_available() -> bool:

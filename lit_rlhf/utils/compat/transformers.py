@@ -1,11 +1,11 @@
-"""transformers internals (pinned transformers==5.24.0; lit_rlhf/compat/__init__.py): the
+"""transformers internals (pinned transformers==5.24.0; lit_rlhf/utils/compat/__init__.py): the
 attention implementation a model's config selected, as the inlined decoding layers call it."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from lit_rlhf.compat import private_attr
+from lit_rlhf.utils.compat import private_attr
 
 
 def attention_interface(config: Any, eager: Callable[..., Any] | None) -> Callable[..., Any]:
