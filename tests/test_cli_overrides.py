@@ -59,25 +59,21 @@ def assert_overrides_reach_the_typed_configs(choices: list[str], overrides: dict
 
 
 def test_known_keys_pass_and_set_their_fields(tmp_path):
-    assert_overrides_reach_the_typed_configs(["algo=sft"], {"algo.lr": 1e-3}, tmp_path)
+    """Keys a preset YAML does not list exist through the schemas: no '+' needed, for algo, data and
+    model keys alike, and each reaches its typed field (with a stage chosen directly, by an
+    experiment, and with a data file)."""
+    assert_overrides_reach_the_typed_configs(["algo=sft"], {"algo.lr": 1e-3, "model.revision": "main",
+                                                            "data.sft.max_samples": 10}, tmp_path)  # fmt: skip
     # the experiment picks ppo_max (with the RL stage's required paths)
     assert_overrides_reach_the_typed_configs(["experiment=ppo_max_synthetic_tiny", "algo.policy_path=/m/sft", "algo.reward_path=/m/rm"],
-                                             {"algo.kl_coef": 0.1}, tmp_path)  # fmt: skip
+                                             {"algo.kl_coef": 0.1, "algo.ppo_epochs": 2, "algo.generation.top_k": 5}, tmp_path)  # fmt: skip
+    assert_overrides_reach_the_typed_configs(["algo=rm"], {"data.preference.margin_field": "rating",
+                                                           "data.preference.val_fraction": 0.1}, tmp_path)  # fmt: skip
     assert_overrides_reach_the_typed_configs(["data=sft_file", "data.sft.source=x.jsonl", "algo=sft"],
                                              {"data.sft.prompt_field": "question"}, tmp_path)  # fmt: skip
     for argv in (["algo=sft", "algo.lr=1e-3", "trainer.max_steps=5", "seed=3", "--cfg", "job"],
                  ["-m", "algo=sft,rm", "algo.lr=1e-3,3e-3"]):  # both stages have lr  # fmt: skip
         assert check_overrides(list(argv), CONF) == argv
-
-
-def test_keys_only_the_typed_configs_declare_are_set_without_plus(tmp_path):
-    """Keys a preset YAML does not list exist through the schemas (lit_rlhf/launch/schemas.py):
-    no '+' needed, for algo, data and model keys alike, and each reaches its typed field."""
-    rl = ["algo.policy_path=/m/sft", "algo.reward_path=/m/rm"]
-    assert_overrides_reach_the_typed_configs(["algo=ppo", *rl], {"algo.ppo_epochs": 2, "algo.generation.top_k": 5}, tmp_path)
-    assert_overrides_reach_the_typed_configs(["algo=rm"], {"data.preference.margin_field": "rating",
-                                                           "data.preference.val_fraction": 0.1}, tmp_path)  # fmt: skip
-    assert_overrides_reach_the_typed_configs(["algo=sft"], {"model.revision": "main", "data.sft.max_samples": 10}, tmp_path)
     assert error("algo=ppo", "algo.ppo_epoch=2").startswith("algo.ppo_epoch: unknown key for PPOConfig. Did you mean 'ppo_epochs'?")
 
 
