@@ -73,5 +73,6 @@ class SFTModule(RLHFModule):
         if floor:
             self.log("val/perplexity_floor", float(floor))
             self.log("val/perplexity_ratio", mean_nll.exp() / floor)
-        self.val_nll.reset()
-        self.val_tokens.reset()
+        with torch.inference_mode(False):  # fresh states must be normal tensors: a validation before fit
+            self.val_nll.reset()  # runs in inference mode, and the fit's validations update them in place
+            self.val_tokens.reset()

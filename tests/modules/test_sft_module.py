@@ -148,3 +148,17 @@ def test_hparams_are_small_and_reload(tiny_spec, tokenizer):
     assert set(m.hparams) == {"config", "model"}
     again = SFTModule(config=m.hparams["config"], model=m.hparams["model"])
     assert again.config == m.config and again.model_spec == m.model_spec
+
+
+def test_a_validation_before_fit_leaves_the_metrics_usable_by_the_fit(tiny_spec, tokenizer):
+    """validate_before_fit=true: the baseline validation (inference mode) resets the metric states;
+    the fit's own validations update them in place, which failed on inference tensors."""
+    torch.manual_seed(0)
+    m = make_module(tiny_spec, tokenizer, lr=1e-2)
+    dm = SFTDataModule(n_train=64, n_val=16, batch_size=16, eval_batch_size=16).connect(tokenizer)
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, val_check_interval=4)  # fmt: skip
+    before = trainer.validate(m, dm, verbose=False)[0]["val/perplexity"]
+    trainer.fit(m, dm)
+    assert not m.val_nll.sum_value.is_inference()
+    assert trainer.callback_metrics["val/perplexity"].item() < before  # the fit validated, after learning
