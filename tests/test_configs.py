@@ -25,8 +25,10 @@ NEEDS_USER_VALUE = {
     **{("experiment", e): RM for e in ("ppo_max_llama7b_a100x8", "ppo_max_llama7b_lora_1gpu")},  # policy: model=llama7b
     **{("algo", a): ["algo.policy_path=/models/sft"] for a in ("dpo", "ipo", "cdpo")},
     **{("experiment", e): ["algo.policy_path=/models/sft"] for e in ("dpo_synthetic_tiny", "dpo_hh_tiny")},
-    **{("algo", a): ["algo.policy_path=/models/sft", *RM] for a in ("grpo", "dapo", "dr_grpo", "rloo")},
-    **{("experiment", e): ["algo.policy_path=/models/sft", *RM] for e in ("grpo_synthetic_tiny", "dapo_synthetic_tiny")},
+    **{("algo", a): ["algo.policy_path=/models/sft", *RM] for a in ("grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp",
+                                                                      "reinforce_pp_baseline", "remax")},
+    **{("experiment", e): ["algo.policy_path=/models/sft", *RM] for e in ("grpo_synthetic_tiny", "dapo_synthetic_tiny",
+                                                                          "reinforce_pp_synthetic_tiny", "remax_synthetic_tiny")},
     ("experiment", "rm_hh_tiny"): ["model.name_or_path=/models/sft"],
 }  # fmt: skip
 # an algo that can consume each data kind (data options without an `sft` section use these)

@@ -1,5 +1,6 @@
-"""Advantages: GAE over response tokens for PPO (docs/algorithms.md §2.4; Schulman et al. 2016) and
-group-relative advantages for the critic-free methods (§6)."""
+"""Advantages: GAE over response tokens for PPO (docs/algorithms.md §2.4; Schulman et al. 2016),
+group-relative advantages for the critic-free methods (§6), and the KL-shaped returns of
+REINFORCE++ and ReMax (§6.1, §6.2)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+
+from lit_rlhf.core.masked import AllReduce, masked_whiten, no_all_reduce
+from lit_rlhf.core.rewards import shape_rewards
 
 
 def gae(
@@ -55,6 +59,60 @@ def gae(
         advantages[:, t] = next_adv
         next_v = values[:, t]
     return advantages, (advantages + values) * mask
+
+
+def rewards_to_go(rewards: Tensor, response_mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """REINFORCE's return of every response token, G_t = Σ_{s ≥ t} γ^{s−t} R_s (0 outside the mask).
+
+    It is :func:`gae` with V ≡ 0 and λ = 1 (δ_t = R_t, A_t = R_t + γ A_{t+1}): the same recursion,
+    so one implementation. OpenRLHF's ``get_cumulative_returns`` and the loop of verl's
+    ``compute_reinforce_plus_plus_outcome_advantage`` compute the same (tests compare a Python loop).
+    """
+    return gae(rewards, torch.zeros_like(rewards), response_mask, gamma, 1.0)[0]
+
+
+def reinforce_advantages(
+    scores: Tensor,
+    kl: Tensor,
+    response_mask: Tensor,
+    beta: float,
+    baseline: Tensor | None = None,
+    whiten: bool = False,
+    all_reduce: AllReduce = no_all_reduce,
+    gamma: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Token advantages from a sequence score and a per-token KL penalty (docs/algorithms.md §6.1–§6.2):
+
+    R_t = −β·kl_t + (r − b)·1[t = L];   A_t = Σ_{s≥t} γ^{s−t} R_s;   whiten: Â = (A − μ)/√(σ² + 10⁻⁸)
+
+    with L each response's last token and μ, σ² (Bessel) over the masked tokens of ALL ranks
+    (``all_reduce`` sums over processes). With γ = 1: A_t = r − b − β Σ_{s≥t} kl_s.
+
+    * REINFORCE++ (Hu 2025): b = 0, whiten; REINFORCE++-baseline: b = the group's mean score
+      (here already subtracted by the caller: ``scores`` = r − mean_group r), whiten. OpenRLHF's
+      ``compute_advantages_and_returns`` does the same steps in the same order (baseline, then
+      ``compute_reward``'s KL shaping, then ``get_cumulative_returns``, then the batch
+      normalization); its variance divides by n, not n − 1 (a factor √(n/(n−1)) on Â), and
+      clamps it at 10⁻⁸; verl's ``masked_whiten`` is this one (Bessel, + 10⁻⁸).
+    * ReMax (Li et al. 2023): b = the score of the greedy response to the same prompt, no
+      whitening: verl's ``compute_remax_outcome_advantage`` (returns − b on every token).
+    * β = 0, no whitening, γ = 1: r − b on every token (GRPO's broadcast sequence advantage).
+
+    Args:
+        scores: (B,) r (finite; a caller zeroes the rows it skips).
+        kl: (B, T) per-token KL estimates (ignored where β = 0).
+        response_mask: (B, T) 1 = response token (contiguous from column 0).
+        baseline: (B,) b, or None (0).
+    Returns:
+        advantages (B, T) and the shaped rewards R (B, T); both 0 outside the mask.
+    Naive equivalent: per row, a Python loop over its tokens from the last (tests compare, float64).
+    """
+    r = scores if baseline is None else scores - baseline
+    rewards = shape_rewards(r, kl, response_mask, beta)
+    advantages = rewards_to_go(rewards, response_mask, gamma)
+    if whiten:
+        advantages = masked_whiten(advantages, response_mask, all_reduce=all_reduce)
+    return advantages, rewards
 
 
 def group_advantages(

@@ -32,6 +32,7 @@ class Rollout:
     ref_logprobs: Tensor | None = None  # (B, R) log π_ref(y_t | x, y_<t); None = no reference model
     values: Tensor | None = None  # (B, R) V_old(s_t), the critic before this update; None = no critic
     scores: Tensor | None = None  # (B,) raw reward score r(x, y) (reward model or callable), before reparameterization
+    baseline_scores: Tensor | None = None  # (B,) score of each row's baseline response (ReMax: the greedy response to its prompt)
     rewards: Tensor | None = None  # (B, R) shaped per-token reward (score on the last token, −β·kl)
     advantages: Tensor | None = None  # (B, R) advantages (whitened if configured)
     returns: Tensor | None = None  # (B, R) critic targets G_t = A_t + V_t

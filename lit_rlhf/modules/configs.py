@@ -361,12 +361,14 @@ class DPOConfig(OptimConfig):
 
 @dataclass
 class GRPOConfig(RLConfig):
-    """Critic-free RL (docs/algorithms.md §6): GRPO; DAPO, Dr. GRPO and RLOO are presets of it.
-    Defaults: GRPO as in DeepSeekMath (β 0.04 with k3 in the loss, lr 1e-6, per-sequence mean then
-    batch mean, advantages scaled by the group std) with TRL's group size 8."""
+    """Critic-free RL (docs/algorithms.md §6): GRPO; DAPO, Dr. GRPO, RLOO, REINFORCE++ (and its
+    group-baseline variant) and ReMax are presets of it. Defaults: GRPO as in DeepSeekMath (β 0.04
+    with k3 in the loss, lr 1e-6, per-sequence mean then batch mean, advantages scaled by the group
+    std) with TRL's group size 8."""
 
     num_generations: int = field(default=8, metadata={"ge": 1})
-    """G: responses sampled per prompt (the group). algo.rollout_batch_size counts responses."""
+    """G: responses sampled per prompt (the group). algo.rollout_batch_size counts responses. 1 only
+    with a baseline that needs no group (advantage_baseline greedy or none: REINFORCE++, ReMax)."""
     num_iterations: int = field(default=1, metadata={"ge": 1})
     """μ: passes over each rollout (> 1: the old log-probs, taken at rollout, matter)."""
     minibatch_size: int | None = field(default=None, metadata={"ge": 1})
@@ -376,10 +378,13 @@ class GRPOConfig(RLConfig):
     scheduler: Literal["constant", "linear", "cosine"] = "constant"
     """lr after warm-up."""
     kl_coef: float = field(default=0.04, metadata={"ge": 0.0})
-    """β of the KL to the reference IN THE LOSS; 0 = no KL term (the reference is still loaded to
-    monitor the KL unless algo.monitor_kl=false)."""
+    """β of the KL to the reference, in the loss or the reward (``kl_placement``); 0 = no KL term (the
+    reference is still loaded to monitor the KL unless algo.monitor_kl=false)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token estimator of the loss's KL term (k3: DeepSeekMath)."""
+    """Per-token KL estimator (k3: DeepSeekMath's loss term; k1 in the reward: REINFORCE++, ReMax)."""
+    kl_placement: Literal["loss", "reward"] = "loss"
+    """loss: β·KL(π_θ‖π_ref) added to the loss (GRPO); reward: −β·kl_t on every response token of the
+    reward, whose return-to-go is the advantage (REINFORCE++, ReMax; docs/algorithms.md §6.1)."""
     clip_eps_low: float = field(default=0.2, metadata={"gt": 0.0, "lt": 1.0})
     """Ratio clip below: ρ ≥ 1 − ε_low."""
     clip_eps_high: float = field(default=0.2, metadata={"gt": 0.0})
@@ -388,8 +393,13 @@ class GRPOConfig(RLConfig):
     """seq_mean_token_mean (GRPO), token_mean (DAPO), seq_sum_constant (Dr. GRPO: Σ / (B · max_new_tokens))."""
     scale_rewards: bool = True
     """Divide the group-relative advantage by the group's std (+1e-4); false for Dr. GRPO and RLOO."""
-    advantage_baseline: Literal["mean", "leave_one_out"] = "mean"
-    """The group's mean (GRPO) or the mean of the OTHER responses (RLOO)."""
+    advantage_baseline: Literal["mean", "leave_one_out", "greedy", "none"] = "mean"
+    """What each response's score is compared with: the group's mean (GRPO, REINFORCE++-baseline), the
+    mean of the OTHER responses (RLOO), the score of the greedy response to the same prompt (ReMax:
+    one extra greedy response per prompt, scored, never trained on), or nothing (REINFORCE++)."""
+    whiten_advantages: bool = False
+    """Normalize the token advantages to mean 0, std 1 over the whole rollout of ALL ranks
+    (REINFORCE++'s global normalization); false = as computed (GRPO, ReMax)."""
     overlong_buffer: int | None = field(default=None, metadata={"ge": 1})
     """DAPO's soft overlong punishment: the last L_c tokens before overlong_max_length cost up to −1; None = off."""
     overlong_max_length: int | None = field(default=None, metadata={"ge": 1})
@@ -401,8 +411,15 @@ class GRPOConfig(RLConfig):
 
     def validate(self) -> None:
         super().validate()
-        check(self.num_generations >= 2, "num_generations",
-              f"GRPO compares responses within a group: needs >= 2, got {self.num_generations}")  # fmt: skip
+        grouped = self.advantage_baseline in ("mean", "leave_one_out")
+        check(self.num_generations >= 2 or not grouped, "num_generations",
+              f"GRPO compares responses within a group: needs >= 2, got {self.num_generations} (with "
+              f"algo.advantage_baseline={self.advantage_baseline}; greedy or none need no group)")  # fmt: skip
+        check(not self.scale_rewards or grouped, "scale_rewards",
+              f"divides by the group's reward std: needs algo.advantage_baseline=mean or leave_one_out, got "
+              f"{self.advantage_baseline}; set algo.scale_rewards=false")  # fmt: skip
+        check(not self.dynamic_sampling or self.num_generations >= 2, "dynamic_sampling",
+              "drops groups whose rewards are all equal: needs algo.num_generations >= 2")  # fmt: skip
         check(
             self.rollout_batch_size % self.num_generations == 0,
             "rollout_batch_size",
@@ -414,8 +431,8 @@ class GRPOConfig(RLConfig):
             "clip_eps_high",
             f"must be >= algo.clip_eps_low ({self.clip_eps_low}), got {self.clip_eps_high}",
         )
-        check(self.kl_estimator != "k1" or self.kl_coef == 0, "kl_estimator",
-              "k1 in the loss has zero expected gradient on-policy: use k3 (or k2)")  # fmt: skip
+        check(self.kl_estimator != "k1" or self.kl_coef == 0 or self.kl_placement == "reward", "kl_estimator",
+              "k1 in the loss has zero expected gradient on-policy: use k3 (or k2), or kl_placement=reward")  # fmt: skip
         check(
             self.overlong_buffer is None or self.overlong_buffer <= (self.overlong_max_length or self.generation.max_new_tokens),
             "overlong_buffer",

@@ -1,15 +1,22 @@
-"""``GRPOModule``: critic-free RL — GRPO, and DAPO, Dr. GRPO, RLOO as its presets (docs/algorithms.md §6).
+"""``GRPOModule``: critic-free RL — GRPO, and DAPO, Dr. GRPO, RLOO, REINFORCE++ (-baseline) and
+ReMax as its presets (docs/algorithms.md §6).
 
 The RL iteration is :class:`~lit_rlhf.modules.rl.RLModule`'s; GRPO supplies what differs:
 
 * G responses per prompt (``num_generations``; a group's rows are consecutive), and with DAPO's
   dynamic sampling (:meth:`refine_rollout`) groups whose rewards are all equal are dropped and
-  more prompts are sampled until the batch is full (up to ``max_resample_rounds``);
-* :meth:`compute_advantages`: optional overlong shaping of the reward, then group-relative
-  advantages (mean or leave-one-out baseline, optionally scaled by the group std) broadcast to
-  every response token; responses with a non-finite reward are counted and left out;
-* :meth:`minibatch_loss`: the clipped surrogate (ε_low, ε_high) + β·KL(π‖π_ref) in the LOSS (k3),
-  aggregated per sequence, per token, or over a constant (Dr. GRPO), β read from the controller.
+  more prompts are sampled until the batch is full (up to ``max_resample_rounds``); with ReMax's
+  greedy baseline, :meth:`sample` also decodes one greedy response per prompt through the same
+  rollout path and keeps only its score (``rollout.baseline_scores``: never trained on);
+* :meth:`compute_advantages`: optional overlong shaping of the reward, a baseline (the group's
+  mean or leave-one-out mean, optionally scaled by the group std; the greedy response's score;
+  none), then the token advantages: with the KL in the loss, the sequence advantage on every
+  response token; with the KL in the reward (REINFORCE++, ReMax), the return-to-go of −β·kl_t plus
+  the score on the last token; optionally whitened over the whole rollout of all ranks. Responses
+  with a non-finite reward are counted and left out;
+* :meth:`minibatch_loss`: the clipped surrogate (ε_low, ε_high), + β·KL(π‖π_ref) when it is in the
+  LOSS (k3), aggregated per sequence, per token, or over a constant (Dr. GRPO), β read from the
+  controller.
 
 No critic. With β = 0 the reference is still loaded to log the KL to the starting policy,
 unless ``algo.monitor_kl=false``.
@@ -17,18 +24,21 @@ unless ``algo.monitor_kl=false``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lit_rlhf.core.advantages import group_advantages
+from lit_rlhf.core.advantages import group_advantages, reinforce_advantages
+from lit_rlhf.core.kl import kl_penalty
 from lit_rlhf.core.losses import ppo_policy_loss
 from lit_rlhf.core.masked import masked_mean
 from lit_rlhf.core.rewards import overlong_penalty
 from lit_rlhf.core.types import Rollout, cat_rollouts
 from lit_rlhf.modules.configs import GRPOConfig
 from lit_rlhf.modules.rl import PolicyForward, RLModule
+from lit_rlhf.rollout.collect import generate_and_score
 from lit_rlhf.utils.distributed import all_reduce_min, all_reduce_sum
 
 AGGREGATION = {"seq_mean_token_mean": "seq_mean", "token_mean": "token_mean", "seq_sum_constant": "seq_sum_const"}
@@ -70,6 +80,28 @@ class GRPOModule(RLModule):
         return self.config.minibatch_size or n
 
     # --------------------------------------------------------------- phase 1
+    def sample(self, batch: dict[str, Any], policy_logprobs: bool = True) -> Rollout:
+        """:meth:`RLModule.sample`; with ``advantage_baseline=greedy`` (ReMax) each row also gets the
+        score of the greedy response to its prompt (``baseline_scores``), decoded first, so that the
+        scorer's per-component rewards (``reward/<name>``) are the sampled responses'. Greedy
+        decoding draws no random numbers: the sampled responses are those of a run without it."""
+        if self.config.advantage_baseline != "greedy":
+            return super().sample(batch, policy_logprobs)
+        greedy = self.greedy_scores(batch)
+        rollout = super().sample(batch, policy_logprobs)
+        rollout.baseline_scores = greedy.repeat_interleave(self.responses_per_prompt())
+        return rollout
+
+    def greedy_scores(self, batch: dict[str, Any]) -> Tensor:
+        """ReMax's baseline (Li et al. 2023, Algorithm 1): the reward of the greedy response to each
+        prompt of ``batch``, sampled by the one rollout path (``generate_and_score``, the sampling
+        settings with ``do_sample=false``) and scored by the reward only."""
+        gen = replace(self.config.generation, do_sample=False)
+        with self.rollout_grad_mode():
+            greedy = generate_and_score(self.actor, batch, self.tokenizer, gen, scorer=self.scorer,
+                                        policy_logprobs=False, padding_free=self.config.padding_free)  # fmt: skip
+        return greedy.scores.clone()  # a normal tensor (not an inference-mode one)
+
     def refine_rollout(self, rollout: Rollout, batch: dict[str, Any], fused: bool) -> tuple[Rollout, dict[str, Tensor]]:
         """DAPO's dynamic sampling when ``algo.dynamic_sampling``; else the rollout as sampled."""
         if not self.config.dynamic_sampling:
@@ -120,7 +152,10 @@ class GRPOModule(RLModule):
     # --------------------------------------------------------------- phase 2
     @torch.no_grad()
     def compute_advantages(self, rollout: Rollout) -> dict[str, Tensor]:
-        """Overlong shaping, group-relative advantages (docs/algorithms.md §6), broadcast to tokens."""
+        """Overlong shaping, the baseline, then the token advantages (docs/algorithms.md §6): the
+        sequence advantage on every token (KL in the loss), or the return-to-go of the KL-shaped
+        reward (KL in the reward: REINFORCE++, ReMax, β from the controller); whitened over all
+        ranks with ``whiten_advantages``. Fills ``rollout.advantages`` and ``rollout.rewards``."""
         c: GRPOConfig = self.config
         self.health.count_scores(rollout.scores)
         valid = torch.isfinite(rollout.scores)
@@ -128,17 +163,34 @@ class GRPOModule(RLModule):
         if c.overlong_buffer is not None:
             max_length = c.overlong_max_length or c.generation.max_new_tokens
             rewards = rewards + overlong_penalty(rollout.response_lengths, max_length, c.overlong_buffer)
-        adv, no_signal = group_advantages(rewards, c.num_generations, c.scale_rewards, c.advantage_baseline, 1e-4, valid)
-        rollout.advantages = adv[:, None] * rollout.response_mask
-        stats = {"grpo/zero_std_groups": no_signal.float().mean(),
-                 "reward/shaped_mean": rewards[valid].mean() if valid.any() else rewards.new_tensor(0.0)}  # fmt: skip
+        stats = {"reward/shaped_mean": rewards[valid].mean() if valid.any() else rewards.new_tensor(0.0)}
+        if c.advantage_baseline in ("mean", "leave_one_out"):
+            adv, no_signal = group_advantages(rewards, c.num_generations, c.scale_rewards, c.advantage_baseline, 1e-4, valid)
+            stats["grpo/zero_std_groups"] = no_signal.float().mean()
+        else:  # greedy (ReMax) or none (REINFORCE++): r − b per response
+            greedy = c.advantage_baseline == "greedy"
+            base = rollout.require("baseline_scores").baseline_scores if greedy else torch.zeros_like(rewards)
+            # a non-finite greedy score gives its rows no score signal (r − b := 0); the KL term still acts
+            base_ok = torch.isfinite(base)
+            adv = torch.where(valid & base_ok, rewards - torch.where(base_ok, base, rewards), torch.zeros_like(rewards))
+            if greedy:
+                stats["reward/greedy_mean"] = base[base_ok].mean() if base_ok.any() else base.new_tensor(0.0)
+        mask = rollout.valid_mask  # responses without a finite reward are left out
+        beta = self.kl_ctl.value if c.kl_placement == "reward" and rollout.ref_logprobs is not None else 0.0
+        if beta:
+            kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, c.kl_estimator, mask=mask)
+        else:  # the KL is in the loss, β = 0, or no reference (β = 0 and algo.monitor_kl=false)
+            kl = torch.zeros_like(rollout.response_mask, dtype=adv.dtype)
+        rollout.advantages, rollout.rewards = reinforce_advantages(adv, kl, mask, beta, whiten=c.whiten_advantages,
+                                                                   all_reduce=all_reduce_sum)  # fmt: skip
         components = getattr(self.scorer, "components", {})
         stats.update({f"reward/{name}": v[torch.isfinite(v)].mean() for name, v in components.items()})
         return stats
 
     # --------------------------------------------------------------- phase 3
     def minibatch_loss(self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-        """Clipped surrogate + β·KL in the loss, both with the configured aggregation (``ptx``: unused)."""
+        """Clipped surrogate (+ β·KL when ``kl_placement=loss``), both with the configured aggregation
+        (``ptx``: unused)."""
         c: GRPOConfig = self.config
         mask = mb.valid_mask  # responses without a finite reward are left out
         agg, constant = AGGREGATION[c.loss_aggregation], float(c.generation.max_new_tokens)
@@ -146,10 +198,11 @@ class GRPOModule(RLModule):
                                    None, agg, constant)  # fmt: skip
         stats = {f"policy/{k}": v for k, v in pg.items()}
         stats["policy/entropy"] = masked_mean(fwd.entropy, mask)
-        kl_term, kl_stats = self.kl_loss(fwd.logprobs, mb, mask, agg, constant)
-        if kl_term is not None:
-            loss = loss + kl_term
-            stats.update(kl_stats)
+        if c.kl_placement == "loss":
+            kl_term, kl_stats = self.kl_loss(fwd.logprobs, mb, mask, agg, constant)
+            if kl_term is not None:
+                loss = loss + kl_term
+                stats.update(kl_stats)
         return loss, stats
 
     # -------------------------------------------------------------- state

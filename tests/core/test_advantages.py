@@ -185,3 +185,140 @@ def test_leave_one_out_with_one_finite_reward_gives_advantage_zero(scale):
     d = 8**0.5 + 1e-4 if scale else 1.0
     assert adv.tolist() == pytest.approx([0.0, 0.0, 0.0, 4.0 / d, -4.0 / d, 0.0], rel=1e-6)
     assert adv[:3].tolist() == [0.0, 0.0, 0.0]  # exactly
+
+
+# ---------------------------------------------------------------- REINFORCE++ and ReMax (§6.1, §6.2)
+
+
+def naive_kl_shaped(scores, baselines, kl, lengths, beta, gamma=1.0):
+    """The papers' per-token advantage, row by row in float64: REINFORCE++ (Hu 2025, Eq. for
+    A_{q,o_t}) and ReMax (Li et al. 2023) with the KL in the reward, A_t = Σ_{s ≥ t} γ^{s−t} R_s,
+    R_s = −β kl_s + (r − b)·1[s = L]; for γ = 1: A_t = r − b − β Σ_{s=t}^{L} kl_s."""
+    out = [[0.0] * len(kl[0]) for _ in kl]
+    for i, n in enumerate(lengths):
+        for t in range(n):
+            total = 0.0
+            for s in range(t, n):
+                reward = -beta * kl[i][s] + ((scores[i] - baselines[i]) if s == n - 1 else 0.0)
+                total += gamma ** (s - t) * reward
+            out[i][t] = total
+    return out
+
+
+def naive_whiten(adv, lengths):
+    """(A − mean) / sqrt(var + 1e-8) over every response token of the batch (Bessel-corrected var)."""
+    import statistics
+
+    tokens = [adv[i][t] for i, n in enumerate(lengths) for t in range(n)]
+    mean, var = statistics.mean(tokens), statistics.variance(tokens)
+    return [[(a - mean) / (var + 1e-8) ** 0.5 if t < n else 0.0 for t, a in enumerate(row)] for row, n in zip(adv, lengths)]
+
+
+def random_batch(seed, lengths, width):
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    scores = torch.randn(len(lengths), generator=g, dtype=torch.float64)
+    kl = torch.randn(len(lengths), width, generator=g, dtype=torch.float64) * mask
+    return scores, kl, mask
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_rewards_to_go_match_the_naive_loop_and_ignore_padding(gamma):
+    from lit_rlhf.core.advantages import rewards_to_go
+
+    lengths = [4, 1, 6, 3]
+    _, rewards, mask = random_batch(1, lengths, 6)
+    expected = [[sum(gamma ** (s - t) * rewards[i, s].item() for s in range(t, n)) if t < n else 0.0 for t in range(6)]
+                for i, n in enumerate(lengths)]  # fmt: skip
+    torch.testing.assert_close(rewards_to_go(rewards, mask, gamma), torch.tensor(expected, dtype=torch.float64))
+    poisoned = torch.where(mask.bool(), rewards, torch.tensor(float("nan"), dtype=torch.float64))
+    torch.testing.assert_close(rewards_to_go(poisoned, mask, gamma), torch.tensor(expected, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+@pytest.mark.parametrize("whiten", [False, True])
+def test_reinforce_pp_advantages_match_the_paper_formula(whiten, gamma):
+    """REINFORCE++ (b = 0): the KL-shaped return of every token, normalized over the WHOLE batch."""
+    from lit_rlhf.core.advantages import reinforce_advantages
+
+    lengths = [5, 1, 7, 3, 7]
+    scores, kl, mask = random_batch(2, lengths, 7)
+    adv, rewards = reinforce_advantages(scores, kl, mask, 0.3, whiten=whiten, gamma=gamma)
+    expected = naive_kl_shaped(scores.tolist(), [0.0] * 5, kl.tolist(), lengths, 0.3, gamma)
+    if whiten:
+        expected = naive_whiten(expected, lengths)
+    torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64))
+    # the shaped reward: −β kl on each token, the score on the last one (PPO's shape_rewards)
+    assert rewards[0, 4].item() == pytest.approx(scores[0].item() - 0.3 * kl[0, 4].item())
+    assert rewards[0, 2].item() == pytest.approx(-0.3 * kl[0, 2].item()) and rewards[1, 1:].abs().sum() == 0
+    if whiten:  # mean 0, Bessel variance 1 over the response tokens
+        tokens = adv[mask.bool()]
+        # (masked_whiten takes its moments in float32)
+        assert tokens.mean().item() == pytest.approx(0.0, abs=1e-6) and tokens.var().item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_reinforce_pp_baseline_is_the_group_mean_subtracted_before_the_shaping_and_the_batch_normalization():
+    """REINFORCE++-baseline (OpenRLHF's ``reinforce_baseline``): r − mean of its prompt's group, then the
+    KL shaping, the return-to-go and the whole-batch normalization, in that order."""
+    import statistics
+
+    from lit_rlhf.core.advantages import group_advantages, reinforce_advantages
+
+    lengths = [3, 6, 2, 6, 4, 1, 5, 6]  # 2 groups of 4
+    scores, kl, mask = random_batch(3, lengths, 6)
+    centred, _ = group_advantages(scores, 4, scale=False, baseline="mean")
+    adv, _ = reinforce_advantages(centred, kl, mask, 0.1, whiten=True)
+    s = scores.tolist()
+    means = [statistics.mean(s[:4])] * 4 + [statistics.mean(s[4:])] * 4
+    expected = naive_whiten(naive_kl_shaped(s, means, kl.tolist(), lengths, 0.1), lengths)
+    torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64))
+
+
+def test_remax_advantages_match_the_paper_and_verl():
+    """ReMax: A_t = r(y) − r(ȳ_greedy) − β Σ_{s≥t} kl_s, not normalized; verl's
+    ``compute_remax_outcome_advantage`` writes it as (reverse cumsum of the token rewards) − b."""
+    from lit_rlhf.core.advantages import reinforce_advantages
+    from lit_rlhf.core.rewards import shape_rewards
+
+    lengths = [2, 5, 5, 1]
+    scores, kl, mask = random_batch(4, lengths, 5)
+    greedy = torch.tensor([0.5, -1.0, 2.0, 0.25], dtype=torch.float64)
+    adv, _ = reinforce_advantages(scores, kl, mask, 0.05, baseline=greedy)
+    expected = naive_kl_shaped(scores.tolist(), greedy.tolist(), kl.tolist(), lengths, 0.05)
+    torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64))
+    token_rewards = shape_rewards(scores, kl, mask, 0.05)  # verl: token_level_rewards with the KL in the reward
+    verl = (token_rewards * mask).flip(-1).cumsum(-1).flip(-1) - greedy[:, None] * mask
+    torch.testing.assert_close(adv, verl)
+
+
+def test_kl_shaped_advantages_hand_values():
+    """Two rows: L = 2 with kl [0.5, 0.25], r = 1, and L = 1 with kl [1], r = 0.5; β = 0.5.
+    Returns: row 0 [1 − 0.5·0.75, 1 − 0.5·0.25] = [0.625, 0.875]; row 1 [0.5 − 0.5] = [0].
+    Whitened: mean 0.5, deviations [0.125, 0.375, −0.5], Bessel variance 0.40625 / 2 = 0.203125.
+    ReMax with greedy scores [0.25, 0.5]: row 0 [0.375, 0.625], row 1 [−0.5]."""
+    from lit_rlhf.core.advantages import reinforce_advantages
+
+    scores, mask = torch.tensor([1.0, 0.5]), torch.tensor([[1, 1], [1, 0]])
+    kl = torch.tensor([[0.5, 0.25], [1.0, 7.0]])  # 7.0: padding, never read
+    adv, rewards = reinforce_advantages(scores, kl, mask, 0.5)
+    assert adv.tolist() == [[0.625, 0.875], [0.0, 0.0]] and rewards.tolist() == [[-0.25, 0.875], [0.0, 0.0]]
+    adv, _ = reinforce_advantages(scores, kl, mask, 0.5, whiten=True)
+    sd = (0.203125 + 1e-8) ** 0.5
+    torch.testing.assert_close(adv, torch.tensor([[0.125 / sd, 0.375 / sd], [-0.5 / sd, 0.0]]))
+    adv, _ = reinforce_advantages(scores, kl, mask, 0.5, baseline=torch.tensor([0.25, 0.5]))
+    assert adv.tolist() == [[0.375, 0.625], [-0.5, 0.0]]
+    # REINFORCE++-baseline on a group [1, 3] (centred [−1, 1]), β = 0: tokens [−1, −1, 1], mean −1/3,
+    # Bessel variance (4/9 + 4/9 + 16/9) / 2 = 4/3
+    adv, _ = reinforce_advantages(torch.tensor([-1.0, 1.0]), kl, mask, 0.0, whiten=True)
+    sd = (4 / 3 + 1e-8) ** 0.5
+    torch.testing.assert_close(adv, torch.tensor([[-2 / 3 / sd, -2 / 3 / sd], [4 / 3 / sd, 0.0]]))
+
+
+def test_without_kl_and_normalization_the_advantage_is_the_sequence_advantage_on_every_token():
+    """β = 0, no whitening: exactly GRPO's broadcast r − b (the group path runs through the same function)."""
+    from lit_rlhf.core.advantages import reinforce_advantages
+
+    lengths = [3, 1, 4]
+    scores, kl, mask = random_batch(5, lengths, 4)
+    adv, _ = reinforce_advantages(scores.float(), torch.zeros(3, 4), mask, 0.0)
+    assert torch.equal(adv, scores.float()[:, None] * mask)
