@@ -23,8 +23,9 @@ NEEDS_USER_VALUE = {
     **{("algo", a): ["algo.policy_path=/models/sft", *RM] for a in ("ppo", "ppo_max", "ppo_moss_release")},
     **{("experiment", e): ["algo.policy_path=/models/sft", *RM] for e in ("ppo_synthetic_tiny", "ppo_max_synthetic_tiny")},
     **{("experiment", e): RM for e in ("ppo_max_llama7b_a100x8", "ppo_max_llama7b_lora_1gpu")},  # policy: model=llama7b
-    **{("algo", a): ["algo.policy_path=/models/sft"] for a in ("dpo", "ipo", "cdpo")},
-    **{("experiment", e): ["algo.policy_path=/models/sft"] for e in ("dpo_synthetic_tiny", "dpo_hh_tiny")},
+    **{("algo", a): ["algo.policy_path=/models/sft"] for a in ("dpo", "ipo", "cdpo", "simpo", "orpo", "kto")},
+    **{("experiment", e): ["algo.policy_path=/models/sft"] for e in ("dpo_synthetic_tiny", "dpo_hh_tiny", "simpo_synthetic_tiny",
+                                                                     "orpo_synthetic_tiny", "kto_synthetic_tiny")},
     **{("algo", a): ["algo.policy_path=/models/sft", *RM] for a in ("grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp",
                                                                       "reinforce_pp_baseline", "remax")},
     **{("experiment", e): ["algo.policy_path=/models/sft", *RM] for e in ("grpo_synthetic_tiny", "dapo_synthetic_tiny",

@@ -1,11 +1,13 @@
 """Losses; each returns ``(loss, stats)`` with stats detached (docs/architecture.md "Conventions").
 
 Reward model (docs/algorithms.md §1), PPO policy / value / entropy / ptx terms (§2), the DPO
-family (§5), and the token aggregation shared with GRPO (§6).
+family (§5: DPO, cDPO, IPO; SimPO §5.1, ORPO §5.2, KTO §5.3), and the token aggregation shared
+with GRPO (§6).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -228,4 +230,136 @@ def dpo_loss(
         "chosen_rewards": (beta * chosen_logratio).detach(),
         "rejected_rewards": (beta * rejected_logratio).detach(),
     }
+    return loss, stats
+
+
+def log1mexp(x: Tensor) -> Tensor:
+    """log(1 − eˣ) for x ≤ 0, accurate at both ends (Mächler 2012, "Accurately computing log(1 − exp(−|a|))"):
+    log(−expm1(x)) above −ln 2, log1p(−eˣ) below. Naive equivalent: ``torch.log1p(-torch.exp(x))``
+    (what TRL's ORPO computes), which is −inf, and its gradient NaN, once eˣ rounds to 1 (x > −6e-8 in fp32).
+    Each branch only ever sees its own range, so neither leaks an inf into the other's gradient."""
+    cut = -math.log(2.0)
+    near = x > cut
+    at_cut = torch.full_like(x, cut)
+    return torch.where(near, torch.log(-torch.expm1(torch.where(near, x, at_cut))),
+                       torch.log1p(-torch.exp(torch.where(near, at_cut, x))))  # fmt: skip
+
+
+def simpo_loss(
+    chosen_avg_logps: Tensor,
+    rejected_avg_logps: Tensor,
+    beta: float,
+    gamma_beta_ratio: float,
+    label_smoothing: float = 0.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SimPO (Meng et al. 2024; docs/algorithms.md §5.1), reference-free, on AVERAGE per-token
+    log-probs p̄(y|x) = log π(y|x) / |y|:
+
+    h = β·(p̄(y_w|x) − p̄(y_l|x)) − γ,  with γ = β·gamma_beta_ratio;  loss = −(1 − s)·log σ(h) − s·log σ(−h)
+
+    (s: label smoothing as in the SimPO code and TRL's CPO trainer; s = 0 is the paper's loss).
+
+    Args:
+        chosen_avg_logps, rejected_avg_logps: (B,) mean log π_θ per response token of y_w and y_l.
+    Returns:
+        loss (mean over pairs), stats {"loss", "chosen_rewards" (B,), "rejected_rewards" (B,)} with the
+        implicit rewards β·p̄(y|x).
+    """
+    h = beta * (chosen_avg_logps - rejected_avg_logps) - beta * gamma_beta_ratio
+    losses = -(1.0 - label_smoothing) * F.logsigmoid(h) - label_smoothing * F.logsigmoid(-h)
+    loss = losses.mean()
+    stats = {
+        "loss": loss.detach(),
+        "chosen_rewards": (beta * chosen_avg_logps).detach(),
+        "rejected_rewards": (beta * rejected_avg_logps).detach(),
+    }
+    return loss, stats
+
+
+def orpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, lam: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """ORPO (Hong et al. 2024; docs/algorithms.md §5.2), reference-free:
+
+    L = L_SFT + λ·L_OR,  L_SFT = mean over pairs of −p̄(y_w|x),
+    L_OR = mean over pairs of −log σ(log odds(y_w|x) − log odds(y_l|x)),
+    log odds(y|x) = log(P/(1 − P)) = p̄ − log(1 − e^p̄),  P(y|x) = e^p̄,
+
+    where p̄(y|x) is the average per-token log-prob of the response (as the paper, its code and TRL).
+    log(1 − e^p̄) is :func:`log1mexp` (TRL: ``log1p(-exp(p̄))``, equal where both are finite).
+
+    Args:
+        chosen_avg_logps, rejected_avg_logps: (B,) mean log π_θ per response token of y_w and y_l.
+        lam: λ, the weight of the odds-ratio term (TRL's ``ORPOConfig.beta``).
+    Returns:
+        loss, stats {"loss", "nll_loss" (L_SFT), "or_loss" (L_OR), "log_odds_chosen" (mean log-odds
+        difference), "chosen_rewards" (B,), "rejected_rewards" (B,)} with the rewards λ·p̄(y|x) (TRL's).
+    """
+    log_odds = (chosen_avg_logps - log1mexp(chosen_avg_logps)) - (rejected_avg_logps - log1mexp(rejected_avg_logps))
+    nll = -chosen_avg_logps.mean()
+    odds_ratio = -F.logsigmoid(log_odds).mean()
+    loss = nll + lam * odds_ratio
+    stats = {
+        "loss": loss.detach(),
+        "nll_loss": nll.detach(),
+        "or_loss": odds_ratio.detach(),
+        "log_odds_chosen": log_odds.detach().mean(),
+        "chosen_rewards": (lam * chosen_avg_logps).detach(),
+        "rejected_rewards": (lam * rejected_avg_logps).detach(),
+    }
+    return loss, stats
+
+
+def kto_reference_point(policy_kl_logps: Tensor, ref_kl_logps: Tensor, reduce=None) -> Tensor:
+    """KTO's reference point (Ethayarajh et al. 2024; docs/algorithms.md §5.3):
+
+    z_ref = max(0, mean_i [log π_θ(y'_i|x_i) − log π_ref(y'_i|x_i)])
+
+    over MISMATCHED pairs (x_i, y'_i): each prompt with another example's completion, a biased but
+    low-variance estimate of KL(π_θ ‖ π_ref). Detached: no gradient flows through it (as in the
+    paper's code and TRL).
+
+    Args:
+        policy_kl_logps, ref_kl_logps: (B,) sequence log-probs of the mismatched pairs.
+        reduce: optional in-place sum of a (2,) tensor over processes (``all_reduce_sum``), so the
+            mean runs over every rank's pairs; None = this batch alone.
+    Returns:
+        () tensor z_ref ≥ 0.
+    """
+    with torch.no_grad():
+        diff = (policy_kl_logps - ref_kl_logps).to(torch.float64)
+        totals = torch.stack([diff.sum(), diff.new_tensor(float(diff.numel()))])
+        if reduce is not None:
+            totals = reduce(totals)
+        return (totals[0] / totals[1].clamp(min=1.0)).clamp(min=0.0).to(policy_kl_logps.dtype)
+
+
+def kto_loss(
+    logps: Tensor,
+    ref_logps: Tensor,
+    desirable: Tensor,
+    reference_point: Tensor | float,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """KTO (Ethayarajh et al. 2024; docs/algorithms.md §5.3) on unpaired examples. With the
+    implicit reward r = log π_θ(y|x) − log π_ref(y|x) (sequence log-probs) and z = ``reference_point``:
+
+    desirable y:   λ_D·(1 − σ(β·(r − z)));   undesirable y:   λ_U·(1 − σ(β·(z − r)))
+
+    i.e. λ_y − v(x, y), averaged over the batch's examples.
+
+    Args:
+        logps, ref_logps: (B,) sequence log-probs under π_θ and π_ref.
+        desirable: (B,) bool, True = desirable.
+        reference_point: z_ref (:func:`kto_reference_point`), detached.
+    Returns:
+        loss, stats {"loss", "rewards" (B,) β·r, "kl" z_ref}.
+    """
+    r = logps - ref_logps
+    good = desirable.bool()
+    losses = torch.where(good, desirable_weight * (1.0 - torch.sigmoid(beta * (r - reference_point))),
+                         undesirable_weight * (1.0 - torch.sigmoid(beta * (reference_point - r))))  # fmt: skip
+    loss = losses.mean()
+    stats = {"loss": loss.detach(), "rewards": (beta * r).detach(),
+             "kl": torch.as_tensor(reference_point, dtype=r.dtype, device=r.device).detach()}  # fmt: skip
     return loss, stats

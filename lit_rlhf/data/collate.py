@@ -45,6 +45,22 @@ class EncodedPreference:
     """The raw prompt text (drift sampling decodes nothing back)."""
 
 
+@dataclass(frozen=True)
+class EncodedExample:
+    """One unpaired example (KTO, docs/algorithms.md §5.3), tokenized: its prompt and completion, and
+    its KL row — the same prompt followed by ANOTHER example's completion, a mismatched pair whose
+    log-ratio enters KTO's reference point."""
+
+    completion: EncodedPair
+    kl: EncodedPair
+    desirable: bool
+    """True = a desirable completion (a chosen response), False = undesirable."""
+    index: int = 0
+    """Position of the example in its split (batches carry it as ``pair_index``)."""
+    prompt: str = ""
+    """The raw prompt text."""
+
+
 def encode_pair(
     tokenizer: Any,
     prompt: str,
@@ -151,6 +167,22 @@ def collate_preference(pairs: Sequence[EncodedPreference], pad_id: int) -> dict[
     batch["margin"] = torch.tensor([p.margin or 0.0 for p in pairs], dtype=torch.float32)
     batch["pair_index"] = torch.tensor([p.index for p in pairs], dtype=torch.long)
     batch["prompts"] = [p.prompt for p in pairs]
+    return batch
+
+
+def collate_unpaired(examples: Sequence[EncodedExample], pad_id: int) -> dict[str, Any]:
+    """Completion rows and KL rows stacked into one right-padded batch, as :func:`collate_preference`
+    stacks chosen and rejected (one forward per model scores both).
+
+    Returns:
+        input_ids, attention_mask, response_mask: (2B, T), rows [0, B) the completions, [B, 2B) the
+        KL rows; desirable: (B,) bool; pair_index: (B,) long, each example's position in its split;
+        prompts: the B raw prompts.
+    """
+    batch: dict[str, Any] = collate_sft([e.completion for e in examples] + [e.kl for e in examples], pad_id)
+    batch["desirable"] = torch.tensor([e.desirable for e in examples], dtype=torch.bool)
+    batch["pair_index"] = torch.tensor([e.index for e in examples], dtype=torch.long)
+    batch["prompts"] = [e.prompt for e in examples]
     return batch
 
 

@@ -107,8 +107,9 @@ class PreferenceDataConfig(HeldOutDataConfig):
     """Used when ``source`` is a file that does not exist (e.g. the hub copy of a local file)."""
     hub_data_dir: str | None = None
     """Subset folder of a hub dataset (``harmless-base`` of ``Anthropic/hh-rlhf``)."""
-    format: Literal["auto", "hh", "question", "generic"] = "auto"
-    """Row layout; auto = detected from the first row's keys (hh, question, generic)."""
+    format: Literal["auto", "hh", "question", "generic", "unpaired"] = "auto"
+    """Row layout; auto = detected from the first row's keys (hh, question, generic, unpaired).
+    unpaired = ``prompt``, ``completion``, ``label`` (true = desirable) rows: KTO's data only."""
     val_rows: str | None = None
     """Row range of ``source`` for validation (instead of a ``val_fraction`` carve-out)."""
     test_source: str | None = None
@@ -129,6 +130,10 @@ class PreferenceDataConfig(HeldOutDataConfig):
     """Pairs per batch (2 × sequences)."""
     group_by_length: bool = True
     """Batch pairs of similar length (much less padding); order stays random across batches."""
+    unpaired: bool = False
+    """Batches of unpaired examples (prompt, completion, desirable or not) instead of pairs, for KTO
+    (docs/algorithms.md §5.3; set by algo.loss_type=kto): pairs are split, the chosen response a
+    desirable example and the rejected one an undesirable example; ``batch_size`` then counts examples."""
     n_train: int = field(default=10000, metadata={"ge": 1})
     """Embedded task: training pairs to generate."""
     n_val: int = field(default=500, metadata={"ge": 1})

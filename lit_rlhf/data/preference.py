@@ -7,6 +7,9 @@ Formats (``format="auto"`` detects them from the first row's keys):
   (A handful of HH rows differ before the final turn; the common prefix handles them too.)
 * ``question`` — ``question``, ``response_chosen``, ``response_rejected``.
 * ``generic`` — ``prompt``, ``chosen``, ``rejected``.
+* ``unpaired`` — ``prompt``, ``completion``, ``label`` (true = desirable): KTO's examples
+  (``unpaired=true``, set by algo.loss_type=kto, which also splits the pair formats above into
+  examples: the chosen response desirable, the rejected one undesirable).
 * ``source="synthetic"`` — the embedded task's gold-labeled pairs (they also carry the gold
   rewards, so the noise ceiling — the gold reward's own accuracy — is known).
 
@@ -27,7 +30,8 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
-from lit_rlhf.data.collate import EncodedPreference, collate_preference, encode_encoder_pair, encode_pair
+from lit_rlhf.data.collate import (EncodedExample, EncodedPreference, collate_preference, collate_unpaired,
+                                   encode_encoder_pair, encode_pair)  # fmt: skip
 from lit_rlhf.data.configs import PreferenceDataConfig  # noqa: F401  (re-exported)
 from lit_rlhf.data.io import DataError, Row, is_file_source, iter_rows, require_str, select_rows
 from lit_rlhf.data.loader import ResumableDataLoader
@@ -43,6 +47,7 @@ FORMAT_FIELDS = {
     "hh": ("chosen", "rejected"),
     "question": ("question", "response_chosen", "response_rejected"),
     "generic": ("prompt", "chosen", "rejected"),
+    "unpaired": ("prompt", "completion", "label"),
 }
 # Llama-2 rating → margin (Touvron et al. 2023, Table 28). Ratings: 3 = significantly better,
 # 2 = better, 1 = slightly better, 0 = negligibly better / unsure (names accepted too).
@@ -65,13 +70,59 @@ class PreferencePair:
 
 def detect_format(row: Row) -> str:
     keys = set(row.data)
-    for fmt in ("question", "generic", "hh"):  # generic has chosen/rejected too: test it before hh
+    for fmt in ("question", "generic", "hh", "unpaired"):  # generic has chosen/rejected too: test it before hh
         if set(FORMAT_FIELDS[fmt]) <= keys:
             return fmt
     raise DataError(
         f"{row.where}: cannot detect the preference format from keys {sorted(keys)}; expected "
         + " or ".join("/".join(f) for f in FORMAT_FIELDS.values())
     )
+
+
+@dataclass(frozen=True)
+class UnpairedExample:
+    """One KTO example (docs/algorithms.md §5.3): a completion of a prompt, desirable or not."""
+
+    prompt: str
+    completion: str
+    desirable: bool
+    where: str = ""
+
+
+def parse_example(row: Row) -> UnpairedExample:
+    """An ``unpaired`` row; a missing field or a label that is not true/false is a DataError naming the row."""
+    hint = ["data.preference.format"]
+    prompt, completion = require_str(row, "prompt", hint), require_str(row, "completion", hint)
+    if "label" not in row.data:
+        raise DataError(f"{row.where}: missing field 'label' (true = desirable, false = undesirable); the row has: "
+                        f"{', '.join(sorted(row.data))}")  # fmt: skip
+    label = row.data["label"]
+    if not isinstance(label, bool):
+        raise DataError(f"{row.where}: field 'label' must be true or false (desirable or not), got {label!r}")
+    return UnpairedExample(prompt, completion, label, row.where)
+
+
+def unpair(pairs: list[PreferencePair]) -> list[UnpairedExample]:
+    """Pairs → KTO examples: each chosen response a desirable example, each rejected one an
+    undesirable example; all chosen first, then all rejected, each in pair order (as TRL's
+    ``unpair_preference_dataset``)."""
+    return ([UnpairedExample(p.prompt, p.chosen, True, p.where) for p in pairs]
+            + [UnpairedExample(p.prompt, p.rejected, False, p.where) for p in pairs])  # fmt: skip
+
+
+def kl_partners(prompts: list[str], where: str) -> list[int]:
+    """For each example i, the example j whose completion makes i's KL row (prompt_i, completion_j):
+    the nearest one before i, cyclically, with another prompt. TRL shifts completions by one
+    (example i gets example i − 1's); skipping examples of the same prompt keeps every KL pair
+    mismatched (docs/algorithms.md §5.3)."""
+    n, out = len(prompts), []
+    for i in range(n):
+        j = next(((i - k) % n for k in range(1, n) if prompts[(i - k) % n] != prompts[i]), None)
+        if j is None:
+            raise DataError(f"{where}: KTO's reference point pairs each prompt with another prompt's completion, "
+                            f"and these {n} examples have a single prompt: add examples of other prompts")  # fmt: skip
+        out.append(j)
+    return out
 
 
 def split_hh(chosen: str, rejected: str, where: str) -> tuple[str, str, str]:
@@ -120,6 +171,8 @@ class PreferenceDataModule(pl.LightningDataModule):
     Batches stack chosen rows then rejected rows (see ``collate_preference``). After ``setup``:
     ``stats`` counts rows read, skipped and truncated per split; for the embedded task
     ``gold_accuracy[split]`` is the gold reward's own accuracy on those pairs (the ceiling).
+    With ``unpaired`` (KTO) the splits hold :class:`EncodedExample` items instead (``examples``: the
+    parsed ones), batched by ``collate_unpaired``: completion rows then KL rows.
     """
 
     config_class = PreferenceDataConfig
@@ -129,8 +182,9 @@ class PreferenceDataModule(pl.LightningDataModule):
         self.config = resolve_config(PreferenceDataConfig, config, kwargs, "data")
         self.tokenizer: Any = None
         self.kind = "causal_lm"
-        self.splits: dict[str, list[EncodedPreference]] | None = None
+        self.splits: dict[str, list[EncodedPreference]] | dict[str, list[EncodedExample]] | None = None
         self.pairs: dict[str, list[PreferencePair]] = {}
+        self.examples: dict[str, list[UnpairedExample]] = {}
         self.stats: dict[str, int] = {}
         self.gold_accuracy: dict[str, float] = {}
 
@@ -169,9 +223,13 @@ class PreferenceDataModule(pl.LightningDataModule):
             out["test"] = self._rows(c.test_source or source, c.test_split, c.test_rows)
         return out
 
+    def _format(self, rows: list[Row]) -> str:
+        c = self.config
+        return c.format if c.format != "auto" or not rows else detect_format(rows[0])
+
     def _parse(self, rows: list[Row], split: str) -> list[PreferencePair]:
         c = self.config
-        fmt = c.format if c.format != "auto" or not rows else detect_format(rows[0])
+        fmt = self._format(rows)
         pairs, identical, empty = [], 0, 0
         for row in rows:
             pair = parse_pair(row, fmt, c.margin_field, c.margin_scale)
@@ -190,6 +248,26 @@ class PreferenceDataModule(pl.LightningDataModule):
         self.stats.update({f"{split}_rows_read": len(rows), f"{split}_skipped_empty": empty,
                            f"{split}_skipped_identical": identical, f"{split}_duplicates": duplicates})  # fmt: skip
         return pairs
+
+    def _parse_examples(self, rows: list[Row], split: str) -> list[UnpairedExample]:
+        """``unpaired`` rows (KTO only); empty completions are skipped (counted) or refused, per ``on_empty``."""
+        c = self.config
+        if not c.unpaired:
+            raise DataError(f"{rows[0].where}: unpaired rows (prompt, completion, label) have no pairs to compare: "
+                            "they train algo.loss_type=kto only")  # fmt: skip
+        examples, empty = [], 0
+        for row in rows:
+            example = parse_example(row)
+            if not example.completion.strip():
+                if c.on_empty == "error":
+                    raise DataError(f"{row.where}: empty completion (data.preference.on_empty=skip skips such rows)")
+                empty += 1
+                continue
+            examples.append(example)
+        duplicates = len(examples) - len({(e.prompt, e.completion, e.desirable) for e in examples})
+        self.stats.update({f"{split}_rows_read": len(rows), f"{split}_skipped_empty": empty,
+                           f"{split}_skipped_identical": 0, f"{split}_duplicates": duplicates})  # fmt: skip
+        return examples
 
     def _synthetic_pairs(self) -> dict[str, list[PreferencePair]]:
         c = self.config
@@ -220,6 +298,40 @@ class PreferenceDataModule(pl.LightningDataModule):
         self.stats[f"{split}_responses_cut"] = sum(e.chosen.response_cut > 0 or e.rejected.response_cut > 0 for e in out)
         return out
 
+    def _encode_examples(self, examples: list[UnpairedExample], split: str) -> list[EncodedExample]:
+        """Each example with its KL row: its prompt and the completion of :func:`kl_partners`' choice."""
+        c = self.config
+        enc = functools.partial(encode_pair, self.tokenizer, template=get_template(c.template), max_length=c.max_length)
+        partners = kl_partners([e.prompt for e in examples], f"{c.source} [{split}]") if examples else []
+        out = [EncodedExample(enc(e.prompt, e.completion), enc(e.prompt, examples[j].completion), e.desirable, i, e.prompt)
+               for i, (e, j) in enumerate(zip(examples, partners))]  # fmt: skip
+        self.stats[f"{split}_examples"] = len(out)
+        self.stats[f"{split}_desirable"] = sum(e.desirable for e in out)
+        self.stats[f"{split}_prompts_cut"] = sum(e.completion.prompt_cut > 0 for e in out)
+        self.stats[f"{split}_responses_cut"] = sum(e.completion.response_cut > 0 for e in out)
+        return out
+
+    def _setup_examples(self) -> None:
+        """``unpaired`` (KTO): the pairs split into examples (unpaired rows already are), then encoded."""
+        c = self.config
+        self.examples.update({split: unpair(pairs) for split, pairs in self.pairs.items()})
+        if not self.examples.get("train"):
+            raise DataError(
+                f"{c.source}: no usable examples in the training rows ({self.stats.get('train_rows_read', 0)} read, "
+                f"{self.stats.get('train_skipped_empty', 0)} skipped as empty, "
+                f"{self.stats.get('train_skipped_identical', 0)} as identical)"
+            )
+        self.splits = {split: self._encode_examples(examples, split) for split, examples in self.examples.items()}
+        s = self.stats
+        for split in self.splits:
+            log.info(
+                "preference %s: %d unpaired examples, %d desirable (%d rows read; skipped %d empty, %d identical; "
+                "%d examples had prompt tokens cut from the left, %d a completion cut, at max_length=%d)",
+                split, s[f"{split}_examples"], s[f"{split}_desirable"], s[f"{split}_rows_read"],
+                s[f"{split}_skipped_empty"], s[f"{split}_skipped_identical"], s[f"{split}_prompts_cut"],
+                s[f"{split}_responses_cut"], c.max_length,
+            )  # fmt: skip
+
     def setup(self, stage: str | None = None) -> None:
         if self.splits is not None:
             return
@@ -229,9 +341,17 @@ class PreferenceDataModule(pl.LightningDataModule):
         if c.source == "synthetic":
             self.pairs = self._synthetic_pairs()
         else:
-            self.pairs = {split: self._parse(rows, split) for split, rows in self._load_file_splits().items()}
+            for split, rows in self._load_file_splits().items():
+                if self._format(rows) == "unpaired":
+                    self.examples[split] = self._parse_examples(rows, split)
+                else:
+                    self.pairs[split] = self._parse(rows, split)
         if c.max_samples is not None:
-            self.pairs["train"] = self.pairs["train"][: c.max_samples]
+            for part in (self.pairs, self.examples):
+                if "train" in part:
+                    part["train"] = part["train"][: c.max_samples]
+        if c.unpaired:
+            return self._setup_examples()
         if not self.pairs["train"]:
             raise DataError(
                 f"{c.source}: no usable preference pairs in the training rows "
@@ -262,9 +382,10 @@ class PreferenceDataModule(pl.LightningDataModule):
             return []
         c = self.config
         size = batch_size or (c.batch_size if train else (c.eval_batch_size or c.batch_size))
-        collate = functools.partial(collate_preference, pad_id=self.tokenizer.pad_token_id)
+        collate = functools.partial(collate_unpaired if c.unpaired else collate_preference, pad_id=self.tokenizer.pad_token_id)
         if train and c.group_by_length:
-            lengths = [max(e.chosen.length, e.rejected.length) for e in data]
+            lengths = [max(e.completion.length, e.kl.length) if c.unpaired else max(e.chosen.length, e.rejected.length)
+                       for e in data]  # fmt: skip
             sampler = LengthGroupedSampler(lengths, size, seed=c.seed)
         else:
             sampler = EpochSampler(len(data), seed=c.seed) if train else None

@@ -168,6 +168,9 @@ class RLHFModule(pl.LightningModule):
             return (step + 1) / warmup
         if c.scheduler == "constant":
             return 1.0
+        if c.scheduler == "inverse_sqrt":  # transformers' get_inverse_sqrt_schedule (timescale = warm-up or 10,000)
+            timescale = warmup or 10_000
+            return math.sqrt(timescale / (step - warmup + timescale))
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
         shape = 1.0 - progress if c.scheduler == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
         return c.min_lr_ratio + (1.0 - c.min_lr_ratio) * shape

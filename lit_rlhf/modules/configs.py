@@ -312,20 +312,35 @@ class PPOConfig(RLConfig):
 
 @dataclass
 class DPOConfig(OptimConfig):
-    """Direct preference optimization and its variants (docs/algorithms.md §5): DPO (sigmoid),
-    cDPO (label smoothing), IPO. Defaults: the DPO paper's recipe (β 0.1, lr 1e-6 after a
-    150-step linear warm-up, constant; Rafailov et al. 2023 App. B)."""
+    """Direct preference optimization and its family (docs/algorithms.md §5): DPO (sigmoid), cDPO
+    (label smoothing), IPO, and the reference-free SimPO (§5.1) and ORPO (§5.2) and the unpaired KTO
+    (§5.3), each a ``loss_type`` of the one module. Defaults: the DPO paper's recipe (β 0.1, lr 1e-6
+    after a 150-step linear warm-up, constant; Rafailov et al. 2023 App. B); conf/algo/{simpo,orpo,kto}.yaml
+    set their papers' recipes."""
 
     policy_path: str | None = None
     """The SFT model to train (``save_pretrained`` folder or hub id). None = the ``model`` group's model."""
     reference_path: str | None = None
-    """The frozen reference π_ref; None = the policy's starting weights (the usual choice)."""
+    """The frozen reference π_ref; None = the policy's starting weights (the usual choice). SimPO and
+    ORPO have none (setting it is an error)."""
     beta: float = field(default=0.1, metadata={"gt": 0.0})
-    """β: strength of the implicit KL constraint (sigmoid) / the target margin 1/(2β) (IPO)."""
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
-    """sigmoid = DPO (and cDPO with label_smoothing > 0); ipo = IPO's squared loss."""
+    """β: strength of the implicit KL constraint (sigmoid, KTO) / the target margin 1/(2β) (IPO) / the
+    scale of the average-log-prob reward (SimPO) / ORPO's λ, the weight of the odds-ratio term
+    (TRL's ORPOConfig.beta; docs/algorithms.md §5.2)."""
+    loss_type: Literal["sigmoid", "ipo", "simpo", "orpo", "kto"] = "sigmoid"
+    """sigmoid = DPO (and cDPO with label_smoothing > 0); ipo = IPO's squared loss; simpo = SimPO
+    (§5.1), orpo = ORPO (§5.2): reference-free, no reference model is built; kto = KTO (§5.3):
+    unpaired desirable/undesirable examples (pairs are split; sets data.preference.unpaired)."""
     label_smoothing: float = field(default=0.0, metadata={"ge": 0.0, "lt": 0.5})
-    """cDPO: the assumed probability that a preference label is flipped (0 = plain DPO)."""
+    """cDPO / SimPO: the assumed probability that a preference label is flipped (0 = the plain loss)."""
+    gamma_beta_ratio: float = field(default=0.5, metadata={"ge": 0.0})
+    """SimPO: the target reward margin as γ/β (the margin is γ = β·gamma_beta_ratio). 0.5: the SimPO
+    authors' Llama-3-8B-Base recipe (princeton-nlp/SimPO training_configs/llama-3-8b-base-simpo.yaml)."""
+    desirable_weight: float = field(default=1.0, metadata={"gt": 0.0})
+    """KTO: λ_D, the weight of desirable examples' losses. The KTO paper keeps λ_D·n_D / (λ_U·n_U)
+    in [1, 4/3] for n_D desirable and n_U undesirable examples (1 for pairs split in two)."""
+    undesirable_weight: float = field(default=1.0, metadata={"gt": 0.0})
+    """KTO: λ_U, the weight of undesirable examples' losses."""
     precompute_ref_logprobs: bool = False
     """Score every pair with the reference once before training (cached next to the run) and keep
     no reference model in memory while training (it is loaded again only to measure drift)."""
@@ -338,8 +353,9 @@ class DPOConfig(OptimConfig):
     padded forward on its first batch and keeps the padded one if they disagree."""
     lr: float = field(default=1e-6, metadata={"gt": 0.0})
     """Peak learning rate."""
-    scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    """lr after warm-up."""
+    scheduler: Literal["constant", "linear", "cosine", "inverse_sqrt"] = "constant"
+    """lr after warm-up; inverse_sqrt = lr·sqrt(w / step) after w warm-up steps (transformers'
+    inverse_sqrt schedule, timescale w, or 10,000 without warm-up; ORPO's recipe)."""
     warmup_steps: int = field(default=150, metadata={"ge": 0})
     """Linear warm-up optimizer steps."""
     drift_prompts: int = field(default=64, metadata={"ge": 0})
@@ -350,13 +366,21 @@ class DPOConfig(OptimConfig):
     export_dir: str | None = None
     """``save_pretrained`` folder of the trained policy."""
 
+    @property
+    def reference_free(self) -> bool:
+        """SimPO and ORPO: no reference model at all (docs/algorithms.md §5.1, §5.2)."""
+        return self.loss_type in ("simpo", "orpo")
+
     def validate(self) -> None:
         super().validate()
         check(
-            self.loss_type == "sigmoid" or self.label_smoothing == 0.0,
+            self.loss_type in ("sigmoid", "simpo") or self.label_smoothing == 0.0,
             "label_smoothing",
-            f"applies to the sigmoid (DPO) loss only; got loss_type={self.loss_type!r}",
+            f"applies to the sigmoid (DPO) and simpo losses only; got loss_type={self.loss_type!r}",
         )
+        for key in ("reference_path", "precompute_ref_logprobs"):
+            check(not (self.reference_free and getattr(self, key)), key,
+                  f"loss_type={self.loss_type!r} is reference-free (no reference model): unset algo.{key}")  # fmt: skip
 
 
 @dataclass

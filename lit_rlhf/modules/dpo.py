@@ -1,11 +1,17 @@
-"""``DPOModule``: direct preference optimization — DPO, cDPO, IPO (docs/algorithms.md §5).
+"""``DPOModule``: direct preference optimization — DPO, cDPO, IPO (docs/algorithms.md §5), and
+the reference-free SimPO (§5.1) and ORPO (§5.2) and the unpaired KTO (§5.3), each an
+``algo.loss_type`` of this one module (presets ``algo=simpo|orpo|kto``).
 
 One training step = one batch of preference pairs from the reward model's data module (the
 same formats, truncation and bad-row rules): the policy scores chosen and rejected in ONE
 concatenated forward (rows [0, B) chosen, [B, 2B) rejected), the reference either live (a frozen
 model, never checkpointed, reloaded from its path) or precomputed once over the dataset before
 training (``precompute_ref_logprobs``; no reference in memory while training), and
-:func:`~lit_rlhf.core.losses.dpo_loss` turns the four sequence log-probs into the loss.
+:func:`~lit_rlhf.core.losses.dpo_loss` turns the four sequence log-probs into the loss. SimPO and
+ORPO build no reference at all: their losses read the policy's average per-token log-probs.
+KTO's batches are unpaired examples (``data.preference.unpaired``): rows [0, B) the completions,
+[B, 2B) their KL rows (each prompt with another example's completion), which give the reference
+point z_ref (:func:`~lit_rlhf.core.losses.kto_reference_point`, averaged over all ranks).
 
 DPO has no rollouts, so its drift is invisible to the loss curves. Every validation therefore
 also samples responses to ``drift_prompts`` held-out prompts through the one rollout path and
@@ -23,37 +29,43 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from lit_rlhf.core.losses import dpo_loss
+from lit_rlhf.core.losses import dpo_loss, kto_loss, kto_reference_point, orpo_loss, simpo_loss
 from lit_rlhf.models.packed import sequence_logprobs
 from lit_rlhf.modules.base import RLHFModule, policy_spec
 from lit_rlhf.modules.configs import DPOConfig
 from lit_rlhf.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
-# metric key -> logged name (docs/metrics.md; TRL's names, so dashboards carry over)
+# metric key -> logged name (docs/metrics.md; TRL's names, so dashboards carry over). KTO's
+# chosen/rejected are its desirable/undesirable examples (as TRL's KTO logs them).
 NAMES = {"loss": "loss", "rewards_chosen": "rewards/chosen", "rewards_rejected": "rewards/rejected",
          "accuracies": "rewards/accuracies", "margins": "rewards/margins", "logps_chosen": "logps/chosen",
-         "logps_rejected": "logps/rejected"}  # fmt: skip
+         "logps_rejected": "logps/rejected", "nll_loss": "nll_loss", "log_odds_ratio": "log_odds_ratio",
+         "log_odds_chosen": "log_odds_chosen", "kl": "kl"}  # fmt: skip
+SUMMED = [k for k in NAMES if k != "margins"]  # margins = rewards/chosen − rewards/rejected, derived when read
 
 
 class DPOMetrics(nn.Module):
-    """Pair-weighted means over a window of batches and all ranks.
+    """Means over a window of batches and all ranks, each quantity over its own count (pairs;
+    KTO's desirable or undesirable examples; steps for KTO's z_ref).
 
-    One (8,) vector of sums per window (one in-place add per step; one all-reduce when the
-    window is read) instead of a metric object per quantity: the step is the hot path of DPO.
+    One (2, K) tensor of sums and counts per window (one in-place add per step; one all-reduce
+    when the window is read) instead of a metric object per quantity: the step is the hot path.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("sums", torch.zeros(len(NAMES) + 1, dtype=torch.float64), persistent=False)
+        self.register_buffer("sums", torch.zeros(2, len(SUMMED), dtype=torch.float64), persistent=False)
+        self.counts: dict[str, float] = {}  # the last window's counts, by key
 
     @torch.no_grad()
-    def update(self, loss: Tensor, chosen_rewards: Tensor, rejected_rewards: Tensor, chosen: Tensor, rejected: Tensor):
-        n = float(chosen.shape[0])
-        values = torch.stack([loss.detach().float() * n, chosen_rewards.sum(), rejected_rewards.sum(),
-                              (chosen_rewards > rejected_rewards).float().sum(), (chosen_rewards - rejected_rewards).sum(),
-                              chosen.detach().sum(), rejected.detach().sum(), chosen.new_tensor(n)])  # fmt: skip
-        self.sums += values.to(self.sums)  # order: NAMES, then the pair count
+    def update(self, values: dict[str, tuple[Tensor, Tensor | float]]) -> None:
+        """``values``: key -> (sum over the batch, how many values it sums)."""
+        index = [SUMMED.index(k) for k in values]
+        sums = torch.stack([v[0].detach().to(self.sums.dtype).reshape(()) for v in values.values()])
+        counts = torch.stack([torch.as_tensor(v[1], dtype=self.sums.dtype, device=sums.device).reshape(())
+                              for v in values.values()])  # fmt: skip
+        self.sums[:, index] += torch.stack([sums, counts]).to(self.sums)
 
     def compute_and_reset(self) -> dict[str, Tensor] | None:
         from lit_rlhf.utils.distributed import all_reduce_sum
@@ -61,9 +73,12 @@ class DPOMetrics(nn.Module):
         totals = all_reduce_sum(self.sums.clone())
         with torch.inference_mode(False):  # stays a normal tensor (validation runs in inference mode)
             self.sums = torch.zeros_like(self.sums, device=self.sums.device)
-        if totals[-1] <= 0:
-            return None
-        return {k: (totals[i] / totals[-1]).float() for i, k in enumerate(NAMES)}
+        counts = totals[1].tolist()
+        self.counts = {k: counts[i] for i, k in enumerate(SUMMED)}
+        out = {k: (totals[0, i] / counts[i]).float() for i, k in enumerate(SUMMED) if counts[i] > 0}
+        if "rewards_chosen" in out and "rewards_rejected" in out:
+            out["margins"] = out["rewards_chosen"] - out["rewards_rejected"]
+        return out or None
 
 
 def _names(prefix: str, values: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -95,9 +110,26 @@ class DPOModule(RLHFModule):
     @classmethod
     def planned_models(cls, config: DPOConfig) -> list[tuple[str, str, str | None]]:
         out = [("policy", "trained", config.policy_path)]
-        if not config.precompute_ref_logprobs:  # the cached log-probs replace the reference in training
+        # the cached log-probs replace the reference in training; SimPO and ORPO have none
+        if not (config.precompute_ref_logprobs or config.reference_free):
             out.append(("reference", "frozen-ref", config.reference_path or config.policy_path))
         return out
+
+    @classmethod
+    def resolve_data_config(cls, config: DPOConfig, data: Any) -> Any:
+        """KTO reads unpaired examples (``data.preference.unpaired``, docs/algorithms.md §5.3); every
+        other loss reads pairs."""
+        import dataclasses
+
+        kto = config.loss_type == "kto"
+        if not kto and data.unpaired:
+            raise ConfigError("data.preference.unpaired", f"unpaired examples train algo.loss_type=kto only; "
+                                                          f"loss_type={config.loss_type!r} trains on pairs")  # fmt: skip
+        if not kto and data.format == "unpaired":
+            raise ConfigError("data.preference.format", f"unpaired rows (prompt, completion, label) train "
+                                                        f"algo.loss_type=kto only; loss_type={config.loss_type!r} "
+                                                        "trains on pairs")  # fmt: skip
+        return dataclasses.replace(data, unpaired=True) if kto else data
 
     @classmethod
     def check_compatible(cls, config: DPOConfig, spec: Any) -> None:
@@ -127,7 +159,7 @@ class DPOModule(RLHFModule):
         from lit_rlhf.models.builders import build_causal_lm
 
         self.policy = self.with_lora(build_causal_lm(self.model_spec, self.ensure_tokenizer())).train()
-        if not self.config.precompute_ref_logprobs:
+        if not (self.config.precompute_ref_logprobs or self.config.reference_free):  # SimPO, ORPO: no reference
             self.frozen["reference"] = self.build_reference()
 
     def exportable_model(self) -> nn.Module:
@@ -140,11 +172,16 @@ class DPOModule(RLHFModule):
             m.to(self.device)
 
     # --------------------------------------------------------------- log-probs
+    def logps_of(self, model: nn.Module, batch: dict[str, Any], rows: slice = slice(None)) -> Tensor:
+        """(N,) log-probs of the response tokens of ``rows`` of the batch, in ONE forward: packed
+        without padding (``padding_free``), or right-padded."""
+        return sequence_logprobs(model, batch["input_ids"][rows], batch["attention_mask"][rows],
+                                 batch["response_mask"][rows], self.config.padding_free)  # fmt: skip
+
     def sequence_logps(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
-        """(B,) chosen and (B,) rejected log-probs of the response tokens, in ONE forward of the
-        2B stacked sequences: packed without padding (``padding_free``), or right-padded."""
-        logps = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["response_mask"],
-                                  self.config.padding_free)  # fmt: skip
+        """(B,) chosen and (B,) rejected log-probs (KTO: completions and KL rows) of the response
+        tokens, in ONE forward of the 2B stacked sequences."""
+        logps = self.logps_of(model, batch)
         b = logps.shape[0] // 2
         return logps[:b], logps[b:]
 
@@ -190,18 +227,68 @@ class DPOModule(RLHFModule):
         h = hashlib.sha256(repr(self.reference_spec()).encode())
         for split in sorted(dm.splits):
             for e in dm.splits[split]:
-                h.update(repr((split, e.chosen.prompt_ids, e.chosen.response_ids, e.rejected.response_ids)).encode())
+                if hasattr(e, "chosen"):
+                    h.update(repr((split, e.chosen.prompt_ids, e.chosen.response_ids, e.rejected.response_ids)).encode())
+                else:  # a KTO example and its KL row
+                    h.update(repr((split, e.completion.prompt_ids, e.completion.response_ids, e.kl.prompt_ids,
+                                   e.kl.response_ids)).encode())  # fmt: skip
         return h.hexdigest()
 
     # ------------------------------------------------------------------- steps
     def pair_loss(self, batch: dict[str, Any], split: str) -> tuple[Tensor, dict[str, Tensor]]:
+        """The configured loss of one batch (docs/algorithms.md §5, §5.1–§5.3), its metrics added to the split's window."""
         c: DPOConfig = self.config
+        if c.loss_type == "kto":
+            return self.kto_loss(batch, split)
         chosen, rejected = self.sequence_logps(self.policy, batch)
-        ref_chosen, ref_rejected = self.reference_logps(batch, split)
-        loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, c.beta, c.loss_type, c.label_smoothing)
-        metrics = {"train": self.train_metrics, "val": self.val_metrics, "test": self.test_metrics}[split]
-        metrics.update(loss, stats["chosen_rewards"], stats["rejected_rewards"], chosen, rejected)
+        if c.reference_free:  # SimPO, ORPO: average per-token log-probs, no reference (§5.1, §5.2)
+            lengths = batch["response_mask"].sum(1).clamp(min=1).to(chosen.dtype)
+            avg_chosen, avg_rejected = chosen / lengths[: chosen.shape[0]], rejected / lengths[chosen.shape[0] :]
+            if c.loss_type == "simpo":
+                loss, stats = simpo_loss(avg_chosen, avg_rejected, c.beta, c.gamma_beta_ratio, c.label_smoothing)
+            else:
+                loss, stats = orpo_loss(avg_chosen, avg_rejected, c.beta)
+        else:
+            ref_chosen, ref_rejected = self.reference_logps(batch, split)
+            loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, c.beta, c.loss_type, c.label_smoothing)
+        n, cr, rr = chosen.shape[0], stats["chosen_rewards"], stats["rejected_rewards"]
+        values = {"loss": (loss.detach() * n, n), "rewards_chosen": (cr.sum(), n), "rewards_rejected": (rr.sum(), n),
+                  "accuracies": ((cr > rr).sum(), n), "logps_chosen": (chosen.detach().sum(), n),
+                  "logps_rejected": (rejected.detach().sum(), n)}  # fmt: skip
+        if c.loss_type == "orpo":  # the NLL and the odds-ratio term apart (TRL's names; log_odds_ratio = −L_OR)
+            values.update(nll_loss=(stats["nll_loss"] * n, n), log_odds_ratio=(-stats["or_loss"] * n, n),
+                          log_odds_chosen=(stats["log_odds_chosen"] * n, n))  # fmt: skip
+        self.metrics_of(split).update(values)
         return loss, stats
+
+    def kto_loss(self, batch: dict[str, Any], split: str) -> tuple[Tensor, dict[str, Tensor]]:
+        """KTO on a batch of unpaired examples (docs/algorithms.md §5.3): the policy scores the
+        completions with grad and their KL rows without; z_ref averages the KL rows' log-ratios over
+        every rank's batch (detached, clamped at 0)."""
+        from lit_rlhf.utils.distributed import all_reduce_sum
+
+        c: DPOConfig = self.config
+        if "desirable" not in batch:
+            raise ValueError("algo.loss_type=kto needs unpaired batches (data.preference.unpaired=true, which the "
+                             "runner sets for KTO); this batch holds pairs")  # fmt: skip
+        desirable = batch["desirable"]
+        b = desirable.shape[0]
+        logps = self.logps_of(self.policy, batch, slice(0, b))
+        with torch.no_grad():
+            kl_logps = self.logps_of(self.policy, batch, slice(b, None))
+        ref_logps, ref_kl_logps = self.reference_logps(batch, split)
+        z_ref = kto_reference_point(kl_logps, ref_kl_logps, reduce=all_reduce_sum)
+        loss, stats = kto_loss(logps, ref_logps, desirable, z_ref, c.beta, c.desirable_weight, c.undesirable_weight)
+        good = desirable.to(logps.dtype)
+        bad, rewards, lp = 1.0 - good, stats["rewards"], logps.detach()
+        self.metrics_of(split).update({
+            "loss": (loss.detach() * b, b), "rewards_chosen": ((rewards * good).sum(), good.sum()),
+            "rewards_rejected": ((rewards * bad).sum(), bad.sum()), "logps_chosen": ((lp * good).sum(), good.sum()),
+            "logps_rejected": ((lp * bad).sum(), bad.sum()), "kl": (z_ref, 1.0)})  # fmt: skip
+        return loss, stats
+
+    def metrics_of(self, split: str) -> DPOMetrics:
+        return {"train": self.train_metrics, "val": self.val_metrics, "test": self.test_metrics}[split]
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         loss, _ = self.pair_loss(batch, "train")
@@ -224,15 +311,16 @@ class DPOModule(RLHFModule):
     def on_test_epoch_end(self) -> None:
         """Held-out implicit-reward accuracy with its 95% Wilson interval (as the reward model's)."""
         from lit_rlhf.modules.reward_model import wilson_interval
-        from lit_rlhf.utils.distributed import all_reduce_sum
 
-        pairs = float(all_reduce_sum(self.test_metrics.sums[-1:].clone()))
         values = self.test_metrics.compute_and_reset()
         if values is None:
             return
-        low, high = wilson_interval(float(values["accuracies"]) * pairs, int(pairs))
-        self.log_dict({**_names("test/", values), "test/accuracy_ci_low": low, "test/accuracy_ci_high": high,
-                       "test/pairs": pairs}, sync_dist=False)  # fmt: skip
+        extra = {}
+        if "accuracies" in values:  # pairs (KTO's unpaired examples have no accuracy)
+            pairs = self.test_metrics.counts["accuracies"]
+            low, high = wilson_interval(float(values["accuracies"]) * pairs, int(pairs))
+            extra = {"test/accuracy_ci_low": low, "test/accuracy_ci_high": high, "test/pairs": pairs}
+        self.log_dict({**_names("test/", values), **extra}, sync_dist=False)
 
     def on_validation_epoch_start(self) -> None:
         self._drift_seen = 0

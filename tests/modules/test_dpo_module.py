@@ -115,8 +115,15 @@ def test_validation_measures_drift_through_the_monitors(saved_models, tokenizer,
 @pytest.mark.parametrize("values, message", [
     ({"beta": 0.0}, r"algo.beta: must be > 0.0"),
     ({"label_smoothing": 0.5}, r"algo.label_smoothing: must be >= 0.0 and < 0.5"),
-    ({"loss_type": "ipo", "label_smoothing": 0.1}, r"algo.label_smoothing: applies to the sigmoid \(DPO\) loss only"),
-    ({"loss_type": "hinge"}, r"algo.loss_type: must be one of \['sigmoid', 'ipo'\]"),
+    ({"loss_type": "ipo", "label_smoothing": 0.1}, r"algo.label_smoothing: applies to the sigmoid \(DPO\) and simpo losses only"),
+    ({"loss_type": "orpo", "label_smoothing": 0.1}, r"algo.label_smoothing: applies to the sigmoid \(DPO\) and simpo losses only"),
+    ({"loss_type": "hinge"}, r"algo.loss_type: must be one of \['sigmoid', 'ipo', 'simpo', 'orpo', 'kto'\]"),
+    ({"loss_type": "simpo", "reference_path": "/ckpt/ref"}, r"algo.reference_path: loss_type='simpo' is reference-free"),
+    ({"loss_type": "orpo", "precompute_ref_logprobs": True}, r"algo.precompute_ref_logprobs: loss_type='orpo' is reference-free"),
+    ({"gamma_beta_ratio": -0.1}, r"algo.gamma_beta_ratio: must be >= 0.0"),
+    ({"desirable_weight": 0.0}, r"algo.desirable_weight: must be > 0.0"),
+    ({"undesirable_weight": -1.0}, r"algo.undesirable_weight: must be > 0.0"),
+    ({"scheduler": "step"}, r"algo.scheduler: must be one of \['constant', 'linear', 'cosine', 'inverse_sqrt'\]"),
 ])  # fmt: skip
 def test_bad_values_name_the_key(values, message):
     with pytest.raises(ConfigError, match=message):
