@@ -5,6 +5,7 @@ Each run writes every rank's final actor/critic parameters and reward moments; r
 exactly (gradients and statistics are all-reduced), and training must have moved the weights.
 """
 
+import math
 import os
 import subprocess
 import sys
@@ -265,3 +266,28 @@ def test_grpo_two_processes_identical(models, tmp_path, dapo):
         torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
     init = AutoModelForCausalLM.from_pretrained(models / "policy").state_dict()
     assert all(not torch.equal(ranks[0]["params"][k], v.float()) for k, v in init.items())
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("preset", ["reinforce_pp", "remax"])
+def test_reinforce_pp_and_remax_two_processes(models, tmp_path, preset):
+    """REINFORCE++ and ReMax under DDP with 2 processes (tests/helpers/grpo_multiproc.py --preset): the
+    ranks end with the same trained actor. REINFORCE++'s advantages are whitened with the statistics
+    of BOTH ranks' rollouts (mean 0 and Bessel variance 1 over the union, not on each rank); ReMax
+    decodes its greedy baselines on every rank (the decoding loop's step agreement is collective)."""
+    run_helper("grpo_multiproc.py", tmp_path, "--strategy", "ddp", "--devices", "2", "--models", str(models),
+               "--preset", preset)  # fmt: skip
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    iterations = {"reinforce_pp": 4, "remax": 8}[preset]  # 2 minibatches an iteration, or 1
+    assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == iterations
+    for k, v in ranks[0]["params"].items():
+        torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
+    s, sq, n = (sum(r["advantages"][i] for r in ranks) for i in range(3))
+    if preset == "reinforce_pp":
+        assert s / n == pytest.approx(0.0, abs=1e-5) and sq / (n - 1) == pytest.approx(1.0, abs=1e-4)  # Bessel
+        assert max(abs(r["advantages"][0] / r["advantages"][2]) for r in ranks) > 1e-3  # not whitened per rank
+        assert all(r["baselines"] is None for r in ranks)
+    else:
+        assert all(len(r["baselines"]) == 8 and all(map(math.isfinite, r["baselines"])) for r in ranks)
+        assert ranks[0]["baselines"] != ranks[1]["baselines"]  # each rank's own prompts, decoded greedily

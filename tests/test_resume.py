@@ -44,6 +44,9 @@ def stage_overrides(stage: str, saved_models: tuple[str, str]) -> list[str]:
                 "data.batch_size=32", "trainer.max_epochs=2", "trainer.val_check_interval=2", "algo.drift_prompts=4"],
         "ppo": ["experiment=ppo_max_synthetic_tiny", policy, rm, *RL, "algo.rollout_batch_size=4", "algo.minibatch_size=2"],
         "grpo": ["experiment=dapo_synthetic_tiny", policy, rm, *RL, "algo.rollout_batch_size=8"],
+        "reinforce_pp": ["experiment=reinforce_pp_synthetic_tiny", policy, rm, *RL, "algo.rollout_batch_size=4",
+                         "algo.minibatch_size=2"],
+        "remax": ["experiment=remax_synthetic_tiny", policy, rm, *RL, "algo.rollout_batch_size=4"],
     }[stage]  # fmt: skip
 
 
@@ -68,7 +71,7 @@ def assert_same_end(a: dict, b: dict, where: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo", "grpo"])
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo", "grpo", "reinforce_pp", "remax"])
 def test_resume_from_any_checkpoint_ends_where_the_uninterrupted_run_ends(stage, tmp_path, saved_models):
     overrides = [*stage_overrides(stage, saved_models), *EVERY_BATCH]
     run(compose(overrides, tmp_path / "full"))

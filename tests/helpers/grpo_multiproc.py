@@ -1,10 +1,13 @@
 """Run a few GRPO iterations under DDP, (CPU) DeepSpeed or (CPU) FSDP with N processes; each rank writes
 its final actor parameters and metrics to OUT/rank<r>.pt.
 
-    python tests/helpers/grpo_multiproc.py --strategy ddp --devices 2 --models DIR --out DIR [--dapo]
+    python tests/helpers/grpo_multiproc.py --strategy ddp --devices 2 --models DIR --out DIR [--dapo | --preset P]
 
 ``--dapo``: dynamic sampling with a reward that differs by rank (:func:`uneven_reward`), so the
 ranks need different numbers of extra prompt batches and keep different numbers of groups.
+``--preset reinforce_pp`` (one response per prompt, the KL in the reward, advantages whitened over
+all ranks, 2 minibatches) or ``--preset remax`` (the greedy baseline decoded on every rank): each
+rank also writes its last rollout's advantage sums and its baselines.
 
 Run as a script: Lightning's subprocess launcher re-executes it once per extra rank.
 """
@@ -51,29 +54,43 @@ def uneven_reward():
     return reward
 
 
+# the algorithm-defining values of conf/algo/{reinforce_pp,remax}.yaml (tests/modules/test_reinforce_presets.py
+# checks the presets), with 2 minibatches for REINFORCE++
+PRESETS = {
+    "reinforce_pp": {"num_generations": 1, "advantage_baseline": "none", "scale_rewards": False, "whiten_advantages": True,
+                     "kl_placement": "reward", "kl_estimator": "k1", "kl_coef": 0.05, "minibatch_size": 4},
+    "remax": {"num_generations": 1, "advantage_baseline": "greedy", "scale_rewards": False, "kl_placement": "reward",
+              "kl_estimator": "k1", "kl_coef": 0.05},
+}  # fmt: skip
+
+
 def main() -> None:
-    args = multiproc_args("folder with policy/ and rm/", [("--dapo", {"action": "store_true"})])
+    args = multiproc_args("folder with policy/ and rm/", [("--dapo", {"action": "store_true"}),
+                                                          ("--preset", {"choices": sorted(PRESETS), "default": None})])
     torch.set_num_threads(1)
     policy, rm = os.path.join(args.models, "policy"), os.path.join(args.models, "rm")
     reward = ({"reward_fn": {"_target_": "tests.helpers.grpo_multiproc.uneven_reward"}, "dynamic_sampling": True,
                "max_resample_rounds": 2} if args.dapo else {"reward_path": rm})  # fmt: skip
-    cfg = build_config(GRPOConfig, {"policy_path": policy, "lr": 1e-3, "num_generations": 4,
-                                    "rollout_batch_size": 8, "minibatch_size": 4, "num_iterations": 2,
-                                    "generation": {"max_new_tokens": 6}, **reward}, "algo")  # fmt: skip
+    algo = {"num_generations": 4, "minibatch_size": 4, "num_iterations": 2} if args.preset is None else PRESETS[args.preset]
+    cfg = build_config(GRPOConfig, {"policy_path": policy, "lr": 1e-3, "rollout_batch_size": 8,
+                                    "generation": {"max_new_tokens": 6}, **algo, **reward}, "algo")  # fmt: skip
     spec = GRPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=policy))
     tok = build_tokenizer(spec)
     module = GRPOModule(cfg, model=spec, tokenizer=tok)
-    data = PromptDataModule(n_train=64, n_val=0, batch_size=2).connect(tok)
+    data = PromptDataModule(n_train=64, n_val=0, batch_size=8 // cfg.num_generations).connect(tok)
     strategy = cpu_strategy(args.strategy, micro_batch=4)
-    wrapper, sampling = [], []
+    wrapper, sampling, last = [], [], {}
 
     class Wrapper(pl.Callback):  # the strategy's wrapper during fit (teardown unwraps DDP)
         def on_train_start(self, trainer, module):
             wrapper.append(wrapper_name(trainer, module.actor))
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            st = outputs["stats"]
+            st, r = outputs["stats"], outputs["rollout"]
             sampling.append({k: float(st[k]) for k in ("grpo/kept_groups", "grpo/resample_rounds") if k in st})
+            m = r.response_mask.float()  # this rank's masked sum, sum of squares and count of the advantages
+            last.update(advantages=[float((r.advantages * m).sum()), float((r.advantages**2 * m).sum()), float(m.sum())],
+                        baselines=None if r.baseline_scores is None else r.baseline_scores.tolist())  # fmt: skip
 
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=8, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
@@ -81,7 +98,8 @@ def main() -> None:
     trainer.fit(module, data)
     params = {k: v.detach().float().cpu().clone() for k, v in module.actor.state_dict().items()}
     torch.save({"params": params, "world_size": trainer.world_size, "global_step": trainer.global_step,
-                "iteration": module.rl_iteration, "wrapper": wrapper[0], "sampling": sampling, "extra_batches": module.extra_batches},
+                "iteration": module.rl_iteration, "wrapper": wrapper[0], "sampling": sampling, "extra_batches": module.extra_batches,
+                **last},
                os.path.join(args.out, f"rank{trainer.global_rank}.pt"))  # fmt: skip
 
 

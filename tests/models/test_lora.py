@@ -137,7 +137,7 @@ def test_ppo_with_lora_trains_adapters_and_heads_only(saved_models, tokenizer):
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "grpo"])
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "grpo", "reinforce_pp", "remax"])
 def test_every_stage_trains_lora_through_the_config(stage, tmp_path, saved_models):
     """`model.lora.enabled=true` on the command line of each stage: one fast_dev_run batch with
     finite metrics, and an export of the right kind that a later stage can load (which parameters
@@ -154,12 +154,14 @@ def test_every_stage_trains_lora_through_the_config(stage, tmp_path, saved_model
              "rm": ["experiment=rm_synthetic_tiny", "model.tiny=null", "model.tokenizer=null",
                     f"model.name_or_path={saved_models[0]}"],
              "dpo": ["experiment=dpo_synthetic_tiny", policy],
-             "grpo": ["experiment=grpo_synthetic_tiny", policy, rm, "validate_before_fit=false"]}[stage]  # fmt: skip
+             "grpo": ["experiment=grpo_synthetic_tiny", policy, rm, "validate_before_fit=false"],
+             "reinforce_pp": ["experiment=reinforce_pp_synthetic_tiny", policy, rm, "validate_before_fit=false"],
+             "remax": ["experiment=remax_synthetic_tiny", policy, rm, "validate_before_fit=false"]}[stage]  # fmt: skip
     cfg = compose([*extra, "model.lora.enabled=true", "model.lora.r=4", "debug=fdr", "trainer.enable_progress_bar=false",
                    "logger=none"], tmp_path)  # fmt: skip
     metrics = run(cfg)
     assert metrics and all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
-    out = tmp_path / {"sft": "policy", "rm": "reward_model", "dpo": "policy", "grpo": "actor"}[stage]
+    out = tmp_path / {"sft": "policy", "rm": "reward_model", "dpo": "policy"}.get(stage, "actor")
     if stage == "rm":
         assert not is_adapter_dir(str(out))  # a reward model exports merged (backbone + head)
         assert not lora_layers(load_reward_model(str(out)))
