@@ -1,6 +1,6 @@
 """``RLModule``: the RL iteration, written once, and the public interface callbacks use.
 
-Every RL stage (PPO / PPO-max, GRPO and its presets DAPO, Dr. GRPO, RLOO) runs one RL iteration
+Every RL stage (PPO / PPO-max, GRPO and its presets DAPO, Dr. GRPO, RLOO, REINFORCE++, ReMax) runs one RL iteration
 per ``training_step`` under manual optimization, and this class writes that iteration ONCE
 (docs/architecture.md "One RL iteration"):
 
@@ -11,7 +11,7 @@ per ``training_step`` under manual optimization, and this class writes that iter
    minibatch (:meth:`fused_first_forward`), the policy (and critic) are scored by the update's
    own first forward instead: exact, and cheaper;
 2. :meth:`compute_advantages` — THE stage hook: GAE + whitening (PPO), group baselines (GRPO,
-   RLOO, Dr. GRPO);
+   RLOO, Dr. GRPO), KL-shaped returns-to-go with a batch-wide or greedy baseline (REINFORCE++, ReMax);
 3. :meth:`update` — ``num_passes()`` × shuffled minibatches of :meth:`minibatch_loss` (the other
    stage hook), one backward + one optimizer step each;
 4. :meth:`update_kl_controller` and :meth:`end_iteration` — β's controller sees the KL of all
