@@ -1,7 +1,10 @@
 """Run a few DPO steps under DDP or (CPU) DeepSpeed ZeRO-2 with N processes, then one validation;
 each rank writes its final policy parameters and the logged metrics to OUT/rank<r>.pt.
 
-    python tests/helpers/dpo_multiproc.py --strategy ddp --devices 2 --models DIR --out DIR [--precompute]
+    python tests/helpers/dpo_multiproc.py --strategy ddp --devices 2 --models DIR --out DIR [--precompute] [--loss-type kto]
+
+With ``--loss-type kto`` each rank also records, for every KTO reference point it computed, its own
+KL rows' (sum, count) and the z_ref it used (which must be the mean over BOTH ranks' rows).
 
 Run as a script: Lightning's subprocess launcher re-executes it once per extra rank.
 """
@@ -29,16 +32,27 @@ from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args, wrapper_n
 
 
 def main() -> None:
-    args = multiproc_args("folder with policy/", [("--precompute", {"action": "store_true"})])
+    args = multiproc_args("folder with policy/", [("--precompute", {"action": "store_true"}),
+                                                  ("--loss-type", {"default": "sigmoid"})])  # fmt: skip
     torch.set_num_threads(1)
     policy = os.path.join(args.models, "policy")
     cfg = build_config(DPOConfig, {"policy_path": policy, "lr": 1e-3, "warmup_steps": 0, "drift_prompts": 4,
-                                   "precompute_ref_logprobs": args.precompute, "generation": {"max_new_tokens": 6}},
-                       "algo")  # fmt: skip
+                                   "precompute_ref_logprobs": args.precompute, "generation": {"max_new_tokens": 6},
+                                   "loss_type": args.loss_type}, "algo")  # fmt: skip
     spec = DPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=policy))
     tok = build_tokenizer(spec)
     module = DPOModule(cfg, model=spec, tokenizer=tok)
-    data = PreferenceDataModule(n_train=64, n_val=16, n_test=8, batch_size=4).connect(tok)
+    data = PreferenceDataModule(n_train=64, n_val=16, n_test=8, batch_size=4, unpaired=args.loss_type == "kto").connect(tok)
+    reference_points = []  # KTO: (this rank's sum, count, the z_ref used) per call
+    import lit_rlhf.modules.dpo as dpo
+
+    def recording(policy_kl, ref_kl, reduce=None):
+        diff = (policy_kl - ref_kl).double()
+        z = kto_reference_point(policy_kl, ref_kl, reduce)
+        reference_points.append((float(diff.sum()), diff.numel(), float(z)))
+        return z
+
+    kto_reference_point, dpo.kto_reference_point = dpo.kto_reference_point, recording
     strategy = cpu_strategy(args.strategy, micro_batch=4)
     wrapper = []
 
@@ -55,7 +69,7 @@ def main() -> None:
     params = {k: v.detach().float().cpu().clone() for k, v in module.policy.state_dict().items()}
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     torch.save({"params": params, "metrics": metrics, "world_size": trainer.world_size, "global_step": trainer.global_step,
-                "wrapper": wrapper[0]},
+                "wrapper": wrapper[0], "reference_points": reference_points},
                os.path.join(args.out, f"rank{trainer.global_rank}.pt"))  # fmt: skip
 
 
