@@ -273,9 +273,9 @@ class DPOModule(RLHFModule):
                              "runner sets for KTO); this batch holds pairs")  # fmt: skip
         desirable = batch["desirable"]
         b = desirable.shape[0]
-        logps = self.logps_of(self.policy, batch, slice(0, b))
-        with torch.no_grad():
+        with torch.no_grad():  # first: the forward with gradient is then the last one before backward (FSDP, ZeRO-3)
             kl_logps = self.logps_of(self.policy, batch, slice(b, None))
+        logps = self.logps_of(self.policy, batch, slice(0, b))
         ref_logps, ref_kl_logps = self.reference_logps(batch, split)
         z_ref = kto_reference_point(kl_logps, ref_kl_logps, reduce=all_reduce_sum)
         loss, stats = kto_loss(logps, ref_logps, desirable, z_ref, c.beta, c.desirable_weight, c.undesirable_weight)

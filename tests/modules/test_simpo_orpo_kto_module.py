@@ -282,3 +282,17 @@ def test_resume_from_a_checkpoint_ends_where_the_uninterrupted_run_ends(loss_typ
         out = tmp_path / f"resumed_{index}"
         run(compose([*overrides, f"ckpt_path={ckpts[index]}"], out))
         assert_same_end(load(out / "checkpoints" / "last.ckpt"), final, f"{loss_type}, resumed at {ckpts[index].name} ({name})")
+
+
+@pytest.mark.parametrize("loss_type", ["simpo", "kto"])
+def test_the_test_loop_reports_held_out_metrics(loss_type, saved_models, tokenizer, tmp_path):
+    """test=true: pairs get the accuracy with its 95% Wilson interval over every test pair (8); KTO's
+    unpaired examples get their rewards and z_ref, and no accuracy."""
+    m = make(saved_models, tokenizer, loss_type=loss_type, drift_prompts=0)
+    trainer = fit(m, data_for(loss_type, tokenizer), 1, tmp_path)
+    out = trainer.test(m, data_for(loss_type, tokenizer), verbose=False)[0]
+    assert {"test/loss", "test/rewards/chosen", "test/rewards/rejected", "test/rewards/margins"} <= set(out)
+    if loss_type == "kto":
+        assert "test/kl" in out and not any("accurac" in k for k in out)
+    else:
+        assert out["test/pairs"] == 8 and out["test/accuracy_ci_low"] <= out["test/rewards/accuracies"] <= out["test/accuracy_ci_high"]
