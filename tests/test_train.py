@@ -229,7 +229,7 @@ def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models):
         "ppo": [policy, rm, "validate_before_fit=false"], "ppo_max": [policy, rm, "validate_before_fit=false"],
         "grpo": [policy, rm, "validate_before_fit=false"], "dapo": [policy, rm, "validate_before_fit=false"],
         "reinforce": [policy, rm, "validate_before_fit=false"], "remax": [policy, rm, "validate_before_fit=false"],
-        "dpo": [policy], "rm": [f"model.name_or_path={saved_models[0]}"] if experiment == "rm_hh_tiny" else [],
+        "dpo": [policy], "simpo": [policy], "orpo": [policy], "kto": [policy], "rm": [f"model.name_or_path={saved_models[0]}"] if experiment == "rm_hh_tiny" else [],
     }.get(experiment.split("_")[0], [])  # fmt: skip
     cfg = compose([f"experiment={experiment}", "debug=fdr", "trainer.enable_progress_bar=false", *extra], tmp_path)
     metrics = run(cfg)
