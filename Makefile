@@ -21,11 +21,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) train.py
 
+# two workers (pytest-xdist); the files whose module fixtures share runs between tests are each kept
+# on one worker (xdist_group), every other test goes to whichever worker is free. The suite is
+# mostly single-threaded Python and process start-up (README, "Development")
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
 
 clean:
 	rm -rf $(VENV) logs outputs multirun .pytest_cache

@@ -13,7 +13,13 @@ os.environ.setdefault("LIT_RLHF_ROOT", str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download; fail fast instead of retrying
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two pytest workers on the 2-core CI machine: one thread each (and in the
+    # train.py / multi-process runs they start), so that they never oversubscribe the cores
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, torch.get_num_threads()))
 
 from lit_rlhf.launch.schemas import register  # noqa: E402
 

@@ -11,6 +11,9 @@ import pytest
 from tests.conftest import ROOT
 
 
+# module-scoped fixtures (runs shared by several tests): one pytest worker runs the whole file
+pytestmark = pytest.mark.xdist_group("bench")
+
 @pytest.fixture(scope="module")
 def bench():
     """bench/run.py as a module (its cases package is imported from bench/, as the script does)."""

@@ -16,6 +16,9 @@ import torch
 from tests.conftest import ROOT
 from tests.helpers.ppo import save_tiny_models
 
+# module-scoped fixtures (runs shared by several tests): one pytest worker runs the whole file
+pytestmark = pytest.mark.xdist_group("distributed")
+
 pytest.importorskip("deepspeed")
 
 

@@ -17,6 +17,9 @@ from lit_rlhf.data.synthetic import (
 )
 
 
+# module-scoped fixtures (runs shared by several tests): one pytest worker runs the whole file
+pytestmark = pytest.mark.xdist_group("synthetic_task")
+
 @pytest.fixture(scope="module")
 def task():
     return SyntheticTask()
