@@ -311,16 +311,19 @@ class PreferenceDataModule(pl.LightningDataModule):
         self.stats[f"{split}_responses_cut"] = sum(e.completion.response_cut > 0 for e in out)
         return out
 
+    def _nothing_usable(self, what: str) -> DataError:
+        """The error when no training row survived parsing, with the counts of what was skipped."""
+        s = self.stats
+        return DataError(f"{self.config.source}: no usable {what} in the training rows ({s.get('train_rows_read', 0)} "
+                         f"read, {s.get('train_skipped_empty', 0)} skipped as empty, "
+                         f"{s.get('train_skipped_identical', 0)} as identical)")  # fmt: skip
+
     def _setup_examples(self) -> None:
         """``unpaired`` (KTO): the pairs split into examples (unpaired rows already are), then encoded."""
         c = self.config
         self.examples.update({split: unpair(pairs) for split, pairs in self.pairs.items()})
         if not self.examples.get("train"):
-            raise DataError(
-                f"{c.source}: no usable examples in the training rows ({self.stats.get('train_rows_read', 0)} read, "
-                f"{self.stats.get('train_skipped_empty', 0)} skipped as empty, "
-                f"{self.stats.get('train_skipped_identical', 0)} as identical)"
-            )
+            raise self._nothing_usable("examples")
         self.splits = {split: self._encode_examples(examples, split) for split, examples in self.examples.items()}
         s = self.stats
         for split in self.splits:
@@ -353,11 +356,7 @@ class PreferenceDataModule(pl.LightningDataModule):
         if c.unpaired:
             return self._setup_examples()
         if not self.pairs["train"]:
-            raise DataError(
-                f"{c.source}: no usable preference pairs in the training rows "
-                f"({self.stats.get('train_rows_read', 0)} read, {self.stats.get('train_skipped_empty', 0)} "
-                f"skipped as empty, {self.stats.get('train_skipped_identical', 0)} as identical)"
-            )
+            raise self._nothing_usable("preference pairs")
         self.splits = {split: self._encode(pairs, split) for split, pairs in self.pairs.items()}
         s = self.stats
         for split in self.splits:
