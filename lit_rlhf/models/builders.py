@@ -35,8 +35,10 @@ def _from_pretrained(loader: Callable[..., Any], name: str, what: str, key: str,
                 f"Could not load the {what} from local directory '{name}' ({key}): {err}. "
                 f"Expected a `save_pretrained` folder (config.json, weights, tokenizer files)."
             ) from err
-        if isinstance(err, ValueError):
-            raise
+        if isinstance(err, ValueError):  # transformers refused a value we passed (dtype, revision, attention …)
+            named = [k for k in kwargs if k in str(err)]
+            keys = ", ".join(f"model.{k}" for k in named) or key
+            raise ModelLoadError(f"Could not load the {what} '{name}' ({keys}): {str(err).splitlines()[0]}") from err
         raise ModelLoadError(
             f"Could not load the {what} '{name}': it is not a local directory and the Hugging Face "
             f"hub could not provide it (offline, gated or misspelled?). Download it where you have "

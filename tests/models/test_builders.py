@@ -90,3 +90,18 @@ def test_gradient_checkpointing_and_freeze(tiny_spec, tokenizer):
     assert model.is_gradient_checkpointing
     freeze(model)
     assert not model.training and not any(p.requires_grad for p in model.parameters())
+
+
+def test_a_value_transformers_refuses_names_the_key_in_one_line(monkeypatch):
+    """A hub name whose loading raises ValueError because of a value we passed (here a revision):
+    one ModelLoadError naming model.revision (train.py prints it as one line), not a traceback."""
+    import transformers
+
+    def refuse(name, **kw):
+        raise ValueError(f"revision {kw['revision']!r} is not a valid git identifier\nmore detail")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    with pytest.raises(ModelLoadError) as err:
+        build_causal_lm(ModelSpec(name_or_path="some/model", revision="no such"))
+    assert str(err.value) == ("Could not load the model 'some/model' (model.revision): revision 'no such' is not a "
+                              "valid git identifier")
