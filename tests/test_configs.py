@@ -29,7 +29,8 @@ NEEDS_USER_VALUE = {
     **{("algo", a): ["algo.policy_path=/models/sft", *RM] for a in ("grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp",
                                                                       "reinforce_pp_baseline", "remax")},
     **{("experiment", e): ["algo.policy_path=/models/sft", *RM] for e in ("grpo_synthetic_tiny", "dapo_synthetic_tiny",
-                                                                          "reinforce_pp_synthetic_tiny", "remax_synthetic_tiny")},
+                                                                          "reinforce_pp_synthetic_tiny", "remax_synthetic_tiny",
+                                                                          "reinforce_pp_baseline_synthetic_tiny")},
     ("experiment", "rm_hh_tiny"): ["model.name_or_path=/models/sft"],
 }  # fmt: skip
 # an algo that can consume each data kind (data options without an `sft` section use these)
