@@ -36,7 +36,9 @@ def _run(fn, clean: list[torch.Tensor], fill: float) -> tuple:
     return tuple(out)
 
 
-def _check(fn, n_inputs: int) -> None:
+def assert_padding_stays_out(fn, n_inputs: int) -> None:
+    """inf, -inf and NaN at masked positions change neither ``fn``'s value nor its gradients (which are
+    finite, exactly 0 there, and equal to the clean inputs'); ``fn`` depends on the real tokens."""
     for fill in (float("inf"), float("-inf"), float("nan")):
         loss, grads, dirty_loss, dirty_grads = _run(fn, _inputs(n_inputs), fill)
         assert torch.isfinite(loss) and torch.equal(dirty_loss, loss), fill
@@ -55,12 +57,12 @@ def test_policy_loss(aggregation, dual_clip):
         assert all(torch.isfinite(v).all() for v in stats.values())
         return loss
 
-    _check(fn, 3)
+    assert_padding_stays_out(fn, 3)
 
 
 @pytest.mark.parametrize("clip", [0.2, None])
 def test_value_loss(clip):
-    _check(lambda v, old, ret: value_loss(v, old, ret, MASK, clip)[0], 3)
+    assert_padding_stays_out(lambda v, old, ret: value_loss(v, old, ret, MASK, clip)[0], 3)
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
@@ -69,19 +71,19 @@ def test_kl_penalty_with_its_mask(estimator, clamp, k3_max):
     def fn(lp, ref):
         return aggregate(kl_penalty(lp, ref, estimator, clamp, k3_max, mask=MASK), MASK, "seq_mean")
 
-    _check(fn, 2)
+    assert_padding_stays_out(fn, 2)
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean", "seq_sum_const"])
 def test_aggregate_entropy_and_ptx(aggregation):
-    _check(lambda x: aggregate(x, MASK, aggregation, 5.0), 1)
-    _check(lambda h: entropy_loss(h, MASK, 0.01)[0] + entropy_loss(h, MASK, 0.01, target=1.0)[0], 1)
-    _check(lambda lp: ptx_loss(lp, MASK)[0], 1)
+    assert_padding_stays_out(lambda x: aggregate(x, MASK, aggregation, 5.0), 1)
+    assert_padding_stays_out(lambda h: entropy_loss(h, MASK, 0.01)[0] + entropy_loss(h, MASK, 0.01, target=1.0)[0], 1)
+    assert_padding_stays_out(lambda lp: ptx_loss(lp, MASK)[0], 1)
 
 
 def test_whitening_and_variance():
-    _check(lambda x: (masked_whiten(x, MASK) * torch.arange(5.0, dtype=x.dtype)).sum(), 1)
-    _check(lambda x: masked_var(x, MASK), 1)
+    assert_padding_stays_out(lambda x: (masked_whiten(x, MASK) * torch.arange(5.0, dtype=x.dtype)).sum(), 1)
+    assert_padding_stays_out(lambda x: masked_var(x, MASK), 1)
 
 
 def test_kl_penalty_without_a_mask_is_unchanged():
