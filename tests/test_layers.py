@@ -18,6 +18,7 @@ ALLOWED = {
     "data": {"utils"},
     "models": {"core", "data", "utils"},
     "rollout": {"core", "data", "models", "utils"},
+    "rewards": {"core", "utils"},
     "runtime": {"models", "utils"},
     "modules": {"core", "data", "models", "rollout", "runtime", "utils"},
     "report": {"utils"},

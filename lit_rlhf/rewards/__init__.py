@@ -1,0 +1,29 @@
+"""Reward callables for RL with verifiable rewards (GRPO/DAPO on math), for ``algo.reward_fns``
+(docs/rewards.md): ``{_target_: lit_rlhf.rewards.math_accuracy, name: accuracy, weight: 1.0}``.
+
+Each ``_target_`` is a factory; the callable it returns is called as
+``fn(prompts, responses, ended, answer=[...], **other_columns) -> list[float]`` and keeps the error
+count of its last call in ``last_errors`` (first message: ``last_error_example``).
+Importing this package is cheap: math-verify loads when ``math_accuracy`` builds its reward.
+"""
+
+from lit_rlhf.rewards.base import MissingAnswerError, VerifiableReward
+from lit_rlhf.rewards.extract import answer_after_prefix, clean_answer, extract_final_answer, reference_answer
+from lit_rlhf.rewards.math_reward import GroundTruthParseError, MathAccuracy, math_accuracy
+from lit_rlhf.rewards.text import ExactMatch, FormatReward, exact_match, format_reward
+
+__all__ = [
+    "ExactMatch",
+    "FormatReward",
+    "GroundTruthParseError",
+    "MathAccuracy",
+    "MissingAnswerError",
+    "VerifiableReward",
+    "answer_after_prefix",
+    "clean_answer",
+    "exact_match",
+    "extract_final_answer",
+    "format_reward",
+    "math_accuracy",
+    "reference_answer",
+]

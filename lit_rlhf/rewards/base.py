@@ -1,0 +1,70 @@
+"""The calling convention and error accounting of the shipped reward callables (docs/rewards.md §0).
+
+A reward is called as ``fn(prompts, responses, ended, **columns)`` and returns one float per
+response. Verifiable rewards read the ground truth from the ``answer`` column (one entry per
+response, same order; ``None`` = none for that row); every other column is accepted and ignored.
+A response whose check raises scores 0.0 and is counted, the run goes on: after each call
+``last_errors`` holds the count and ``last_error_example`` the first message (``None`` without
+errors), for the caller to log as ``reward/<name>_errors``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+class MissingAnswerError(ValueError):
+    """A row that needs a ground truth has none (its ``answer`` entry is ``None``)."""
+
+
+class VerifiableReward:
+    """Base of the shipped rewards: the per-response loop, the ``answer`` column and the error count.
+
+    Subclasses implement :meth:`score` (one response and its ground truth → a float) and set
+    ``needs_answer`` (True: the ``answer`` column is required and a ``None`` entry is an error)
+    and ``errors`` (the exception types that are counted rather than raised).
+    """
+
+    needs_answer: bool = True
+    errors: tuple[type[BaseException], ...] = (Exception,)
+    #: the longest ``last_error_example`` kept (a sympy message can be a whole expression)
+    example_chars: int = 300
+
+    def __init__(self) -> None:
+        self.last_errors: int = 0
+        self.last_error_example: str | None = None
+
+    def score(self, response: str, truth: str | None) -> float:
+        raise NotImplementedError
+
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str], ended: Sequence[bool] | None = None,
+                 answer: Sequence[Any] | None = None, **_: Any) -> list[float]:  # fmt: skip
+        """One float per response (``prompts`` and ``ended`` are accepted and not read).
+
+        Raises ValueError (a configuration error, not a per-response one) when the reward needs the
+        ``answer`` column and it is missing or its length differs from ``responses``'.
+        """
+        n = len(responses)
+        truths: list[Any] = [None] * n
+        if self.needs_answer:
+            if answer is None:
+                raise ValueError(f"{type(self).__name__} needs the ground truth: the caller passes the data set's "
+                                 "'answer' column as the keyword `answer` (one per response)")  # fmt: skip
+            truths = list(answer)
+            if len(truths) != n:
+                raise ValueError(f"{type(self).__name__}: {len(truths)} answers for {n} responses")
+        scores: list[float] = []
+        errors, example = 0, None
+        for i, (response, truth) in enumerate(zip(responses, truths)):
+            try:
+                if self.needs_answer and truth is None:
+                    raise MissingAnswerError("no ground truth for this row (answer is None)")
+                value = float(self.score(response, None if truth is None else str(truth)))
+            except self.errors as err:
+                errors += 1
+                if example is None:
+                    example = f"response {i}: {type(err).__name__}: {err}"[: self.example_chars]
+                value = 0.0
+            scores.append(value)
+        self.last_errors, self.last_error_example = errors, example
+        return scores

@@ -1,0 +1,106 @@
+"""Math accuracy: the response's final answer is equivalent to the ground truth, checked with
+math-verify (docs/rewards.md §2; the rule-based accuracy reward of DeepSeek-R1, DAPO, Dr. GRPO).
+
+math-verify (Hugging Face, ``pip install 'lit_rlhf[verify]'``) bounds each parse and comparison
+with ``signal.alarm``, which works only in the main thread: there its timeout applies, anywhere
+else it is switched off (``None``), so a call from a worker thread runs without one.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from lit_rlhf.rewards.base import VerifiableReward
+from lit_rlhf.rewards.extract import clean_answer, extract_final_answer, reference_answer
+from lit_rlhf.utils.config import ConfigError
+
+
+class GroundTruthParseError(ValueError):
+    """math-verify finds no expression in a ground truth."""
+
+
+def _import_math_verify() -> Any:
+    try:
+        import math_verify
+        from math_verify.errors import TimeoutException
+    except ImportError as err:
+        raise ImportError("lit_rlhf.rewards.math_accuracy needs math-verify: pip install 'lit_rlhf[verify]' "
+                          "(or `make install`, which installs that extra)") from err  # fmt: skip
+    return math_verify, TimeoutException
+
+
+class MathAccuracy(VerifiableReward):
+    """1.0 when the response's final answer is mathematically equivalent to the ground truth, else 0.0.
+
+    The rule, per response:
+
+    1. answer = :func:`~lit_rlhf.rewards.extract.extract_final_answer` (last ``\\boxed{…}``, then
+       ``#### …``, then "the answer is …", then the last number); none found → 0.0;
+    2. truth = the ground truth, reduced to what follows its last ``####`` (GSM8K form), cleaned
+       like an answer (surrounding ``$``, ``*``, trailing ``.``);
+    3. both are parsed by ``math_verify.parse`` as ``\\boxed{<text>}`` (so bare LaTeX, plain
+       numbers, ``3/4``, ``1,234`` and ``x = 3`` all parse); an answer that does not parse → 0.0;
+       a ground truth that does not parse is an error (counted);
+    4. 1.0 if ``math_verify.verify(truth, answer)`` (sympy equivalence: ``\\frac{1}{2}`` = ``0.5`` =
+       ``1/2``; ``1,000`` = ``1000``; ``x = 3`` = ``3``), else 0.0.
+
+    Counted errors (score 0.0, ``last_errors``): a ``None`` ground truth, an unparseable ground
+    truth, a math-verify exception or timeout. ``ended`` is not read (truncation is not a wrong
+    answer here; see DAPO's overlong shaping for that).
+    """
+
+    def __init__(self, timeout_seconds: int | None = 5):
+        super().__init__()
+        if timeout_seconds is not None and (isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, int)
+                                            or timeout_seconds < 1):  # fmt: skip
+            raise ConfigError("timeout_seconds", f"must be a whole number of seconds >= 1 (signal.alarm's unit) or "
+                                                 f"None for no timeout, got {timeout_seconds!r}")  # fmt: skip
+        self.timeout_seconds = timeout_seconds
+        self._mv, timeout_error = _import_math_verify()
+        self.errors = (Exception, timeout_error)
+        self._truths: dict[tuple[str, int | None], Any] = {}
+
+    def _timeout(self) -> int | None:
+        """math-verify's timeout for this thread: ``timeout_seconds`` in the main thread, else None."""
+        return self.timeout_seconds if threading.current_thread() is threading.main_thread() else None
+
+    def _parse(self, text: str, timeout: int | None) -> list:
+        return self._mv.parse("\\boxed{" + text + "}", parsing_timeout=timeout, raise_on_error=True)
+
+    def _parse_truth(self, truth: str, timeout: int | None) -> Any:
+        key = (truth, timeout)
+        if key not in self._truths:
+            text = clean_answer(reference_answer(truth))
+            parsed = self._parse(text, timeout) if text else []
+            if not parsed:
+                raise GroundTruthParseError(f"math-verify finds no expression in the ground truth {truth!r}")
+            if len(self._truths) >= 4096:  # a GRPO group repeats its truth; older truths are not asked again
+                self._truths.clear()
+            self._truths[key] = parsed
+        return self._truths[key]
+
+    def score(self, response: str, truth: str | None) -> float:
+        timeout = self._timeout()
+        gold = self._parse_truth(truth or "", timeout)
+        answer = extract_final_answer(response)
+        if answer is None:
+            return 0.0
+        parsed = self._parse(answer, timeout)
+        if not parsed:
+            return 0.0
+        return 1.0 if self._mv.verify(gold, parsed, timeout_seconds=timeout, raise_on_error=True) else 0.0
+
+
+def math_accuracy(timeout_seconds: int | None = 5) -> MathAccuracy:
+    """The math accuracy reward (:class:`MathAccuracy`): 1.0 when the response's final answer equals
+    the ``answer`` column's ground truth by math-verify, else 0.0 (docs/rewards.md §2).
+
+    Args:
+        timeout_seconds: math-verify's limit on each parse and each comparison, in whole seconds,
+            applied in the main thread only (signal.alarm); ``None``: no limit anywhere.
+    Raises:
+        ImportError: math-verify is not installed (``pip install 'lit_rlhf[verify]'``).
+        ConfigError: a bad ``timeout_seconds``.
+    """
+    return MathAccuracy(timeout_seconds=timeout_seconds)
