@@ -1,16 +1,20 @@
-"""The main job: SFT → reward model → PPO (β = 0), PPO-max and DPO on the embedded task, then a table.
+"""Pipelines: named stages run as ordinary jobs, then an evaluation table.
 
 ``python train.py`` (no ``algo`` chosen: the ``pipeline`` group's default, ``pipeline=demo``) runs
-every stage as an ordinary job of its own (``runner.run`` on the stage's composed config), each
-in ``<run dir>/<stage>/``; stages hand
-artifacts to each other by path, so any stage can be rerun alone with the command it logs. At the
-end the policies (SFT, PPO, PPO-max, DPO) are sampled on held-out prompts and compared on the
-gold reward, the proxy (RM) reward, KL to the SFT model, perplexity and length (``summary.md``,
-``summary.json``), and ``stability.png`` overlays both RL runs' stability panels.
+every stage of ``pipeline.stages`` as an ordinary job of its own (``runner.run`` on the stage's
+composed config, ``pipeline.jobs.<stage>`` its overrides), each in ``<run dir>/<stage>/``; stages
+hand artifacts to each other by path (``{sft}`` in an override is the sft stage's directory), so
+any stage can be rerun alone with the command it logs, and a stage whose export exists is reused.
+
+:class:`DemoPipeline` (``pipeline=demo``, ``pipeline=zoo``) then samples every policy on held-out
+prompts of the embedded task and compares it with the baseline (SFT) on the gold reward, the proxy
+(RM) reward, KL to SFT, perplexity and length (``summary.md``, ``summary.json``), and
+``stability.png`` overlays the RL runs' stability panels.
 
 What the demo shows (docs/demo.md, MOSS-RLHF): PPO-max raises the gold reward with a bounded KL;
 vanilla PPO over-optimizes the proxy — its proxy reward keeps rising while its gold reward falls
-below its own peak, with KL and length drifting.
+below its own peak, with KL and length drifting. The zoo puts SimPO, ORPO, KTO, REINFORCE++ and
+ReMax in the same table as DPO and GRPO.
 """
 
 from __future__ import annotations
@@ -26,67 +30,78 @@ from lit_rlhf.utils.config import check
 
 log = logging.getLogger(__name__)
 
-STAGES = ("sft", "rm", "ppo", "ppo_max", "dpo", "grpo", "dapo")
-EXPORTS = {"sft": "policy", "rm": "reward_model", "ppo": "actor", "ppo_max": "actor", "dpo": "policy", "grpo": "actor",
-           "dapo": "actor"}  # fmt: skip
-LABELS = {"ppo": "PPO (β=0)", "ppo_max": "PPO-max", "dpo": "DPO", "grpo": "GRPO", "dapo": "DAPO"}  # table rows
-RL_STAGES = ("ppo", "ppo_max", "grpo", "dapo")  # stages with a validation curve of proxy and gold reward
+@dataclass
+class PipelineConfig:
+    """Named stages (each an ordinary train.py job) run in order; ``{<stage>}`` in an override
+    expands to that stage's directory, ``{run_dir}`` to the run's."""
+
+    stages: list[str] = field(default_factory=list)
+    """Stages to run, in order (a later stage reads earlier stages' exports); each is a key of ``jobs``."""
+    jobs: dict[str, list[str]] = field(default_factory=dict)
+    """Stage name → the overrides composing it (e.g. ``[experiment=dpo_synthetic_tiny, algo.policy_path={sft}/policy]``);
+    a job may be defined and not run (``stages`` chooses)."""
+    common: list[str] = field(default_factory=list)
+    """Overrides for every stage (command-line overrides other than algo.*/pipeline.*/hydra.* are added too)."""
+    reuse: bool = True
+    """Skip a stage whose export (its ``algo.export_dir``) already exists in the run directory (resume a
+    pipeline, or add stages to a finished run: ``pipeline=zoo paths.output_dir=<a demo run>``)."""
+
+    def validate(self) -> None:
+        check(bool(self.stages), "stages", "is empty: name the stages to run (keys of pipeline.jobs)")
+        unknown = [s for s in self.stages if s not in self.jobs]
+        check(not unknown, "stages", f"{unknown} have no job (pipeline.jobs.<stage>: its overrides); jobs: "
+                                     f"{list(self.jobs)}")  # fmt: skip
+        odd = [s for s in self.jobs if not s.isidentifier()]
+        check(not odd, "jobs", f"stage names must be identifiers (they name folders and {{stage}} placeholders): {odd}")
 
 
 @dataclass
-class DemoConfig:
-    """Stages and their Hydra overrides (``{sft}``, ``{rm}`` … expand to the stage directories)."""
+class DemoConfig(PipelineConfig):
+    """The stages and the final gold-reward table: every stage with an export that is a policy is
+    sampled on held-out prompts of the embedded task and compared with the ``baseline`` stage."""
 
-    stages: list[str] = field(default_factory=lambda: list(STAGES))
-    """Stages to run, in order (a later stage reads earlier stages' exports)."""
-    common: list[str] = field(default_factory=list)
-    """Overrides for every stage (command-line overrides other than algo.*/pipeline.*/hydra.* are added too)."""
-    sft: list[str] = field(default_factory=lambda: ["algo=sft"])
-    """Overrides composing the SFT stage."""
-    rm: list[str] = field(default_factory=lambda: ["algo=rm"])
-    """Overrides composing the reward-model stage."""
-    ppo: list[str] = field(default_factory=lambda: ["algo=ppo"])
-    """Overrides composing the vanilla PPO stage."""
-    ppo_max: list[str] = field(default_factory=lambda: ["algo=ppo_max"])
-    """Overrides composing the PPO-max stage."""
-    dpo: list[str] = field(default_factory=lambda: ["algo=dpo"])
-    """Overrides composing the DPO stage (trained from the SFT model on the reward model's pairs)."""
-    grpo: list[str] = field(default_factory=lambda: ["algo=grpo"])
-    """Overrides composing the GRPO stage (on the proxy reward model, PPO's prompt budget)."""
-    dapo: list[str] = field(default_factory=lambda: ["algo=dapo"])
-    """Overrides composing the DAPO stage."""
-    reuse: bool = True
-    """Skip a stage whose export already exists in the run directory (resume a pipeline)."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """Stage → its row in the table (a stage without one is named by its stage name)."""
+    baseline: str = "sft"
+    """The stage whose policy is the reference of the table (KL to it, gains in its σ of gold reward)."""
+    proxy: str | None = "rm"
+    """The reward-model stage whose model scores the proxy reward column; None = no proxy column."""
+    eval_stage: str = "ppo_max"
+    """The job whose sampling settings (algo.generation, template, prompt length) the table samples with."""
     eval_prompts: int = field(default=256, metadata={"ge": 1})
     """Held-out prompts (the task's test split) sampled per policy for the final table."""
     eval_batch_size: int = field(default=64, metadata={"ge": 1})
     """Prompts per sampling batch in the final evaluation."""
     kl_bound: float = field(default=10.0, metadata={"gt": 0.0})
-    """PPO-max's KL to SFT (nats per response) counts as bounded below this."""
+    """A policy's KL to the baseline (nats per response) counts as bounded below this."""
 
     def validate(self) -> None:
-        unknown = [s for s in self.stages if s not in STAGES]
-        check(not unknown, "stages", f"unknown stages {unknown}; known: {list(STAGES)}")
+        super().validate()
+        for key in ("baseline", "eval_stage"):
+            check(getattr(self, key) in self.jobs, key, f"{getattr(self, key)!r} is not a job ({list(self.jobs)})")
+        check(self.proxy is None or self.proxy in self.jobs, "proxy", f"{self.proxy!r} is not a job ({list(self.jobs)})")
 
 
-class DemoPipeline:
-    """Runs the stages, evaluates the policies, writes the summary and the PNG."""
+class StagePipeline:
+    """Runs ``config.stages`` in order, each a job of its own in ``<run dir>/<stage>/``, then
+    :meth:`summarize` (the subclass's evaluation)."""
 
-    config_class = DemoConfig
+    config_class = PipelineConfig
 
-    def __init__(self, config: DemoConfig) -> None:
+    def __init__(self, config: PipelineConfig) -> None:
         self.config = config
+        self._composed: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- stages
     def stage_overrides(self, stage: str, run_dir: str, cli: list[str]) -> list[str]:
-        dirs = {s: os.path.join(run_dir, s) for s in STAGES}
+        dirs = {s: os.path.join(run_dir, s) for s in self.config.jobs}
 
         def expand(o: str) -> str:  # {sft}, {rm}, … → stage directories (str.format would trip on {_target_:…})
             for name, path in {**dirs, "run_dir": run_dir}.items():
                 o = o.replace("{" + name + "}", path)
             return o
 
-        overrides = [expand(o) for o in getattr(self.config, stage)]
+        overrides = [expand(o) for o in self.config.jobs[stage]]
         # the user's command line (seed=…, logger=…, trainer.…) reaches every stage; the stages choose their algo
         forwarded = [o for o in cli if not o.lstrip("+~").startswith(("algo", "pipeline", "hydra"))]
         return [*forwarded, *map(expand, self.config.common), *overrides, f"paths.output_dir={dirs[stage]}"]
@@ -100,83 +115,126 @@ class DemoPipeline:
         with initialize_config_dir(config_dir=os.path.join(root_dir, "conf"), version_base="1.3"):
             return compose(config_name="train", overrides=overrides)
 
+    def stage_config(self, stage: str, run_dir: str, cfg: Any) -> Any:
+        """The stage's job as composed for this run (cached)."""
+        if stage not in self._composed:
+            overrides = self.stage_overrides(stage, run_dir, _cli_overrides())
+            self._composed[stage] = self.compose_stage(overrides, str(cfg.paths.root_dir))
+        return self._composed[stage]
+
+    def export_of(self, stage: str, run_dir: str, cfg: Any) -> str | None:
+        """The folder the stage saves its model to (its ``algo.export_dir``), None if it saves none."""
+        export = self.stage_config(stage, run_dir, cfg).algo.get("export_dir")
+        return os.path.abspath(str(export)) if export else None
+
     def run(self, cfg: Any) -> dict[str, float]:
         from lit_rlhf.runner import run as run_job
 
         run_dir = os.path.abspath(str(cfg.paths.output_dir))
-        root_dir = str(cfg.paths.root_dir)
-        cli = _cli_overrides()
         metrics: dict[str, float] = {}
         for stage in self.config.stages:
-            export = os.path.join(run_dir, stage, EXPORTS[stage])
-            overrides = self.stage_overrides(stage, run_dir, cli)
+            overrides = self.stage_overrides(stage, run_dir, _cli_overrides())
+            export = self.export_of(stage, run_dir, cfg)
             log.info("stage %s — rerun it alone with: python train.py %s", stage, " ".join(_quote(o) for o in overrides))
-            if self.config.reuse and os.path.isdir(export):
-                log.info("stage %s: %s exists, reusing it (algo.reuse=false to retrain)", stage, export)
+            if self.config.reuse and export and os.path.isdir(export):
+                log.info("stage %s: %s exists, reusing it (pipeline.reuse=false to retrain)", stage, export)
                 continue
-            stage_metrics = run_job(self.compose_stage(overrides, root_dir))
+            stage_metrics = run_job(self.stage_config(stage, run_dir, cfg))
             metrics.update({f"{stage}/{k}": v for k, v in stage_metrics.items()})
         summary = self.summarize(run_dir, cfg)
         metrics.update(summary["flat"])
         return metrics
 
+    def summarize(self, run_dir: str, cfg: Any) -> dict[str, Any]:
+        """The evaluation after the stages: ``{"flat": {metric: value}, …}``."""
+        raise NotImplementedError
+
+
+class DemoPipeline(StagePipeline):
+    """The stages, then every policy evaluated on the embedded task's gold reward: the summary and the PNG."""
+
+    config_class = DemoConfig
+    config: DemoConfig
+
+    def label(self, stage: str) -> str:
+        return self.config.labels.get(stage, stage)
+
     # ------------------------------------------------------------ evaluation
+    def compared_stages(self, run_dir: str, cfg: Any) -> dict[str, str]:
+        """Stage → export of every policy the table compares with the baseline: the stages of
+        ``stages`` (in order) other than the baseline and the proxy whose export exists and is a
+        policy (a reward-model stage's is not)."""
+        c = self.config
+        out = {}
+        for stage in c.stages:
+            if stage in (c.baseline, c.proxy):
+                continue
+            export = self.export_of(stage, run_dir, cfg)
+            target = str(self.stage_config(stage, run_dir, cfg).algo.get("_target_", ""))
+            if export and os.path.isdir(export) and not target.endswith("RewardModelModule"):
+                out[stage] = export
+        return out
+
     def summarize(self, run_dir: str, cfg: Any) -> dict[str, Any]:
         from lit_rlhf.data.synthetic import SyntheticTask, TaskConfig
         from lit_rlhf.report import render
         from lit_rlhf.utils.config import build_config
 
+        c = self.config
         task_cfg = build_config(TaskConfig, cfg.data.task, "data.task") if "task" in cfg.data else TaskConfig()
         task = SyntheticTask(task_cfg)
-        prompts = [r["prompt"] for r in task.prompts(self.config.eval_prompts, "test")]
-        sft, rm = os.path.join(run_dir, "sft", "policy"), os.path.join(run_dir, "rm", "reward_model")
-        policies = {"SFT": sft}
-        for stage, label in LABELS.items():
-            path = os.path.join(run_dir, stage, EXPORTS[stage])
-            if os.path.isdir(path):
-                policies[label] = path
+        prompts = [r["prompt"] for r in task.prompts(c.eval_prompts, "test")]
+        sft = self.export_of(c.baseline, run_dir, cfg)
+        rm = self.export_of(c.proxy, run_dir, cfg) if c.proxy else None
+        if sft is None or not os.path.isdir(sft):
+            raise FileNotFoundError(f"pipeline.baseline={c.baseline}: no policy at {sft} (run that stage first)")
+        compared = self.compared_stages(run_dir, cfg)
+        labels = {c.baseline: self.label(c.baseline), **{s: self.label(s) for s in compared}}
+        policies = {labels[c.baseline]: sft, **{labels[s]: path for s, path in compared.items()}}
         gen, template, max_prompt_length = self.rollout_settings(run_dir, cfg)
-        results = evaluate_policies(policies, sft, rm, task, prompts, self.config.eval_batch_size, gen, template,
+        results = evaluate_policies(policies, sft, rm or "", task, prompts, c.eval_batch_size, gen, template,
                                     max_prompt_length)  # fmt: skip
-        curves = {stage: training_curve(os.path.join(run_dir, stage)) for stage in RL_STAGES}
-        checks = self.checks(results, curves)
+        curves = {stage: training_curve(os.path.join(run_dir, stage)) for stage in compared}
+        checks = self.checks(results, curves, labels)
         flat = {f"eval/{name}/{k}": v for name, res in results.items() for k, v in res.items()}
         flat.update({f"check/{k}": float(v) for k, v in checks.items() if isinstance(v, bool)})
-        table = format_table(results, checks)
+        table = format_table(results, checks, labels, c.baseline)
         print("\n" + table + "\n", flush=True)
         with open(os.path.join(run_dir, "summary.md"), "w") as fh:
             fh.write(table + "\n")
         with open(os.path.join(run_dir, "summary.json"), "w") as fh:
-            json.dump({"policies": results, "curves": curves, "checks": checks, "config": asdict(self.config)}, fh, indent=2)
-        rl_dirs = [(os.path.join(run_dir, s), LABELS[s]) for s in RL_STAGES if os.path.isdir(os.path.join(run_dir, s, "csv"))]
-        if rl_dirs:
-            png = render([d for d, _ in rl_dirs], os.path.join(run_dir, "stability.png"), [lbl for _, lbl in rl_dirs],
-                         title="embedded task: " + " vs ".join(lbl for _, lbl in rl_dirs))  # fmt: skip
+            json.dump({"policies": results, "curves": curves, "checks": checks, "config": asdict(c)}, fh, indent=2)
+        rl = [s for s in compared if curves[s].get("gold")]  # RL stages: a validation curve of gold reward
+        if rl:
+            png = render([os.path.join(run_dir, s) for s in rl], os.path.join(run_dir, "stability.png"),
+                         [labels[s] for s in rl], title="embedded task: " + " vs ".join(labels[s] for s in rl))  # fmt: skip
             log.info("stability panels: %s", png)
         log.info("summary: %s", os.path.join(run_dir, "summary.md"))
         return {"results": results, "checks": checks, "flat": flat}
 
     def rollout_settings(self, run_dir: str, cfg: Any) -> tuple[Any, str, int]:
-        """The RL stages' own sampling settings, chat template and prompt length (the last RL stage
-        of ``stages`` as composed for this run), so the final table samples as training did."""
+        """The sampling settings, chat template and prompt length of the ``eval_stage`` job as
+        composed for this run, so the final table samples as that RL stage trained."""
         from lit_rlhf.rollout.generate import GenerationConfig
         from lit_rlhf.utils.config import build_config
 
-        rl = [s for s in self.config.stages if s in ("ppo", "ppo_max")]  # (GRPO/DAPO sample alike: see the experiments)
-        stage = rl[-1] if rl else "ppo_max"
-        stage_cfg = self.compose_stage(self.stage_overrides(stage, run_dir, _cli_overrides()), str(cfg.paths.root_dir))
+        stage_cfg = self.stage_config(self.config.eval_stage, run_dir, cfg)
         gen = build_config(GenerationConfig, stage_cfg.algo.generation, "algo.generation")
         prompt = stage_cfg.data.prompt
         return gen, str(prompt.template), int(prompt.max_prompt_length)
 
-    def checks(self, results: dict[str, dict[str, float]], curves: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def checks(self, results: dict[str, dict[str, float]], curves: dict[str, dict[str, Any]],
+               labels: dict[str, str]) -> dict[str, Any]:  # fmt: skip
         """The demo's claims, from the evaluation and the RL stages' validation curves: each trained
-        policy's gold gain (in SFT σ) and whether its KL is bounded; for each RL stage, whether the
-        gold reward fell from its peak while the proxy rose (over-optimization); PPO (β=0)'s drift."""
+        policy's gold gain (in the baseline's σ) and whether its KL is bounded; for each RL stage,
+        whether the gold reward fell from its peak while the proxy rose (over-optimization); PPO
+        (β=0)'s drift (stages ``ppo`` and ``ppo_max``)."""
         out: dict[str, Any] = {}
-        sft = results.get("SFT")
-        for stage, label in LABELS.items():
+        sft = results.get(labels[self.config.baseline])
+        for stage, label in labels.items():
             res = results.get(label)
+            if stage == self.config.baseline:
+                continue
             if sft and res:
                 out[f"{stage}_gold_gain_in_sft_sigma"] = (res["gold_mean"] - sft["gold_mean"]) / max(sft["gold_std"], 1e-9)
                 out[f"{stage}_kl_bounded"] = res["kl_to_sft"] < self.config.kl_bound
@@ -189,7 +247,7 @@ class DemoPipeline:
                             f"{stage}_overoptimized": gold[-1] < gold[peak] and proxy[-1] > proxy[peak]})  # fmt: skip
         if "ppo_max_gold_gain_in_sft_sigma" in out:
             out["ppo_max_raises_gold_by_1_sigma"] = out["ppo_max_gold_gain_in_sft_sigma"] >= 1.0
-        ppo, pmax = results.get("PPO (β=0)"), results.get("PPO-max")
+        ppo, pmax = results.get(labels.get("ppo", "")), results.get(labels.get("ppo_max", ""))
         if ppo and sft and pmax:
             # the drift that comes with it: KL far beyond PPO-max's bound, length away from SFT's
             out["ppo_kl_drift"] = ppo["kl_to_sft"] > self.config.kl_bound
@@ -302,8 +360,10 @@ def evaluate_policies(
     return results
 
 
-def format_table(results: dict[str, dict[str, float]], checks: dict[str, Any]) -> str:
-    """The markdown table printed at the end of the demo (and saved as summary.md), with its notes."""
+def format_table(results: dict[str, dict[str, float]], checks: dict[str, Any], labels: dict[str, str],
+                 baseline: str = "sft") -> str:  # fmt: skip
+    """The markdown table printed at the end of the demo (and saved as summary.md), with its notes;
+    ``labels``: stage → row name (the baseline's row first)."""
     cols = [("gold reward", "gold_mean", "{:+.3f}"), ("(std)", "gold_std", "{:.3f}"),
             ("proxy (RM) reward", "proxy_mean", "{:+.3f}"), ("KL to SFT", "kl_to_sft", "{:.2f}"),
             ("perplexity", "perplexity", "{:.2f}"), ("length", "response_length", "{:.1f}"),
@@ -311,34 +371,37 @@ def format_table(results: dict[str, dict[str, float]], checks: dict[str, Any]) -
     lines = ["| policy | " + " | ".join(c for c, _, _ in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, res in results.items():
         lines.append(f"| {name} | " + " | ".join(fmt.format(res[k]) for _, k, fmt in cols) + " |")
-    return "\n".join(lines + [""] + [f"- {n}" for n in _notes(results, checks)])
+    return "\n".join(lines + [""] + [f"- {n}" for n in _notes(results, checks, labels, baseline)])
 
 
-def _notes(results: dict[str, dict[str, float]], checks: dict[str, Any]) -> list[str]:
+def _notes(results: dict[str, dict[str, float]], checks: dict[str, Any], labels: dict[str, str],
+           baseline: str) -> list[str]:  # fmt: skip
     notes = []
-    for stage, label in LABELS.items():
-        if f"{stage}_gold_gain_in_sft_sigma" not in checks or stage == "ppo":
+    base = labels[baseline]
+    for stage, label in labels.items():
+        if f"{stage}_gold_gain_in_sft_sigma" not in checks or stage in ("ppo", baseline):
             continue
-        line = (f"{label} vs SFT: gold {checks[f'{stage}_gold_gain_in_sft_sigma']:+.2f} SFT σ; KL to SFT "
+        line = (f"{label} vs {base}: gold {checks[f'{stage}_gold_gain_in_sft_sigma']:+.2f} {base} σ; KL to {base} "
                 f"{results[label]['kl_to_sft']:.2f} ({'bounded' if checks[f'{stage}_kl_bounded'] else 'NOT bounded'})")  # fmt: skip
         if stage != "ppo_max":
-            line += f", length {results['SFT']['response_length']:.1f} → {results[label]['response_length']:.1f}"
+            line += f", length {results[base]['response_length']:.1f} → {results[label]['response_length']:.1f}"
         if f"{stage}_overoptimized" in checks and stage != "ppo_max":
             line += (f"; during training gold peaked at {checks[f'{stage}_gold_peak']:+.3f} and ended at "
                      f"{checks[f'{stage}_gold_final']:+.3f}: "
                      f"{'over-optimization' if checks[f'{stage}_overoptimized'] else 'no over-optimization'}")  # fmt: skip
         notes.append(line)
+    ppo = labels.get("ppo", "ppo")
     if "ppo_overoptimized" in checks:
         notes.append(
-            f"PPO (β=0) during training: gold peaked at {checks['ppo_gold_peak']:+.3f} and ended at "
+            f"{ppo} during training: gold peaked at {checks['ppo_gold_peak']:+.3f} and ended at "
             f"{checks['ppo_gold_final']:+.3f} while the proxy went {checks['ppo_proxy_at_gold_peak']:+.2f} → "
             f"{checks['ppo_proxy_final']:+.2f}: {'over-optimization' if checks['ppo_overoptimized'] else 'no over-optimization'}"
         )
     if "ppo_kl_drift" in checks:
-        ppo, sft = results["PPO (β=0)"], results["SFT"]
+        p, sft = results[ppo], results[base]
         notes.append(
-            f"PPO (β=0) drift: KL to SFT {ppo['kl_to_sft']:.1f} ({'beyond' if checks['ppo_kl_drift'] else 'within'} the "
-            f"bound), length {sft['response_length']:.1f} → {ppo['response_length']:.1f} "
+            f"{ppo} drift: KL to {base} {p['kl_to_sft']:.1f} ({'beyond' if checks['ppo_kl_drift'] else 'within'} the "
+            f"bound), length {sft['response_length']:.1f} → {p['response_length']:.1f} "
             f"({'more' if checks['ppo_length_drift'] else 'less'} than PPO-max's change)"
         )
     return notes

@@ -55,8 +55,15 @@ def test_option_composes_and_validates(group, option, tmp_path):
             plan(compose([f"{group}={option}", *values[1:]], tmp_path))
         cfg = compose([f"{group}={option}", *values], tmp_path)
     p = plan(cfg)  # model, algo and data configs are typed and valid
-    if p.pipeline_cls is not None:  # pipeline=demo: its stages are validated when they run
-        assert p.pipeline.stages == ["sft", "rm", "ppo", "ppo_max", "dpo", "grpo", "dapo"]
+    if p.pipeline_cls is not None:  # a pipeline: every job it runs composes into a valid stage job
+        expected = {"demo": ["sft", "rm", "ppo", "ppo_max", "dpo", "grpo", "dapo"],
+                    "zoo": ["sft", "rm", "dpo", "simpo", "orpo", "kto", "grpo", "reinforce_pp", "reinforce_pp_baseline",
+                            "remax"]}  # fmt: skip
+        assert p.pipeline.stages == expected[option]
+        pipe = p.pipeline_cls(p.pipeline)
+        for stage in p.pipeline.stages:
+            job = plan(pipe.compose_stage(pipe.stage_overrides(stage, str(tmp_path), []), str(cfg.paths.root_dir)))
+            assert job.algo_cls is not None and job.algo.export_dir.startswith(str(tmp_path / stage)), stage
         return
     assert p.algo_cls.data_kind in cfg.data
     if group == "strategy":
@@ -273,15 +280,24 @@ def _group_file(group: str, name: str) -> tuple[dict, dict, set[str]]:
     return base, node, typed
 
 
+@functools.cache
+def _free_mappings() -> frozenset[str]:
+    """Names of the typed configs' free-form mapping fields (a ``dict`` defaulting to ``{}``, e.g. the
+    pipeline's ``jobs``): their keys are the user's, not config fields."""
+    from lit_rlhf.launch.schemas import SCHEMAS
+
+    return frozenset(k for name in SCHEMAS for k, v in _schema_defaults(name).items() if v == {})
+
+
 def _restated(own: dict, base: dict, path: str, typed: bool, typed_packages: set[str]) -> list[str]:
     """Keys of ``own`` whose value is what ``base`` already gives (recursing into mappings). Under a
-    typed package a key the dataclass lacks is reported too."""
+    typed package a key the dataclass lacks is reported too (not inside a free-form mapping field)."""
     found = []
     for key, value in own.items():
         full = f"{path}.{key}" if path else key
         if key == "_target_":
             continue
-        in_type = typed or full in typed_packages
+        in_type = (typed or full in typed_packages) and not (path and path.rsplit(".", 1)[-1] in _free_mappings())
         if key not in base:
             if in_type:
                 found.append(f"{full} is not a config field")

@@ -27,10 +27,9 @@ def test_shortened_demo_pipeline(tmp_path):
     assert cfg.pipeline._target_ == "lit_rlhf.pipeline.DemoPipeline" and "algo" not in cfg
     with open_dict(cfg):
         cfg.pipeline.common = BUDGET
-        cfg.pipeline.ppo = shorten(cfg.pipeline.ppo)
-        cfg.pipeline.ppo_max = shorten(cfg.pipeline.ppo_max)
-        cfg.pipeline.grpo = shorten(cfg.pipeline.grpo, steps=2)
-        cfg.pipeline.dapo = shorten(cfg.pipeline.dapo, steps=2)
+        jobs = cfg.pipeline.jobs
+        jobs.ppo, jobs.ppo_max = shorten(jobs.ppo), shorten(jobs.ppo_max)
+        jobs.grpo, jobs.dapo = shorten(jobs.grpo, steps=2), shorten(jobs.dapo, steps=2)
         cfg.pipeline.eval_prompts = 24
     metrics = run(cfg)
     for stage, export in (("sft", "policy"), ("rm", "reward_model"), ("ppo", "actor"), ("ppo_max", "actor"),
@@ -79,7 +78,7 @@ def test_final_table_samples_with_the_rl_stages_settings(tmp_path):
 
     cfg = compose(["pipeline=demo"], tmp_path)
     with open_dict(cfg):
-        cfg.pipeline.ppo_max = [*OmegaConf.to_container(cfg.pipeline.ppo_max, resolve=False),
+        cfg.pipeline.jobs.ppo_max = [*OmegaConf.to_container(cfg.pipeline.jobs.ppo_max, resolve=False),
                                 "algo.generation.max_new_tokens=7", "data.prompt.max_prompt_length=9"]  # fmt: skip
     gen, template, max_prompt_length = DemoPipeline(plan(cfg).pipeline).rollout_settings(str(tmp_path), cfg)
     assert (gen.max_new_tokens, gen.temperature, gen.top_p, template, max_prompt_length) == (7, 0.8, 0.9, "plain", 9)
