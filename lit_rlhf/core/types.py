@@ -38,6 +38,9 @@ class Rollout:
     returns: Tensor | None = None  # (B, R) critic targets G_t = A_t + V_t
     prompts_text: list[str] = field(default_factory=list)  # decoded prompts (for samples tables)
     responses_text: list[str] = field(default_factory=list)  # decoded responses
+    # per-row dataset columns handed to reward callables with the texts (the ground truth of a
+    # verifiable task: {"answer": [...]}; docs/rewards.md); empty = none
+    columns: dict[str, list] = field(default_factory=dict)
 
     def require(self, *names: str) -> "Rollout":
         """This rollout, after checking that the named fields are filled (a programming error otherwise)."""
@@ -88,6 +91,8 @@ class Rollout:
                 out[f.name] = v[index]
             elif isinstance(v, list) and v:
                 out[f.name] = [v[i] for i in index.tolist()]
+            elif isinstance(v, dict):
+                out[f.name] = {k: [col[i] for i in index.tolist()] for k, col in v.items()}
             else:
                 out[f.name] = v
         return replace(self, **out)
@@ -114,6 +119,11 @@ def cat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         values = [getattr(r, f.name) for r in rollouts]
         if f.name in ("prompts_text", "responses_text"):
             out[f.name] = [t for v in values for t in v]
+        elif f.name == "columns":
+            keys = set(values[0])
+            if any(set(v) != keys for v in values):
+                raise ValueError(f"cannot concatenate rollouts: their columns differ ({[sorted(v) for v in values]})")
+            out[f.name] = {k: [x for v in values for x in v[k]] for k in values[0]}
         elif all(v is None for v in values):
             out[f.name] = None
         elif any(v is None for v in values):

@@ -168,6 +168,12 @@ class PromptDataConfig(DataConfig):
     """prompt = a ``prompt_field`` column; hh = the shared prompt of chosen/rejected dialogues."""
     prompt_field: str = "prompt"
     """Column holding the prompt (format=prompt)."""
+    answer_field: str | None = None
+    """Column holding each prompt's ground truth (a verifiable task, docs/rewards.md): handed to the
+    reward callables as ``answer=`` with the responses; None = no ground truth."""
+    answer_format: Literal["raw", "gsm8k"] = "raw"
+    """raw = the column as it is (a number becomes its text); gsm8k = the text after the last "####"
+    of a worked solution ("... #### 72" → "72"; a row without one is an error naming it)."""
     val_rows: str | None = None
     """Rows of ``source`` whose prompts are sampled in validation (with ``algo.generation``); None = none."""
     max_prompt_length: int = field(default=64, metadata={"ge": 1})

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from lit_rlhf.data.collate import pad
 from lit_rlhf.data.configs import PromptDataConfig  # noqa: F401  (re-exported)
-from lit_rlhf.data.io import DataError, iter_rows, require_str, select_rows
+from lit_rlhf.data.io import DataError, Row, iter_rows, require_str, select_rows
 from lit_rlhf.data.loader import ResumableDataLoader
 from lit_rlhf.data.preference import split_hh
 from lit_rlhf.data.sampler import EpochSampler
@@ -27,6 +27,27 @@ from lit_rlhf.data.templates import get_template
 from lit_rlhf.utils.config import resolve_config
 
 log = logging.getLogger(__name__)
+
+
+def row_answer(row: Row, field: str, fmt: str = "raw") -> str:
+    """The ground truth of a prompt row (``data.prompt.answer_field``): the column as text (a number
+    becomes its text), or with ``fmt="gsm8k"`` the text after the last "####" of a worked solution."""
+    if field not in row.data:
+        have = ", ".join(sorted(row.data)) or "none"
+        raise DataError(f"{row.where}: missing answer field '{field}' (data.prompt.answer_field); the row has: {have}")
+    value = row.data[field]
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise DataError(f"{row.where}: answer field '{field}' must be text or a number, got {type(value).__name__}")
+    text = value if isinstance(value, str) else format(value, "g") if isinstance(value, float) else str(value)
+    if fmt == "gsm8k":
+        if "####" not in text:
+            raise DataError(f"{row.where}: answer field '{field}' has no '#### <answer>' line (data.prompt.answer_format="
+                            f"gsm8k): {text[-80:]!r}")  # fmt: skip
+        text = text.rsplit("####", 1)[1]
+    text = text.strip()
+    if not text:
+        raise DataError(f"{row.where}: answer field '{field}' is empty")
+    return text
 
 
 def encode_prompt(tokenizer: Any, text: str, max_length: int) -> tuple[list[int], int]:
@@ -39,14 +60,20 @@ def encode_prompt(tokenizer: Any, text: str, max_length: int) -> tuple[list[int]
     return ids, cut
 
 
-def collate_prompts(items: list[tuple[list[int], str]], pad_id: int) -> dict[str, Any]:
-    """Left-padded prompts (generation continues every row at the same column).
+def collate_prompts(items: list[tuple], pad_id: int) -> dict[str, Any]:
+    """Left-padded prompts (generation continues every row at the same column). An item is
+    ``(ids, text)`` or ``(ids, text, columns)`` with ``columns`` a dict of the row's dataset
+    columns for the reward callables (the ground truth ``answer`` of a verifiable task).
 
     Returns:
-        prompt_ids (B, P), prompt_mask (B, P) 1 = real token, prompts: the raw prompt strings.
+        prompt_ids (B, P), prompt_mask (B, P) 1 = real token, prompts: the raw prompt strings, and
+        ``columns`` (name → B values) when the items carry any.
     """
-    ids, mask = pad([i for i, _ in items], pad_id, "left")
-    return {"prompt_ids": ids, "prompt_mask": mask, "prompts": [t for _, t in items]}
+    ids, mask = pad([item[0] for item in items], pad_id, "left")
+    batch: dict[str, Any] = {"prompt_ids": ids, "prompt_mask": mask, "prompts": [item[1] for item in items]}
+    if items and len(items[0]) > 2:
+        batch["columns"] = {k: [item[2][k] for item in items] for k in items[0][2]}
+    return batch
 
 
 class PromptDataModule(pl.LightningDataModule):
@@ -69,7 +96,8 @@ class PromptDataModule(pl.LightningDataModule):
         self.tokenizer = tokenizer
         return self
 
-    def _prompts(self, rows_spec: str | None) -> list[str]:
+    def _prompts(self, rows_spec: str | None) -> list[tuple[str, dict[str, str]]]:
+        """(prompt, columns) of the rows: columns = ``{"answer": …}`` with ``answer_field`` set, else {}."""
         c = self.config
         rows = select_rows(list(iter_rows(c.source, c.train_split)), rows_spec)
         fmt = c.format
@@ -78,23 +106,25 @@ class PromptDataModule(pl.LightningDataModule):
         out = []
         for row in rows:
             if fmt == "hh":
-                out.append(split_hh(require_str(row, "chosen"), require_str(row, "rejected"), row.where)[0])
+                prompt = split_hh(require_str(row, "chosen"), require_str(row, "rejected"), row.where)[0]
             else:
-                out.append(require_str(row, c.prompt_field, ["data.prompt.prompt_field"]))
+                prompt = require_str(row, c.prompt_field, ["data.prompt.prompt_field"])
+            out.append((prompt, {"answer": row_answer(row, c.answer_field, c.answer_format)} if c.answer_field else {}))
         return out
 
-    def _encode(self, prompts: list[str], split: str) -> list[tuple[list[int], str]]:
+    def _encode(self, prompts: list[tuple[str, dict[str, str]]], split: str) -> list[tuple]:
         c = self.config
         template = get_template(c.template)
         out, cut = [], 0
-        kept = [p for p in prompts if p.strip()]  # an empty prompt is no question: skipped, counted
-        for p in kept:
+        kept = [(p, cols) for p, cols in prompts if p.strip()]  # an empty prompt is no question: skipped, counted
+        for p, cols in kept:
             ids, n = encode_prompt(self.tokenizer, template.format_prompt(p), c.max_prompt_length)
             cut += n > 0
-            out.append((ids, p))
+            out.append((ids, p, cols) if cols else (ids, p))
         s = self.stats
         s[f"{split}_prompts"], s[f"{split}_prompts_cut"] = len(out), cut
-        s[f"{split}_skipped_empty"], s[f"{split}_duplicates"] = len(prompts) - len(kept), len(kept) - len(set(kept))
+        s[f"{split}_skipped_empty"] = len(prompts) - len(kept)
+        s[f"{split}_duplicates"] = len(kept) - len({p for p, _ in kept})
         log.info("prompts %s: %d (%d empty or blank skipped; %d duplicates kept; %d cut from the left at "
                  "max_prompt_length=%d)", split, len(out), s[f"{split}_skipped_empty"], s[f"{split}_duplicates"], cut,
                  c.max_prompt_length)  # fmt: skip
@@ -108,8 +138,8 @@ class PromptDataModule(pl.LightningDataModule):
         c = self.config
         if c.source == "synthetic":
             task = SyntheticTask(c.task)
-            train = [r["prompt"] for r in task.prompts(c.n_train, "train")]
-            val = [r["prompt"] for r in task.prompts(c.n_val, "val")] if c.n_val else []
+            train = [(r["prompt"], {}) for r in task.prompts(c.n_train, "train")]
+            val = [(r["prompt"], {}) for r in task.prompts(c.n_val, "val")] if c.n_val else []
         else:
             train = self._prompts(c.train_rows)
             val = self._prompts(c.val_rows) if c.val_rows else []

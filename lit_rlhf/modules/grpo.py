@@ -183,8 +183,6 @@ class GRPOModule(RLModule):
             kl = torch.zeros_like(rollout.response_mask, dtype=adv.dtype)
         rollout.advantages, rollout.rewards = reinforce_advantages(adv, kl, mask, beta, whiten=c.whiten_advantages,
                                                                    all_reduce=all_reduce_sum)  # fmt: skip
-        components = getattr(self.scorer, "components", {})
-        stats.update({f"reward/{name}": v[torch.isfinite(v)].mean() for name, v in components.items()})
         return stats
 
     # --------------------------------------------------------------- phase 3

@@ -285,9 +285,30 @@ class RLModule(RLUpdateMixin, RLHFModule):
         rollout, stats = self.collect(prompts)
         collected = time.perf_counter()
         stats.update(self.compute_advantages(rollout))
+        stats.update(self.reward_stats())
         stats.update(self.update(rollout, ptx))
         self.update_kl_controller(rollout)
         return self.end_iteration(rollout, stats, started, collected)
+
+    def reward_stats(self) -> dict[str, Tensor]:
+        """``reward/<name>``: each ``algo.reward_fns`` component's mean over the last scored batch
+        (finite values); ``reward/<name>_errors``: responses a reward function could not check in
+        this iteration (scored 0 and counted, docs/rewards.md), with a warning naming the first."""
+        from lit_rlhf.rollout.score import CallableScorer, WeightedScorer
+
+        stats = {f"reward/{name}": v[torch.isfinite(v)].mean() for name, v in getattr(self.scorer, "components", {}).items()}
+        if isinstance(self.scorer, WeightedScorer):
+            errors = self.scorer.take_errors()
+        elif isinstance(self.scorer, CallableScorer):
+            errors = {self.scorer.name.rsplit(".", 1)[-1]: self.scorer.take_errors()}
+        else:
+            errors = {}
+        for name, (count, example) in errors.items():
+            stats[f"reward/{name}_errors"] = torch.tensor(float(count))
+            if count:
+                log.warning("iteration %d: reward %s could not check %d responses (scored 0), e.g.: %s", self.iteration,
+                            name, count, example)  # fmt: skip
+        return stats
 
     # ------------------------------------------------------------------ rollout
     def rollout_grad_mode(self) -> Any:
@@ -307,7 +328,8 @@ class RLModule(RLUpdateMixin, RLHFModule):
         if g > 1:
             batch = {"prompt_ids": batch["prompt_ids"].repeat_interleave(g, 0),
                      "prompt_mask": batch["prompt_mask"].repeat_interleave(g, 0),
-                     "prompts": [p for p in batch["prompts"] for _ in range(g)]}  # fmt: skip
+                     "prompts": [p for p in batch["prompts"] for _ in range(g)],
+                     "columns": {k: [x for x in v for _ in range(g)] for k, v in (batch.get("columns") or {}).items()}}  # fmt: skip
         with self.rollout_grad_mode():
             rollout = generate_and_score(
                 self.actor, batch, self.tokenizer, self.config.generation, reference=self.frozen.get("reference"),
@@ -366,7 +388,7 @@ class RLModule(RLUpdateMixin, RLHFModule):
         self.log("val/response_length", rollout.response_lengths.float().mean(), batch_size=n, sync_dist=True)
         if self.gold_scorer is not None:
             gold = self.gold_scorer(rollout.input_ids, rollout.attention_mask, rollout.prompts_text,
-                                    rollout.responses_text, rollout.ended)  # fmt: skip
+                                    rollout.responses_text, rollout.ended, columns=rollout.columns)  # fmt: skip
             self.log("val/gold_score_mean", gold.mean(), batch_size=n, sync_dist=True)
 
     def total_updates(self) -> int:

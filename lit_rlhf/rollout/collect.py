@@ -17,7 +17,7 @@ from lit_rlhf.core.types import Rollout
 from lit_rlhf.rollout.generate import GenerationConfig, sample
 from lit_rlhf.rollout.score import response_logprobs, response_values
 
-Scorer = Callable[[Tensor, Tensor, list, list, Tensor], Tensor]
+Scorer = Callable[..., Tensor]  # (input_ids, attention_mask, prompts, responses, ended, columns=None) -> (B,)
 
 
 def decode_responses(tokenizer: Any, response_ids: Tensor, response_mask: Tensor, ended: Tensor) -> list[str]:
@@ -56,7 +56,9 @@ def generate_and_score(
 
     Args:
         policy: the ``*ForCausalLM`` that samples (and, with ``policy_logprobs``, is scored).
-        batch: ``prompt_ids`` (B, P) left-padded, ``prompt_mask`` (B, P), ``prompts`` (B raw strings).
+        batch: ``prompt_ids`` (B, P) left-padded, ``prompt_mask`` (B, P), ``prompts`` (B raw strings),
+            optionally ``columns`` (name → B values: the rows' ground truth, handed to the scorer and
+            kept in the rollout).
         tokenizer: the policy's tokenizer (EOS/pad ids, decoding).
         gen: sampling settings.
         reference: frozen reference → ``ref_logprobs``; critic → ``values``; scorer → ``scores``
@@ -81,6 +83,7 @@ def generate_and_score(
 
     texts = decode_responses(tokenizer, response_ids, response_mask, ended)
     prompts = list(batch["prompts"])
+    columns = {k: list(v) for k, v in (batch.get("columns") or {}).items()}
     return Rollout(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -90,7 +93,8 @@ def generate_and_score(
         logprobs=logprobs_of(policy) if policy_logprobs else None,
         ref_logprobs=logprobs_of(reference) if reference is not None else None,
         values=_eval_forward(critic, lambda: response_values(critic, ids, mask, width)) if critic is not None else None,
-        scores=scorer(ids, mask, prompts, texts, ended) if scorer is not None else None,
+        scores=scorer(ids, mask, prompts, texts, ended, columns=columns) if scorer is not None else None,
         prompts_text=prompts,
         responses_text=texts,
+        columns=columns,
     )

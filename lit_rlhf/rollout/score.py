@@ -8,7 +8,7 @@ So for a prompt of width P: ``full[:, P - 1 : -1]`` lines up with the response t
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -122,7 +122,8 @@ class ModelScorer:
 
     @torch.no_grad()
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], responses: Sequence[str],
-                 ended: Tensor) -> Tensor:  # fmt: skip
+                 ended: Tensor, columns: Mapping[str, Sequence[Any]] | None = None) -> Tensor:  # fmt: skip
+        """(B,) scores; ``columns`` (the rows' dataset columns) are not read by a reward model."""
         if self.same_vocab:
             ids, mask = append_eos_to_truncated(input_ids, attention_mask, ended, self.tokenizer.eos_token_id,
                                                 self.tokenizer.pad_token_id)  # fmt: skip
@@ -141,20 +142,30 @@ class RewardFunctionError(RuntimeError):
 
 
 class CallableScorer:
-    """Scores from a Python function ``fn(prompts, responses, ended) -> list[float]`` (e.g. the
-    embedded task's gold reward), on the decoded texts. A function that raises, or returns the
-    wrong number of values or non-numbers, stops the run with a :class:`RewardFunctionError`
-    naming it; non-finite values are passed on as they are (the RL stage counts and skips those
-    samples)."""
+    """Scores from a Python function ``fn(prompts, responses, ended, **columns) -> list[float]``
+    (e.g. the embedded task's gold reward, a verifier of lit_rlhf.rewards), on the decoded texts.
+    ``columns`` are the rows' dataset columns (the ground truth ``answer`` of a verifiable task,
+    docs/rewards.md), passed as keywords the function accepts (by name, or all with ``**kwargs``).
+
+    A function that raises, or returns the wrong number of values or non-numbers, stops the run
+    with a :class:`RewardFunctionError` naming it; non-finite values are passed on as they are
+    (the RL stage counts and skips those samples). A function that scores a response it cannot
+    check as 0 and counts it (``last_errors``, the verifiers do) has those counts summed in
+    :attr:`errors` until :meth:`take_errors` reads them.
+    """
 
     def __init__(self, fn: Callable[..., Sequence[float]], name: str | None = None):
         self.fn = fn
         self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
+        self.errors = 0
+        self.error_example: str | None = None
+        self._accepts = _keyword_names(fn)
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], responses: Sequence[str],
-                 ended: Tensor) -> Tensor:  # fmt: skip
+                 ended: Tensor, columns: Mapping[str, Sequence[Any]] | None = None) -> Tensor:  # fmt: skip
+        kwargs = {k: list(v) for k, v in (columns or {}).items() if self._accepts is None or k in self._accepts}
         try:
-            values = self.fn(list(prompts), list(responses), ended.tolist())
+            values = self.fn(list(prompts), list(responses), ended.tolist(), **kwargs)
         except Exception as err:  # noqa: BLE001 - any failure of user code is reported by name
             raise RewardFunctionError(f"reward function {self.name} raised {type(err).__name__}: {err}") from err
         try:
@@ -165,7 +176,29 @@ class CallableScorer:
         if out.numel() != len(responses):
             raise RewardFunctionError(f"reward function {self.name} returned {out.numel()} values for "
                                       f"{len(responses)} responses")  # fmt: skip
+        errors = int(getattr(self.fn, "last_errors", 0) or 0)
+        if errors:
+            self.errors += errors
+            self.error_example = self.error_example or getattr(self.fn, "last_error_example", None)
         return out
+
+    def take_errors(self) -> tuple[int, str | None]:
+        """Responses the function could not check since the last call of this method (scored 0),
+        and the first error message among them."""
+        out = (self.errors, self.error_example)
+        self.errors, self.error_example = 0, None
+        return out
+
+
+def _keyword_names(fn: Callable[..., Any]) -> set[str] | None:
+    """The keyword names ``fn`` takes beyond (prompts, responses, ended); None = any (``**kwargs``)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params[3:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 class WeightedScorer:
@@ -177,11 +210,16 @@ class WeightedScorer:
         self.components: dict[str, Tensor] = {}
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], responses: Sequence[str],
-                 ended: Tensor) -> Tensor:  # fmt: skip
+                 ended: Tensor, columns: Mapping[str, Sequence[Any]] | None = None) -> Tensor:  # fmt: skip
         total = None
         self.components = {}
         for name, weight, scorer in self.parts:
-            value = scorer(input_ids, attention_mask, prompts, responses, ended)
+            value = scorer(input_ids, attention_mask, prompts, responses, ended, columns=columns)
             self.components[name] = value
             total = weight * value if total is None else total + weight * value
         return total
+
+    def take_errors(self) -> dict[str, tuple[int, str | None]]:
+        """Per component: responses its function could not check since the last call (see
+        :meth:`CallableScorer.take_errors`)."""
+        return {name: scorer.take_errors() for name, _, scorer in self.parts if hasattr(scorer, "take_errors")}

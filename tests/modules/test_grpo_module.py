@@ -245,3 +245,75 @@ def test_checkpoint_resumes_the_dynamic_sampling_stream(saved_models, tokenizer,
                     limit_val_batches=0)  # fmt: skip
     t2.fit(resumed, data(tokenizer), ckpt_path=tmp_path / "grpo.ckpt")
     assert resumed.rl_iteration == 3 and resumed.extra_batches > state["extra_batches"]
+
+
+class AnswerChecker:
+    """A verifier-shaped reward: 1.0 when the ground truth handed with a prompt is that prompt's (its
+    word count, as written in the file); every third call's first response "cannot be checked"
+    (scored 0, counted in ``last_errors`` as lit_rlhf.rewards' verifiers do)."""
+
+    seen: list = []
+
+    def __init__(self):
+        self.calls, self.last_errors, self.last_error_example = 0, 0, None
+
+    def __call__(self, prompts, responses, ended, answer, **_):
+        self.calls += 1
+        AnswerChecker.seen.append((list(prompts), list(answer)))
+        out = [float(a == str(len(p.split()))) for p, a in zip(prompts, answer)]
+        self.last_errors = int(self.calls % 3 == 0)
+        self.last_error_example = "could not parse" if self.last_errors else None
+        if self.last_errors:
+            out[0] = 0.0
+        return out
+
+
+def test_ground_truth_reaches_the_reward_with_each_prompt_and_errors_are_counted(saved_models, tokenizer, tmp_path):
+    """data.prompt.answer_field: each prompt's answer travels with it through the loader, the G-fold
+    repeat of GRPO and DAPO's resampling, to the reward callable (keyword ``answer``) and to the
+    validation's gold reward; a verifier's unchecked responses are logged as reward/<name>_errors."""
+    import json
+
+    from lit_rlhf.data.synthetic import SyntheticTask
+
+    prompts = [r["prompt"] for r in SyntheticTask().prompts(40, "train")]
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps({"question": p, "answer": len(p.split())}) + "\n" for p in prompts))
+    dm = PromptDataModule(source=str(path), prompt_field="question", answer_field="answer", val_rows="33-40",
+                          train_rows="1-32", batch_size=4).connect(tokenizer)  # fmt: skip
+    checker = {"_target_": "tests.modules.test_grpo_module.AnswerChecker", "name": "acc"}
+    m = make(saved_models, tokenizer, reward_fns=[checker], gold_reward_fn={"_target_": checker["_target_"]},
+             dynamic_sampling=True, max_resample_rounds=1)  # fmt: skip
+    AnswerChecker.seen = []
+    keep = Keep()
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, val_check_interval=1, limit_val_batches=1, callbacks=[keep])  # fmt: skip
+    trainer.fit(m, dm)
+    assert len(AnswerChecker.seen) >= 3 + 3  # 3 iterations (+ resampling rounds) and validation batches
+    for ps, answers in AnswerChecker.seen:
+        assert answers == [str(len(p.split())) for p in ps]  # every answer is its own prompt's, rows aligned
+    scores = keep.outputs[-1]["rollout"].scores
+    assert set(scores.tolist()) <= {0.0, 1.0} and scores.sum() >= scores.numel() - 1
+    assert "reward/acc_errors" in trainer.callback_metrics and "reward/acc" in trainer.callback_metrics
+    assert float(trainer.callback_metrics["val/gold_score_mean"]) > 0.9  # the gold scorer got the answers too
+
+
+def test_answer_fields_are_read_and_checked(tokenizer, tmp_path):
+    import json
+
+    from lit_rlhf.data.io import DataError
+
+    rows = [{"q": "the cat", "a": "Natalia sold 48 clips ... #### 72"}, {"q": "a dog", "a": "so 3 + 4 = 7\n#### 7 "}]
+    path = tmp_path / "gsm.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dm = PromptDataModule(source=str(path), prompt_field="q", answer_field="a", answer_format="gsm8k", batch_size=2)
+    dm.connect(tokenizer).setup()
+    batch = next(iter(dm.train_dataloader()))
+    assert sorted(zip(batch["prompts"], batch["columns"]["answer"])) == [("a dog", "7"), ("the cat", "72")]
+    path.write_text(json.dumps({"q": "x", "a": "no marker"}) + "\n")
+    with pytest.raises(DataError, match=r"gsm.jsonl:1: answer field 'a' has no '#### <answer>' line"):
+        PromptDataModule(source=str(path), prompt_field="q", answer_field="a", answer_format="gsm8k",
+                         batch_size=1).connect(tokenizer).setup()  # fmt: skip
+    path.write_text(json.dumps({"q": "x", "answer": "1"}) + "\n")
+    with pytest.raises(DataError, match=r"missing answer field 'a' \(data.prompt.answer_field\); the row has: answer, q"):
+        PromptDataModule(source=str(path), prompt_field="q", answer_field="a", batch_size=1).connect(tokenizer).setup()
