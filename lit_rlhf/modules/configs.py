@@ -112,6 +112,12 @@ class RLConfig(OptimConfig):
     gold_reward_fn: dict | None = None
     """Optional second reward evaluated in validation only (``val/gold_score_mean``), never trained
     on: e.g. the embedded task's gold reward, to watch the proxy being over-optimized."""
+    val_pass_k: int = field(default=0, metadata={"ge": 0})
+    """Verifiable tasks: validation also decodes each prompt greedily (``val/greedy_accuracy``,
+    ``val/greedy_length``) and samples it k times (``val/pass@k``, ``val/mean@k``, Chen et al.
+    2021; docs/rewards.md), correctness from the gold reward when set, else the reward; 0 = off."""
+    val_correct_at: float = 1.0
+    """A validation response counts as correct when its score reaches this (1.0: a 0/1 verifier)."""
     reward_max_length: int = field(default=1024, metadata={"ge": 8})
     """Max tokens when a reward model with its own tokenizer re-tokenizes prompt + response."""
     rollout_batch_size: int = field(default=32, metadata={"ge": 1})

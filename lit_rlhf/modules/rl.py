@@ -52,7 +52,7 @@ from lit_rlhf.modules.base import RLHFModule, policy_spec
 from lit_rlhf.modules.configs import RLConfig
 from lit_rlhf.modules.health import TrainingHealth
 from lit_rlhf.modules.rl_update import PolicyForward, RLUpdateMixin, has_dropout
-from lit_rlhf.rollout.collect import generate_and_score
+from lit_rlhf.rollout.collect import generate_and_score, repeat_prompts
 from lit_rlhf.utils.config import ConfigError
 
 __all__ = ["PolicyForward", "RLModule", "has_dropout"]
@@ -326,10 +326,7 @@ class RLModule(RLUpdateMixin, RLHFModule):
         ``policy_logprobs`` (False: the fused first forward scores them)."""
         g = self.responses_per_prompt()
         if g > 1:
-            batch = {"prompt_ids": batch["prompt_ids"].repeat_interleave(g, 0),
-                     "prompt_mask": batch["prompt_mask"].repeat_interleave(g, 0),
-                     "prompts": [p for p in batch["prompts"] for _ in range(g)],
-                     "columns": {k: [x for x in v for _ in range(g)] for k, v in (batch.get("columns") or {}).items()}}  # fmt: skip
+            batch = repeat_prompts(batch, g)
         with self.rollout_grad_mode():
             rollout = generate_and_score(
                 self.actor, batch, self.tokenizer, self.config.generation, reference=self.frozen.get("reference"),
@@ -390,6 +387,15 @@ class RLModule(RLUpdateMixin, RLHFModule):
             gold = self.gold_scorer(rollout.input_ids, rollout.attention_mask, rollout.prompts_text,
                                     rollout.responses_text, rollout.ended, columns=rollout.columns)  # fmt: skip
             self.log("val/gold_score_mean", gold.mean(), batch_size=n, sync_dist=True)
+        if self.config.val_pass_k:
+            from lit_rlhf.rollout.evaluate import evaluate_verifiable
+
+            with self.rollout_grad_mode():
+                ev = evaluate_verifiable(self.actor, batch, self.tokenizer, self.config.generation,
+                                         self.gold_scorer or self.scorer, self.config.val_pass_k,
+                                         self.config.val_correct_at, self.config.padding_free)  # fmt: skip
+            for key, value in ev.metrics().items():
+                self.log(f"val/{key}", value, batch_size=n, sync_dist=True, prog_bar=key == "greedy_accuracy")
 
     def total_updates(self) -> int:
         """Optimizer steps of the whole fit: trainer.max_steps, else batches × updates per batch."""

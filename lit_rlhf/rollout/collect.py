@@ -20,6 +20,15 @@ from lit_rlhf.rollout.score import response_logprobs, response_values
 Scorer = Callable[..., Tensor]  # (input_ids, attention_mask, prompts, responses, ended, columns=None) -> (B,)
 
 
+def repeat_prompts(batch: Mapping[str, Any], times: int) -> dict[str, Any]:
+    """``batch`` with every prompt (its ids, mask, text and columns) repeated ``times`` times in a
+    row: a group of responses to one prompt (GRPO's G, pass@k's k) is consecutive rows."""
+    return {"prompt_ids": batch["prompt_ids"].repeat_interleave(times, 0),
+            "prompt_mask": batch["prompt_mask"].repeat_interleave(times, 0),
+            "prompts": [p for p in batch["prompts"] for _ in range(times)],
+            "columns": {k: [x for x in v for _ in range(times)] for k, v in (batch.get("columns") or {}).items()}}  # fmt: skip
+
+
 def decode_responses(tokenizer: Any, response_ids: Tensor, response_mask: Tensor, ended: Tensor) -> list[str]:
     """Response texts without their final EOS. Other special tokens stay visible: a policy that
     emits ``<bos>`` mid-text must not be scored as fluent text."""

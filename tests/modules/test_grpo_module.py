@@ -283,7 +283,7 @@ def test_ground_truth_reaches_the_reward_with_each_prompt_and_errors_are_counted
                           train_rows="1-32", batch_size=4).connect(tokenizer)  # fmt: skip
     checker = {"_target_": "tests.modules.test_grpo_module.AnswerChecker", "name": "acc"}
     m = make(saved_models, tokenizer, reward_fns=[checker], gold_reward_fn={"_target_": checker["_target_"]},
-             dynamic_sampling=True, max_resample_rounds=1)  # fmt: skip
+             dynamic_sampling=True, max_resample_rounds=1, val_pass_k=2)  # fmt: skip
     AnswerChecker.seen = []
     keep = Keep()
     trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
@@ -296,6 +296,10 @@ def test_ground_truth_reaches_the_reward_with_each_prompt_and_errors_are_counted
     assert set(scores.tolist()) <= {0.0, 1.0} and scores.sum() >= scores.numel() - 1
     assert "reward/acc_errors" in trainer.callback_metrics and "reward/acc" in trainer.callback_metrics
     assert float(trainer.callback_metrics["val/gold_score_mean"]) > 0.9  # the gold scorer got the answers too
+    # algo.val_pass_k: greedy and k = 2 samples per validation prompt, judged by the gold scorer
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    assert {"val/greedy_accuracy", "val/greedy_length", "val/pass@2", "val/mean@2"} <= set(metrics)
+    assert 1.0 >= metrics["val/pass@2"] >= metrics["val/mean@2"] > 0.8 and metrics["val/greedy_accuracy"] > 0.8
 
 
 def test_answer_fields_are_read_and_checked(tokenizer, tmp_path):

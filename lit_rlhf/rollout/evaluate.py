@@ -1,0 +1,59 @@
+"""Evaluation of a verifiable task on one prompt batch: greedy accuracy, pass@k, mean@k, length.
+
+One implementation for the RL stages' validation (``algo.val_pass_k``: ``val/greedy_accuracy``,
+``val/pass@k``, ``val/mean@k``) and the reasoning pipeline's table (lit_rlhf/pipeline.py). A
+response is correct when its score (the gold reward when the stage has one, else the reward)
+reaches ``correct_at`` (1.0 for a 0/1 verifier such as lit_rlhf.rewards.exact_match). pass@k
+is the unbiased estimator of Chen et al. (2021) from k samples per problem (docs/rewards.md):
+with n = k samples it is the fraction of problems with at least one correct sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from lit_rlhf.rollout.collect import generate_and_score, repeat_prompts
+from lit_rlhf.rollout.config import GenerationConfig
+
+
+@dataclass
+class VerifiableEval:
+    """Per prompt of the batch: the greedy response's correctness and length (B,), and the
+    correctness of k sampled responses (B, k)."""
+
+    greedy_correct: Tensor
+    greedy_length: Tensor
+    sample_correct: Tensor
+
+    def metrics(self) -> dict[str, float]:
+        """Means over the batch's prompts (pass@k with n = k: any of the k samples correct)."""
+        k = self.sample_correct.shape[1]
+        out = {"greedy_accuracy": float(self.greedy_correct.float().mean()),
+               "greedy_length": float(self.greedy_length.float().mean())}  # fmt: skip
+        if k:
+            out[f"pass@{k}"] = float(self.sample_correct.any(1).float().mean())
+            out[f"mean@{k}"] = float(self.sample_correct.float().mean())
+        return out
+
+
+@torch.no_grad()
+def evaluate_verifiable(policy: Any, batch: Mapping[str, Any], tokenizer: Any, gen: GenerationConfig, scorer: Any,
+                        k: int, correct_at: float = 1.0, padding_free: bool = False) -> VerifiableEval:  # fmt: skip
+    """Greedy decoding of every prompt of ``batch`` (``gen`` with ``do_sample=False``) and ``k``
+    samples per prompt with ``gen`` (one request of k rows per prompt), scored by ``scorer`` with
+    the batch's columns (the ground truth) through the one rollout path."""
+    greedy = generate_and_score(policy, batch, tokenizer, replace(gen, do_sample=False), scorer=scorer,
+                                policy_logprobs=False, padding_free=padding_free)  # fmt: skip
+    b = greedy.scores.shape[0]
+    if k:
+        rep = repeat_prompts(batch, k)
+        samples = generate_and_score(policy, rep, tokenizer, gen, scorer=scorer, policy_logprobs=False,
+                                     padding_free=padding_free)  # fmt: skip
+        sample_correct = (samples.scores >= correct_at).view(b, k)
+    else:
+        sample_correct = torch.zeros(b, 0, dtype=torch.bool)
+    return VerifiableEval(greedy.scores >= correct_at, greedy.response_lengths, sample_correct.cpu())
