@@ -266,8 +266,11 @@ def test_exact_match_answer_prefix_reads_only_the_last_prefixed_line():
     assert fn.last_errors == 1 and "MissingAnswerError" in fn.last_error_example
 
 
-@pytest.mark.parametrize("kwargs, key", [({"normalize": "lower"}, "normalize"), ({"answer_prefix": " "}, "answer_prefix"),
-                                         ({"answer_prefix": 3}, "answer_prefix")])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [({"normalize": "lower"}, "normalize"), ({"answer_prefix": " "}, "answer_prefix"),
+     ({"answer_prefix": 3}, "answer_prefix")],  # fmt: skip
+)
 def test_exact_match_bad_options_name_their_key(kwargs, key):
     with pytest.raises(ConfigError) as err:
         exact_match(**kwargs)
