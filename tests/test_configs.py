@@ -20,6 +20,7 @@ RM = ["algo.reward_path=/models/rm"]
 # or (RL presets) the reward, which the typed config requires
 NEEDS_USER_VALUE = {
     ("data", "sft_file"): ["data.sft.source=x.jsonl"],
+    ("data", "qa_file"): ["data.prompt.source=x.jsonl", "algo=grpo", "algo.policy_path=/models/sft", *RM],
     **{("algo", a): ["algo.policy_path=/models/sft", *RM] for a in ("ppo", "ppo_max", "ppo_moss_release")},
     **{("experiment", e): ["algo.policy_path=/models/sft", *RM] for e in ("ppo_synthetic_tiny", "ppo_max_synthetic_tiny")},
     **{("experiment", e): RM for e in ("ppo_max_llama7b_a100x8", "ppo_max_llama7b_lora_1gpu")},  # policy: model=llama7b
@@ -31,6 +32,8 @@ NEEDS_USER_VALUE = {
     **{("experiment", e): ["algo.policy_path=/models/sft", *RM] for e in ("grpo_synthetic_tiny", "dapo_synthetic_tiny",
                                                                           "reinforce_pp_synthetic_tiny", "remax_synthetic_tiny",
                                                                           "reinforce_pp_baseline_synthetic_tiny")},
+    **{("experiment", e): ["algo.policy_path=/models/sft"] for e in ("grpo_reasoning_tiny", "dapo_reasoning_tiny",
+                                                                     "dr_grpo_reasoning_tiny")},
     ("experiment", "rm_hh_tiny"): ["model.name_or_path=/models/sft"],
 }  # fmt: skip
 # an algo that can consume each data kind (data options without an `sft` section use these)
@@ -58,7 +61,8 @@ def test_option_composes_and_validates(group, option, tmp_path):
     if p.pipeline_cls is not None:  # a pipeline: every job it runs composes into a valid stage job
         expected = {"demo": ["sft", "rm", "ppo", "ppo_max", "dpo", "grpo", "dapo"],
                     "zoo": ["sft", "rm", "dpo", "simpo", "orpo", "kto", "grpo", "reinforce_pp", "reinforce_pp_baseline",
-                            "remax"]}  # fmt: skip
+                            "remax"],
+                    "reasoning": ["sft", "grpo", "dapo", "dr_grpo"]}  # fmt: skip
         assert p.pipeline.stages == expected[option]
         pipe = p.pipeline_cls(p.pipeline)
         for stage in p.pipeline.stages:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from lit_rlhf.data.io import parse_rows, ranges_overlap
+from lit_rlhf.data.reasoning import ReasoningTaskConfig
 from lit_rlhf.data.synthetic import TaskConfig
 from lit_rlhf.data.templates import TEMPLATES
 from lit_rlhf.utils.config import ConfigError, check
@@ -24,7 +25,8 @@ class DataConfig:
     the loader settings and the embedded task (each section adds its format, lengths and sizes)."""
 
     source: str = "synthetic"
-    """"synthetic" (the embedded task), a .jsonl/.jsonl.gz/.json/.parquet file, a ``save_to_disk``
+    """"synthetic" (the embedded task), "reasoning" (the embedded reasoning task: SFT and prompt
+    data only, prompts with their answers), a .jsonl/.jsonl.gz/.json/.parquet file, a ``save_to_disk``
     folder or a hub dataset name (prompt data: with a prompt column, or HH-style pairs)."""
     train_split: str = "train"
     """Split name for folder/hub sources."""
@@ -40,6 +42,8 @@ class DataConfig:
     """Shuffling seed (also of the validation split, length grouping and, + 1, the ptx sampler where the section has them)."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """Embedded task settings (source=synthetic only)."""
+    reasoning: ReasoningTaskConfig = field(default_factory=ReasoningTaskConfig)
+    """Embedded reasoning task settings (source=reasoning only; lit_rlhf/data/reasoning.py)."""
 
     ROW_KEYS: ClassVar[tuple[str, ...]] = ("train_rows",)
     """The section's row-range keys, each checked to parse ("1-2000", "2001-")."""
@@ -76,8 +80,9 @@ class SFTDataConfig(HeldOutDataConfig):
     """Where SFT pairs come from and how they are batched (``data.sft.*``)."""
 
     source: str | None = "synthetic"
-    """"synthetic" (the embedded task), a .jsonl/.jsonl.gz/.json/.parquet file, a
-    ``save_to_disk`` folder, or a hub dataset name (required: None is refused)."""
+    """"synthetic" (the embedded task), "reasoning" (the reasoning task's teacher solutions), a
+    .jsonl/.jsonl.gz/.json/.parquet file, a ``save_to_disk`` folder, or a hub dataset name
+    (required: None is refused)."""
     format: Literal["prompt_response", "hh"] = "prompt_response"
     """prompt_response = the two fields below; hh = HH-RLHF pairs, trained on the prompt and the CHOSEN reply."""
     prompt_field: str = "prompt"
@@ -89,9 +94,9 @@ class SFTDataConfig(HeldOutDataConfig):
     batch_size: int = field(default=32, metadata={"ge": 1})
     """Pairs per training batch (per process)."""
     n_train: int = field(default=20000, metadata={"ge": 1})
-    """Embedded task: training pairs to generate."""
+    """Embedded tasks: training pairs to generate."""
     n_val: int = field(default=1000, metadata={"ge": 1})
-    """Embedded task: held-out pairs to generate (a separate random stream)."""
+    """Embedded tasks: held-out pairs to generate (a separate random stream)."""
 
     def validate(self) -> None:
         check(self.source is not None, "source", "is required: a .jsonl/.json/.parquet file, a save_to_disk "
@@ -144,6 +149,8 @@ class PreferenceDataConfig(HeldOutDataConfig):
     ROW_KEYS: ClassVar[tuple[str, ...]] = ("train_rows", "val_rows", "test_rows")
 
     def validate(self) -> None:
+        check(self.source != "reasoning", "source", "the reasoning task has no preference pairs (it is SFT and "
+                                                    "prompt data with answers: data=reasoning's sft and prompt sections)")  # fmt: skip
         super().validate()
         same_test = self.test_source in (None, self.source) and self.test_split in (None, self.train_split)
         if self.test_rows is not None and same_test:
@@ -164,6 +171,11 @@ class PreferenceDataConfig(HeldOutDataConfig):
 class PromptDataConfig(DataConfig):
     """Prompts for rollouts (``data.prompt.*``)."""
 
+    source: str | None = "synthetic"
+    """"synthetic" (the embedded task), "reasoning" (the reasoning task's problems with their
+    answers), a .jsonl/.jsonl.gz/.json/.parquet file, a ``save_to_disk`` folder or a hub dataset
+    name, with a prompt column or HH-style pairs (required: None is refused)."""
+
     format: Literal["auto", "prompt", "hh"] = "auto"
     """prompt = a ``prompt_field`` column; hh = the shared prompt of chosen/rejected dialogues."""
     prompt_field: str = "prompt"
@@ -183,9 +195,9 @@ class PromptDataConfig(DataConfig):
     stage's ``algo.rollout_batch_size`` (set by the runner; leave it None); set it when using the
     data module on its own."""
     n_train: int = field(default=20000, metadata={"ge": 1})
-    """Embedded task: training prompts."""
+    """Embedded tasks: training prompts."""
     n_val: int = field(default=64, metadata={"ge": 0})
-    """Embedded task: validation prompts (0 = no validation)."""
+    """Embedded tasks: validation prompts (0 = no validation; the reasoning task's come with answers)."""
     ptx_source: str | None = None
     """SFT pairs for the ptx loss: "synthetic" (the embedded SFT corpus) or a prompt/response file."""
     ptx_batch_size: int = field(default=16, metadata={"ge": 1})
@@ -194,3 +206,8 @@ class PromptDataConfig(DataConfig):
     """Prompt + response tokens of a ptx pair."""
 
     ROW_KEYS: ClassVar[tuple[str, ...]] = ("train_rows", "val_rows")
+
+    def validate(self) -> None:
+        check(self.source is not None, "source", "is required: a .jsonl/.json/.parquet file, a save_to_disk folder or "
+                                                 "a hub dataset name, e.g. data.prompt.source=/path/questions.jsonl")  # fmt: skip
+        super().validate()

@@ -1,6 +1,7 @@
 """Prompt-only data for RL stages (PPO, GRPO): left-padded prompts, plus optional ptx batches.
 
-Prompts come from the embedded task (sentence openings), a file with a prompt field, or the
+Prompts come from the embedded task (sentence openings), the embedded reasoning task (problems,
+each with its answer in the batch's ``columns``), a file with a prompt field, or the
 prompts of preference pairs (HH-RLHF dialogues up to the last "Assistant:"). With
 ``ptx_source`` set, every batch also carries an SFT batch for the PPO-ptx loss (InstructGPT):
 ``{"prompt_ids", "prompt_mask", "prompts", "ptx": {input_ids, attention_mask, response_mask}}``.
@@ -21,6 +22,7 @@ from lit_rlhf.data.configs import PromptDataConfig  # noqa: F401  (re-exported)
 from lit_rlhf.data.io import DataError, Row, iter_rows, require_str, select_rows
 from lit_rlhf.data.loader import ResumableDataLoader
 from lit_rlhf.data.preference import split_hh
+from lit_rlhf.data.reasoning import ReasoningTask
 from lit_rlhf.data.sampler import EpochSampler
 from lit_rlhf.data.synthetic import SyntheticTask
 from lit_rlhf.data.templates import get_template
@@ -140,6 +142,10 @@ class PromptDataModule(pl.LightningDataModule):
             task = SyntheticTask(c.task)
             train = [(r["prompt"], {}) for r in task.prompts(c.n_train, "train")]
             val = [(r["prompt"], {}) for r in task.prompts(c.n_val, "val")] if c.n_val else []
+        elif c.source == "reasoning":  # problems with their exact answers as the reward's ground truth
+            rtask = ReasoningTask(c.reasoning)
+            train = [(r["prompt"], {"answer": r["answer"]}) for r in rtask.qa_records(c.n_train, "train")]
+            val = [(r["prompt"], {"answer": r["answer"]}) for r in rtask.qa_records(c.n_val, "val")] if c.n_val else []
         else:
             train = self._prompts(c.train_rows)
             val = self._prompts(c.val_rows) if c.val_rows else []

@@ -18,6 +18,7 @@ from lit_rlhf.data.collate import EncodedPair, collate_sft, encode_pair
 from lit_rlhf.data.configs import SFTDataConfig  # noqa: F401  (re-exported: the config lives with the other data configs)
 from lit_rlhf.data.io import DataError, Row, iter_rows, require_str, select_rows
 from lit_rlhf.data.preference import split_hh
+from lit_rlhf.data.reasoning import ReasoningTask
 from lit_rlhf.data.synthetic import SyntheticTask
 from lit_rlhf.data.templates import get_template
 from lit_rlhf.utils.config import resolve_config
@@ -81,6 +82,11 @@ class SFTDataModule(pl.LightningDataModule):
             train = [Row(r, f"synthetic[train] #{i}") for i, r in enumerate(task.sft_records(c.n_train, "train"))]
             val = [Row(r, f"synthetic[val] #{i}") for i, r in enumerate(task.sft_records(c.n_val, "val"))]
             self._task = task
+            return train, val
+        if c.source == "reasoning":  # the imperfect teacher's worked solutions (lit_rlhf/data/reasoning.py)
+            rtask = ReasoningTask(c.reasoning)
+            train = [Row(r, f"reasoning[train] #{i}") for i, r in enumerate(rtask.sft_records(c.n_train, "train"))]
+            val = [Row(r, f"reasoning[val] #{i}") for i, r in enumerate(rtask.sft_records(c.n_val, "val"))]
             return train, val
         train = select_rows(list(iter_rows(c.source, c.train_split)), c.train_rows)
         if c.val_source is not None:

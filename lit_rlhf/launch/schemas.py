@@ -32,12 +32,14 @@ SCHEMAS = {
     "dpo": "lit_rlhf.modules.configs:DPOConfig",
     "grpo": "lit_rlhf.modules.configs:GRPOConfig",
     "pipeline": "lit_rlhf.pipeline:DemoConfig",
+    "reasoning_pipeline": "lit_rlhf.pipeline:ReasoningConfig",
     "model": "lit_rlhf.models.spec:ModelSpec",
     "tiny_llama": "lit_rlhf.models.spec:TinyLlamaConfig",  # model.tiny of conf/model/tiny_llama.yaml
     "sft_data": "lit_rlhf.data.configs:SFTDataConfig",
     "preference_data": "lit_rlhf.data.configs:PreferenceDataConfig",
     "prompt_data": "lit_rlhf.data.configs:PromptDataConfig",
     "task": "lit_rlhf.data.synthetic:TaskConfig",  # data.task of conf/data/synthetic.yaml (the embedded task)
+    "reasoning_task": "lit_rlhf.data.reasoning:ReasoningTaskConfig",  # data.reasoning of conf/data/reasoning.yaml
 }
 # the stages' modules and their typed configs' schemas: an unknown algo.* key is reported with
 # its config class without importing the stage (torch, Lightning); a test checks it against each

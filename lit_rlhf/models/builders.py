@@ -93,6 +93,10 @@ def build_tokenizer(spec: ModelSpec) -> Any:
         from lit_rlhf.data.synthetic import build_tokenizer as synthetic_tokenizer
 
         return prepare_tokenizer(synthetic_tokenizer())
+    if source == "reasoning":
+        from lit_rlhf.data.reasoning import build_tokenizer as reasoning_tokenizer
+
+        return prepare_tokenizer(reasoning_tokenizer())
     from transformers import AutoTokenizer
 
     key = "model.tokenizer" if spec.tokenizer else "model.name_or_path"
