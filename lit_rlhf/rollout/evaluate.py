@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+from lit_rlhf.core.passk import mean_at_k, pass_at_k_batch
 from lit_rlhf.rollout.collect import generate_and_score, repeat_prompts
 from lit_rlhf.rollout.config import GenerationConfig
 
@@ -30,13 +31,15 @@ class VerifiableEval:
     sample_correct: Tensor
 
     def metrics(self) -> dict[str, float]:
-        """Means over the batch's prompts (pass@k with n = k: any of the k samples correct)."""
+        """Means over the batch's prompts: pass@k and mean@k by lit_rlhf.core.passk from the k
+        samples of each prompt (with n = k samples, pass@k is the share of prompts with a correct one)."""
         k = self.sample_correct.shape[1]
         out = {"greedy_accuracy": float(self.greedy_correct.float().mean()),
                "greedy_length": float(self.greedy_length.float().mean())}  # fmt: skip
         if k:
-            out[f"pass@{k}"] = float(self.sample_correct.any(1).float().mean())
-            out[f"mean@{k}"] = float(self.sample_correct.float().mean())
+            rows = self.sample_correct.tolist()
+            out[f"pass@{k}"] = pass_at_k_batch(rows, k)
+            out[f"mean@{k}"] = mean_at_k(rows)
         return out
 
 
