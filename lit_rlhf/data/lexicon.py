@@ -68,3 +68,27 @@ CLASS_GRAMMAR: dict[str, dict[str, float]] = {
     "prep": {"det": 1.0},
     "conj": {"det": 0.9, "adj": 0.1},
 }
+
+
+def word_level_tokenizer(words: list[str]):
+    """A word-level ``PreTrainedTokenizerFast`` over ``words`` (the embedded tasks' tokenizers):
+    whitespace-split, <bos> prepended, padding on the left, no truncation. Ids: <pad>=0, <unk>=1,
+    <bos>=2, <eos>=3, then ``words`` in order."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS) + list(words))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        padding_side="left",
+        model_max_length=512,
+    )

@@ -40,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-from lit_rlhf.data.lexicon import BOS, EOS, PAD, SPECIAL_TOKENS, UNK
+from lit_rlhf.data.lexicon import word_level_tokenizer
 
 MAX_MODULUS = 20
 """Numbers are ``0..MAX_MODULUS-1`` in the tokenizer, so one tokenizer serves every modulus."""
@@ -264,26 +264,9 @@ def build_tokenizer(config: ReasoningTaskConfig | None = None):
     tokenizer serves every modulus and seed. Ids: <pad>=0, <unk>=1, <bos>=2, <eos>=3, then the
     numbers, the operators, ``=``, ``;`` and ``answer:``.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
     del config  # the vocabulary does not depend on it
     words = [str(i) for i in range(MAX_MODULUS)] + list(OPERATORS) + [EQUALS, STEP_END, ANSWER]
-    vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS) + words)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        unk_token=UNK,
-        padding_side="left",
-        model_max_length=512,
-    )
+    return word_level_tokenizer(words)
 
 
 def _task(task_config: ReasoningTaskConfig | dict | None) -> ReasoningTask:

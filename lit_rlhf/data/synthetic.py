@@ -27,7 +27,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from lit_rlhf.data.lexicon import BOS, CLASS_GRAMMAR, EOS, LEXICON, PAD, SPECIAL_TOKENS, UNK  # noqa: F401
+from lit_rlhf.data.lexicon import BOS, CLASS_GRAMMAR, EOS, LEXICON, PAD, SPECIAL_TOKENS, UNK, word_level_tokenizer  # noqa: F401
 
 @dataclass(frozen=True)
 class LanguageConfig:
@@ -334,25 +334,8 @@ def build_tokenizer(language: TrueLanguage | None = None):
     The vocabulary depends only on the lexicon (not on the language seed), so one tokenizer
     serves every seed. Ids: <pad>=0, <unk>=1, <bos>=2, <eos>=3, then the words.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
     words = [w for entries in LEXICON.values() for w, _ in entries]
-    vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS) + words)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        unk_token=UNK,
-        padding_side="left",
-        model_max_length=512,
-    )
+    return word_level_tokenizer(words)
 
 
 def gold_reward_fn(task_config: TaskConfig | dict | None = None):
