@@ -11,6 +11,10 @@ prompts of the embedded task and compares it with the baseline (SFT) on the gold
 (RM) reward, KL to SFT, perplexity and length (``summary.md``, ``summary.json``), and
 ``stability.png`` overlays the RL runs' stability panels.
 
+:class:`ReasoningPipeline` (``pipeline=reasoning``) instead answers held-out problems of the embedded
+reasoning task with every policy (greedy and k samples, the task's exact checker): greedy accuracy,
+pass@k, mean@k and length against SFT (docs/rewards.md §8).
+
 What the demo shows (docs/demo.md, MOSS-RLHF): PPO-max raises the gold reward with a bounded KL;
 vanilla PPO over-optimizes the proxy — its proxy reward keeps rising while its gold reward falls
 below its own peak, with KL and length drifting. The zoo puts SimPO, ORPO, KTO, REINFORCE++ and
@@ -463,8 +467,8 @@ class ReasoningPipeline(StagePipeline):
         results = evaluate_reasoning(policies, task, problems, c.eval_batch_size, gen, str(stage_cfg.data.prompt.template),
                                      int(stage_cfg.data.prompt.max_prompt_length), c.pass_k)  # fmt: skip
         base = results[self.label(c.baseline)]
-        checks = {f"{name}_greedy_gain_points": 100 * (res["greedy_accuracy"] - base["greedy_accuracy"])
-                  for name, res in results.items() if res is not base}  # fmt: skip
+        checks = {f"{stage}_greedy_gain_points": 100 * (results[self.label(stage)]["greedy_accuracy"] - base["greedy_accuracy"])
+                  for stage in c.stages if stage != c.baseline and self.label(stage) in results}  # fmt: skip
         flat = {f"eval/{name}/{k}": v for name, res in results.items() for k, v in res.items()}
         table = format_accuracy_table(results, self.label(c.baseline), c.pass_k, len(problems))
         print("\n" + table + "\n", flush=True)

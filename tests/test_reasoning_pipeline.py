@@ -40,7 +40,7 @@ def test_reasoning_pipeline_raises_held_out_accuracy(tmp_path):
     # the verifiable reward teaches it the hard facts: a real gain on problems it never trained on
     assert grpo["greedy_accuracy"] >= sft["greedy_accuracy"] + 0.10, (sft, grpo)
     assert grpo["mean@4"] > sft["mean@4"] and sft["pass@4"] >= sft["mean@4"]
-    assert summary["checks"]["GRPO_greedy_gain_points"] == pytest.approx(
+    assert summary["checks"]["grpo_greedy_gain_points"] == pytest.approx(
         100 * (grpo["greedy_accuracy"] - sft["greedy_accuracy"]))
     table = (tmp_path / "summary.md").read_text()
     assert "| GRPO |" in table and "pass@4" in table and "200 held-out problems" in table
