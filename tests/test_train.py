@@ -231,9 +231,25 @@ def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models):
         "reinforce": [policy, rm, "validate_before_fit=false"], "remax": [policy, rm, "validate_before_fit=false"],
         "dpo": [policy], "simpo": [policy], "orpo": [policy], "kto": [policy], "rm": [f"model.name_or_path={saved_models[0]}"] if experiment == "rm_hh_tiny" else [],
     }.get(experiment.split("_")[0], [])  # fmt: skip
+    if "reasoning" in experiment and not experiment.startswith("sft"):  # verifiable reward: no RM, its own tokenizer
+        extra = [f"algo.policy_path={_saved_reasoning_policy(tmp_path)}", "validate_before_fit=false"]
     cfg = compose([f"experiment={experiment}", "debug=fdr", "trainer.enable_progress_bar=false", *extra], tmp_path)
     metrics = run(cfg)
     assert metrics and all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+
+
+def _saved_reasoning_policy(tmp_path):
+    """A random tiny policy with the reasoning task's tokenizer, saved like an SFT export."""
+    from lit_rlhf.models.builders import build_causal_lm, build_tokenizer
+    from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
+
+    spec = ModelSpec(tiny=TinyLlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                          intermediate_size=64), tokenizer="reasoning")  # fmt: skip
+    tok = build_tokenizer(spec)
+    torch.manual_seed(0)
+    build_causal_lm(spec, tok).save_pretrained(tmp_path / "reasoning_policy")
+    tok.save_pretrained(tmp_path / "reasoning_policy")
+    return tmp_path / "reasoning_policy"
 
 
 @pytest.mark.slow
