@@ -1,0 +1,124 @@
+"""Conversations and the tokenizer's chat template (lit_rlhf/data/chat.py), with ChatML- and
+Llama-3-style Jinja templates written here (no download) on a byte-level BPE learned from a few lines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lit_rlhf.data.chat import (
+    check_messages,
+    end_of_turn_ids,
+    hh_to_messages,
+    render_prompt,
+    render_with_assistant_mask,
+)
+from lit_rlhf.data.io import DataError
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3 = (
+    "<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello, how can I help?"},
+    {"role": "user", "content": "Say yes"},
+    {"role": "assistant", "content": "yes"},
+]
+
+
+@pytest.fixture(scope="module", params=["chatml", "llama3"])
+def chat_tokenizer(request, tmp_path_factory):
+    from lit_rlhf.data.bpe import BPETokenizerConfig, train_bpe
+
+    path = tmp_path_factory.mktemp("corpus") / "c.jsonl"
+    lines = ["Hi there, how can I help? Say yes. Be brief.", "Hello there, yes, no, help me say it."] * 20
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    tok = train_bpe(BPETokenizerConfig(source=str(path), vocab_size=300))
+    if request.param == "chatml":
+        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        tok.chat_template = CHATML
+    else:
+        tok.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>",
+                                                              "<|end_header_id|>", "<|eot_id|>"]})  # fmt: skip
+        tok.chat_template = LLAMA3
+    return request.param, tok
+
+
+def test_assistant_mask_covers_exactly_the_assistant_turns(chat_tokenizer):
+    kind, tok = chat_tokenizer
+    ids, mask = render_with_assistant_mask(tok, CONVERSATION)
+    assert len(ids) == len(mask)
+    full = tok.decode(ids)
+    masked = [tok.decode([i for i, m in zip(ids, mask) if m][a:b]) for a, b in _runs(mask)]
+    if kind == "chatml":
+        assert full == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+                        "<|im_start|>assistant\nHello, how can I help?<|im_end|>\n<|im_start|>user\nSay yes<|im_end|>\n"
+                        "<|im_start|>assistant\nyes<|im_end|>\n")  # fmt: skip
+        assert masked == ["Hello, how can I help?<|im_end|>\n", "yes<|im_end|>\n"]
+    else:
+        assert full.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>")
+        assert masked == ["Hello, how can I help?<|eot_id|>", "yes<|eot_id|>"]
+    # the prompt before each assistant turn is the template's own generation prompt
+    prompt = render_prompt(tok, CONVERSATION[:2])
+    assert prompt.endswith("<|im_start|>assistant\n" if kind == "chatml" else "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def _runs(mask):
+    """(start, end) of each run of 1s, counted in masked tokens."""
+    out, n, start = [], 0, None
+    for m in mask + [0]:
+        if m and start is None:
+            start = n
+        if not m and start is not None:
+            out.append((start, n))
+            start = None
+        n += m
+    return out
+
+
+def test_end_of_turn_is_the_templates_closing_token(chat_tokenizer):
+    kind, tok = chat_tokenizer
+    expected = "<|im_end|>" if kind == "chatml" else "<|eot_id|>"
+    assert end_of_turn_ids(tok) == [tok.convert_tokens_to_ids(expected)]
+
+
+def test_hh_dialogue_to_messages():
+    text = "\n\nHuman: What is 2+2?\n\nAssistant: 4.\n\nHuman: And 3+3?\n\nAssistant:"
+    assert hh_to_messages(text, "f.jsonl:3") == [
+        {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3+3?"},
+    ]  # fmt: skip
+    with pytest.raises(DataError, match="f.jsonl:4: not an HH-RLHF dialogue"):
+        hh_to_messages("Hello\n\nAssistant: hi", "f.jsonl:4")
+
+
+@pytest.mark.parametrize(("messages", "message"), [
+    ([{"role": "user"}], "message 0 needs a role and a content"),
+    ([{"role": "bot", "content": "x"}], "message 0 has role 'bot'"),
+    ([{"role": "user", "content": 3}], "message 0 \\(user\\) content must be a string"),
+    ([{"role": "assistant", "content": "x"}], "message 0 is assistant, expected user"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "message 1 is user, expected assistant"),
+    ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], "message 1 is system, expected assistant \\(a system message is allowed only first"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": " "}], "message 1 is an empty assistant turn"),
+    ([{"role": "system", "content": "s"}], "a system message alone"),
+    ([], "messages must be a non-empty list"),
+    ("hello", "messages must be a non-empty list"),
+])  # fmt: skip
+def test_bad_conversations_name_the_row_and_message(messages, message):
+    with pytest.raises(DataError, match=f"data.jsonl:7: {message}"):
+        check_messages(messages, "data.jsonl:7")
+
+
+def test_last_turn_rule():
+    ok = [{"role": "user", "content": "a"}]
+    assert check_messages(ok, "r", ends_with="user") == ok
+    with pytest.raises(DataError, match="r: the last message is user, expected assistant"):
+        check_messages(ok, "r", ends_with="assistant")
