@@ -1,6 +1,8 @@
 """Conversations (``messages``) rendered with the tokenizer's own chat template.
 
-Groundwork for ``data.*.template: auto`` (not yet wired into the data modules and the rollout):
+``data.sft.template: auto`` trains on conversations rendered by the tokenizer's chat template
+(:func:`encode_conversation`); the preference and prompt data and the rollout's stop at the
+template's end-of-turn do not use it yet.
 instruct models ship a Jinja chat template, and TRL, OpenRLHF and verl train on ``messages``
 (``[{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]``) rendered by it.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Sequence
 
+from lit_rlhf.data.collate import EncodedPair
 from lit_rlhf.data.io import DataError
 
 ROLES = ("system", "user", "assistant")
@@ -131,3 +134,26 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
             break
         out.append(tok)
     return out
+
+
+def encode_conversation(tokenizer: Any, messages: list[Message], max_length: int) -> EncodedPair:
+    """A conversation ending with an assistant turn as an SFT pair: the prompt part up to the last
+    assistant turn (its earlier assistant turns in ``prompt_loss_mask``), the last turn as the
+    response, both from :func:`render_with_assistant_mask`. Over ``max_length`` tokens the prompt
+    part loses tokens from the left (its first token, the template's opening, is kept); only a last
+    turn that alone does not fit is cut from the right."""
+    ids, mask = render_with_assistant_mask(tokenizer, messages)
+    end = max(i for i, m in enumerate(mask) if m) + 1
+    start = end
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    prompt, loss, response = ids[:start], mask[:start], ids[start:end]
+    response_cut = prompt_cut = 0
+    if len(response) > max_length - 1:
+        response_cut, response = len(response) - (max_length - 1), response[: max_length - 1]
+    excess = len(prompt) + len(response) - max_length
+    if excess > 0:
+        keep = 1 if len(prompt) - excess > 1 else 0
+        prompt, loss = prompt[:keep] + prompt[keep + excess :], loss[:keep] + loss[keep + excess :]
+        prompt_cut = excess
+    return EncodedPair(prompt, response, prompt_cut, response_cut, tuple(loss) if any(loss) else None)

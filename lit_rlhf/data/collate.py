@@ -25,6 +25,9 @@ class EncodedPair:
     """Prompt tokens removed from the left to fit ``max_length``."""
     response_cut: int = 0
     """Response tokens removed from the right (only when the response alone does not fit)."""
+    prompt_loss_mask: tuple[int, ...] | None = None
+    """1 on the prompt tokens the SFT loss also scores: the earlier assistant turns of a multi-turn
+    conversation (data/chat.py); None = none (the loss sees the response only)."""
 
     @property
     def length(self) -> int:
@@ -121,7 +124,8 @@ def collate_sft(pairs: Sequence[EncodedPair], pad_id: int) -> dict[str, torch.Te
 
     Returns:
         input_ids (B, T); attention_mask (B, T) 1 = real token;
-        response_mask (B, T) 1 = response token (EOS included), the tokens the loss scores.
+        response_mask (B, T) 1 = response token (EOS included), the tokens the loss scores, and
+        the earlier assistant turns of a conversation (``prompt_loss_mask``).
     """
     seqs = [p.prompt_ids + p.response_ids for p in pairs]
     input_ids, attention_mask = pad(seqs, pad_id, "right")
@@ -129,6 +133,8 @@ def collate_sft(pairs: Sequence[EncodedPair], pad_id: int) -> dict[str, torch.Te
     for i, p in enumerate(pairs):
         start = len(p.prompt_ids)
         response_mask[i, start : start + len(p.response_ids)] = 1
+        if p.prompt_loss_mask is not None:
+            response_mask[i, :start] = torch.tensor(p.prompt_loss_mask, dtype=response_mask.dtype)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
 
 

@@ -33,7 +33,8 @@ class DataConfig:
     train_rows: str | None = None
     """1-based inclusive row range of ``source`` to train on (e.g. "1-2000"); None = all rows."""
     template: str = "plain"
-    """Chat template name (data/templates.py): the same for SFT, the reward model, DPO and the RL stages."""
+    """Chat template name (data/templates.py): the same for SFT, the reward model, DPO and the RL stages;
+    SFT data also takes "auto": the tokenizer's own chat template (data/chat.py)."""
     eval_batch_size: int | None = field(default=None, metadata={"ge": 1})
     """Validation (and test) batch size; None = batch_size."""
     num_workers: int = field(default=0, metadata={"ge": 0})
@@ -48,8 +49,15 @@ class DataConfig:
     ROW_KEYS: ClassVar[tuple[str, ...]] = ("train_rows",)
     """The section's row-range keys, each checked to parse ("1-2000", "2001-")."""
 
+    ACCEPTS_AUTO_TEMPLATE: ClassVar[bool] = False
+    """Whether the section renders with the tokenizer's chat template (template=auto)."""
+
     def validate(self) -> None:
-        check(self.template in TEMPLATES, "template", f"must be one of {list(TEMPLATES)}, got {self.template!r}")
+        if self.template == "auto" and not self.ACCEPTS_AUTO_TEMPLATE:
+            raise ConfigError("template", f"'auto' (the tokenizer's chat template) is supported for data.sft only so "
+                                          f"far; use one of {list(TEMPLATES)}")  # fmt: skip
+        check(self.template in TEMPLATES or self.template == "auto", "template",
+              f"must be one of {[*TEMPLATES, 'auto']}, got {self.template!r}")  # fmt: skip
         for key in self.ROW_KEYS:
             try:
                 parse_rows(getattr(self, key))
@@ -83,8 +91,12 @@ class SFTDataConfig(HeldOutDataConfig):
     """"synthetic" (the embedded task), "reasoning" (the reasoning task's teacher solutions), a
     .jsonl/.jsonl.gz/.json/.parquet file, a ``save_to_disk`` folder, or a hub dataset name
     (required: None is refused)."""
-    format: Literal["prompt_response", "hh"] = "prompt_response"
-    """prompt_response = the two fields below; hh = HH-RLHF pairs, trained on the prompt and the CHOSEN reply."""
+    format: Literal["prompt_response", "hh", "messages"] = "prompt_response"
+    """prompt_response = the two fields below; hh = HH-RLHF pairs, trained on the prompt and the CHOSEN reply;
+    messages = a conversation (``messages_field``: a list of {role, content}, system turns kept), trained on
+    every assistant turn (needs template=auto)."""
+    messages_field: str = "messages"
+    """Column holding the conversation (format=messages)."""
     prompt_field: str = "prompt"
     """Column holding the prompt."""
     response_field: str = "response"
@@ -98,9 +110,14 @@ class SFTDataConfig(HeldOutDataConfig):
     n_val: int = field(default=1000, metadata={"ge": 1})
     """Embedded tasks: held-out pairs to generate (a separate random stream)."""
 
+    ACCEPTS_AUTO_TEMPLATE: ClassVar[bool] = True
+
     def validate(self) -> None:
         check(self.source is not None, "source", "is required: a .jsonl/.json/.parquet file, a save_to_disk "
                                                  "folder or a hub dataset name, e.g. data.sft.source=/path/train.jsonl")  # fmt: skip
+        check(self.format != "messages" or self.template == "auto", "template",
+              f"format=messages is rendered by the tokenizer's chat template: set data.sft.template=auto, got "
+              f"{self.template!r}")  # fmt: skip
         super().validate()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import random
@@ -14,13 +15,14 @@ from torch.utils.data import DataLoader
 from lit_rlhf.data.loader import ResumableDataLoader
 from lit_rlhf.data.sampler import EpochSampler
 
+from lit_rlhf.data.chat import check_messages, encode_conversation, has_chat_template, hh_to_messages
 from lit_rlhf.data.collate import EncodedPair, collate_sft, encode_pair
 from lit_rlhf.data.configs import SFTDataConfig  # noqa: F401  (re-exported: the config lives with the other data configs)
 from lit_rlhf.data.io import DataError, Row, iter_rows, require_str, select_rows
 from lit_rlhf.data.preference import split_hh
 from lit_rlhf.data.reasoning import ReasoningTask
 from lit_rlhf.data.synthetic import SyntheticTask
-from lit_rlhf.data.templates import get_template
+from lit_rlhf.data.templates import TEMPLATES, get_template
 from lit_rlhf.utils.config import resolve_config
 
 log = logging.getLogger(__name__)
@@ -55,11 +57,20 @@ class SFTDataModule(pl.LightningDataModule):
         return self
 
     # ----------------------------------------------------------------- loading
-    def _pairs_from_rows(self, rows: list[Row], split: str) -> list[tuple[str, str, str]]:
+    def _pairs_from_rows(self, rows: list[Row], split: str) -> list[tuple[Any, str, str]]:
+        """(prompt, response, where) per usable row; with ``template=auto`` (messages, "", where):
+        the conversation the tokenizer's chat template renders (data/chat.py)."""
         c = self.config
         out, empty = [], 0
         for row in rows:
-            if c.format == "hh":  # the dialogue up to the last shared "Assistant:", then the chosen reply
+            if c.format == "messages":
+                messages = row.data.get(c.messages_field)
+                if messages is None:
+                    raise DataError(f"{row.where}: no '{c.messages_field}' field (data.sft.messages_field)")
+                turns = messages if isinstance(messages, list) else []
+                response = "" if any(isinstance(m, dict) and m.get("role") == "assistant" and isinstance(
+                    m.get("content"), str) and not m["content"].strip() for m in turns) else "-"  # fmt: skip
+            elif c.format == "hh":  # the dialogue up to the last shared "Assistant:", then the chosen reply
                 prompt, response, _ = split_hh(require_str(row, "chosen"), require_str(row, "rejected"), row.where)
             else:
                 prompt = require_str(row, c.prompt_field, ["data.sft.prompt_field"])
@@ -69,10 +80,19 @@ class SFTDataModule(pl.LightningDataModule):
                     raise DataError(f"{row.where}: empty response (set data.sft.on_empty=skip to skip such rows)")
                 empty += 1
                 continue
-            out.append((prompt, response, row.where))
+            if c.template != "auto":
+                out.append((prompt, response, row.where))
+                continue
+            if c.format == "messages":
+                conversation = check_messages(messages, row.where, ends_with="assistant")
+            elif c.format == "hh":
+                conversation = hh_to_messages(require_str(row, "chosen"), row.where)
+            else:
+                conversation = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+            out.append((conversation, "", row.where))
         self.stats[f"{split}_rows_read"] = len(rows)
         self.stats[f"{split}_skipped_empty"] = empty
-        self.stats[f"{split}_duplicates"] = len(out) - len({(p, r) for p, r, _ in out})
+        self.stats[f"{split}_duplicates"] = len(out) - len({json.dumps(p) + r for p, r, _ in out})
         return out
 
     def _load_rows(self) -> tuple[list[Row], list[Row]]:
@@ -104,8 +124,14 @@ class SFTDataModule(pl.LightningDataModule):
 
     def _encode(self, pairs: list[tuple[str, str, str]], split: str) -> list[EncodedPair]:
         c = self.config
-        template = get_template(c.template)
-        encoded = [encode_pair(self.tokenizer, p, r, template, c.max_length) for p, r, _ in pairs]
+        if c.template == "auto":  # the tokenizer's own chat template renders each conversation
+            if not has_chat_template(self.tokenizer):
+                raise DataError(f"data.sft.template=auto: the tokenizer has no chat template (tokenizer.chat_template); "
+                                f"use a named template ({', '.join(TEMPLATES)}) or a tokenizer that ships one")  # fmt: skip
+            encoded = [encode_conversation(self.tokenizer, m, c.max_length) for m, _, _ in pairs]
+        else:
+            template = get_template(c.template)
+            encoded = [encode_pair(self.tokenizer, p, r, template, c.max_length) for p, r, _ in pairs]
         self.stats[f"{split}_pairs"] = len(encoded)
         self.stats[f"{split}_prompts_cut"] = sum(e.prompt_cut > 0 for e in encoded)
         self.stats[f"{split}_responses_cut"] = sum(e.response_cut > 0 for e in encoded)

@@ -34,22 +34,27 @@ CONVERSATION = [
 ]
 
 
-@pytest.fixture(scope="module", params=["chatml", "llama3"])
-def chat_tokenizer(request, tmp_path_factory):
+def make_chat_tokenizer(kind, folder):
+    """A byte-level BPE learned from a few lines, with the ChatML or the Llama-3-style template."""
     from lit_rlhf.data.bpe import BPETokenizerConfig, train_bpe
 
-    path = tmp_path_factory.mktemp("corpus") / "c.jsonl"
+    path = folder / "c.jsonl"
     lines = ["Hi there, how can I help? Say yes. Be brief.", "Hello there, yes, no, help me say it."] * 20
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
     tok = train_bpe(BPETokenizerConfig(source=str(path), vocab_size=300))
-    if request.param == "chatml":
+    if kind == "chatml":
         tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
         tok.chat_template = CHATML
     else:
         tok.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>",
                                                               "<|end_header_id|>", "<|eot_id|>"]})  # fmt: skip
         tok.chat_template = LLAMA3
-    return request.param, tok
+    return tok
+
+
+@pytest.fixture(scope="module", params=["chatml", "llama3"])
+def chat_tokenizer(request, tmp_path_factory):
+    return request.param, make_chat_tokenizer(request.param, tmp_path_factory.mktemp("corpus"))
 
 
 def test_assistant_mask_covers_exactly_the_assistant_turns(chat_tokenizer):
@@ -122,3 +127,51 @@ def test_last_turn_rule():
     assert check_messages(ok, "r", ends_with="user") == ok
     with pytest.raises(DataError, match="r: the last message is user, expected assistant"):
         check_messages(ok, "r", ends_with="assistant")
+
+
+def test_conversation_as_an_sft_pair_masks_every_assistant_turn(chat_tokenizer):
+    from lit_rlhf.data.chat import encode_conversation
+    from lit_rlhf.data.collate import collate_sft
+
+    kind, tok = chat_tokenizer
+    ids, mask = render_with_assistant_mask(tok, CONVERSATION)
+    pair = encode_conversation(tok, CONVERSATION, max_length=512)
+    assert pair.prompt_ids + pair.response_ids == ids[: len(pair.prompt_ids) + len(pair.response_ids)]
+    end = "<|im_end|>\n" if kind == "chatml" else "<|eot_id|>"
+    assert tok.decode(pair.response_ids) == "yes" + end  # the last assistant turn is the response
+    batch = collate_sft([pair], pad_id=tok.pad_token_id)
+    assert batch["response_mask"][0].tolist() == mask[: len(batch["response_mask"][0])]
+    scored = [i for i, m in zip(batch["input_ids"][0].tolist(), batch["response_mask"][0].tolist()) if m]
+    assert tok.decode(scored) == "Hello, how can I help?" + end + "yes" + end
+    # too long: the prompt loses tokens from the left (its first token kept), the mask with it
+    short = encode_conversation(tok, CONVERSATION, max_length=len(ids) - 3)
+    assert short.prompt_cut == 3 and short.prompt_ids == ids[:1] + ids[4 : len(pair.prompt_ids)]
+    assert list(short.prompt_loss_mask) == mask[:1] + mask[4 : len(pair.prompt_ids)]
+
+
+@pytest.mark.integration
+def test_sft_on_a_messages_file_through_train_py(tmp_path):
+    """data.sft.format=messages with template=auto: a tiny Llama with the ChatML tokenizer trains on
+    a conversations file; a row with its roles out of order is named by file and line."""
+    from lit_rlhf.runner import run
+    from tests.conftest import compose
+
+    from transformers import AutoTokenizer
+
+    tok = make_chat_tokenizer("chatml", tmp_path)
+    tok_dir = tmp_path / "tok"
+    tok.save_pretrained(tok_dir)
+    rows = [CONVERSATION, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]] * 8
+    good = tmp_path / "chat.jsonl"
+    good.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    args = ["algo=sft", "model=tiny_llama", f"model.tokenizer={tok_dir}", "data=sft_file", "data.sft.format=messages",
+            "data.sft.template=auto", "data.sft.max_length=64", "data.batch_size=4", "trainer.max_steps=3",
+            "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "logger=none", "model.tiny.hidden_size=32",
+            "model.tiny.num_attention_heads=2", "model.tiny.intermediate_size=64"]  # fmt: skip
+    metrics = run(compose([*args, f"data.sft.source={good}"], tmp_path / "run"))
+    assert 0 < metrics["train/loss"] < 100
+    assert AutoTokenizer.from_pretrained(tmp_path / "run" / "policy").chat_template == CHATML  # later stages render alike
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(good.read_text() + json.dumps({"messages": [{"role": "assistant", "content": "x"}]}) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:17: message 0 is assistant, expected user"):
+        run(compose([*args, f"data.sft.source={bad}"], tmp_path / "run2"))
