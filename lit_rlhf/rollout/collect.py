@@ -8,15 +8,19 @@ mode (``torch.inference_mode`` in PPO's rollout, docs/algorithms.md §2.1).
 
 from __future__ import annotations
 
+import logging
+import weakref
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor
 
 from lit_rlhf.core.types import Rollout
+from lit_rlhf.data.chat import end_of_turn_ids, has_chat_template
 from lit_rlhf.rollout.generate import GenerationConfig, sample
 from lit_rlhf.rollout.score import response_logprobs, response_values
 
+log = logging.getLogger(__name__)
 Scorer = Callable[..., Tensor]  # (input_ids, attention_mask, prompts, responses, ended, columns=None) -> (B,)
 
 
@@ -27,6 +31,26 @@ def repeat_prompts(batch: Mapping[str, Any], times: int) -> dict[str, Any]:
             "prompt_mask": batch["prompt_mask"].repeat_interleave(times, 0),
             "prompts": [p for p in batch["prompts"] for _ in range(times)],
             "columns": {k: [x for x in v for _ in range(times)] for k, v in (batch.get("columns") or {}).items()}}  # fmt: skip
+
+
+_STOP_IDS: "weakref.WeakKeyDictionary[Any, int | list[int]]" = weakref.WeakKeyDictionary()
+
+
+def stop_token_ids(tokenizer: Any) -> int | list[int]:
+    """The ids that end a response: EOS, and when the tokenizer has a chat template the token(s) it
+    closes an assistant turn with (data/chat.py: ``end_of_turn_ids``; ``<|im_end|>``, ``<|eot_id|>``).
+    Found once per tokenizer."""
+    if tokenizer in _STOP_IDS:
+        return _STOP_IDS[tokenizer]
+    eos, ids = tokenizer.eos_token_id, None
+    if has_chat_template(tokenizer):
+        try:
+            ids = [eos, *(i for i in end_of_turn_ids(tokenizer) if i != eos)]
+        except Exception as err:  # noqa: BLE001 - a template that cannot render a one-turn conversation
+            log.warning("the chat template's end-of-turn token could not be found (%s); responses stop at EOS only", err)
+    out = ids if ids and len(ids) > 1 else eos
+    _STOP_IDS[tokenizer] = out
+    return out
 
 
 def decode_responses(tokenizer: Any, response_ids: Tensor, response_mask: Tensor, ended: Tensor) -> list[str]:
@@ -80,7 +104,7 @@ def generate_and_score(
     """
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
     response_ids, response_mask, ended = sample(
-        policy, prompt_ids, prompt_mask, gen, tokenizer.eos_token_id, tokenizer.pad_token_id
+        policy, prompt_ids, prompt_mask, gen, stop_token_ids(tokenizer), tokenizer.pad_token_id
     )
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask, response_mask], 1)

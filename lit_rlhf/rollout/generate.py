@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -13,12 +13,24 @@ from lit_rlhf.rollout.config import GenerationConfig  # noqa: F401  (re-exported
 from lit_rlhf.rollout.decode_step import LayerStep, layer_step_ok, layer_step_verdict
 
 
-def response_mask_from_eos(response_ids: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
-    """(B, R) mask of tokens up to and including the first EOS, and (B,) whether an EOS occurred.
+StopIds = Union[int, Sequence[int]]
+"""EOS, or EOS and the chat template's end-of-turn token(s) (rollout/collect.py: stop_token_ids)."""
+
+
+def is_stop(tokens: Tensor, stop: StopIds | Tensor) -> Tensor:
+    """Boolean tensor: which of ``tokens`` end a response (equal to the stop id, or any of them)."""
+    if isinstance(stop, int):
+        return tokens == stop
+    return torch.isin(tokens, torch.as_tensor(stop, device=tokens.device))
+
+
+def response_mask_from_eos(response_ids: Tensor, eos_id: StopIds) -> tuple[Tensor, Tensor]:
+    """(B, R) mask of tokens up to and including the first stop token (EOS, or any of the ids
+    given), and (B,) whether one occurred.
 
     Naive equivalent: per row, ``[1] * (row.index(eos) + 1) + [0] * rest`` (all ones if no EOS).
     """
-    is_eos = response_ids == eos_id
+    is_eos = is_stop(response_ids, eos_id)
     ended = is_eos.any(-1)
     # tokens strictly after the first EOS: the running count of EOS seen before them is > 0
     seen_before = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
@@ -160,10 +172,11 @@ def _all_ranks_done(done: bool, device: torch.device) -> bool:
     return flag.item() == 0
 
 
-def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int,
+def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: StopIds,
             pad_id: int) -> list[Tensor]:  # fmt: skip
     """The decoding loop of :func:`sample`: prefill, then one token per forward; (B,) tokens per step."""
     b, device = prompt_ids.shape[0], prompt_ids.device
+    stop = eos_id if isinstance(eos_id, int) else torch.as_tensor(list(eos_id), device=device)
     mask = prompt_mask.long()
     positions = position_ids_from_mask(mask)
     cache = _preallocated_cache(model, prompt_ids.shape[1] + gen.max_new_tokens)
@@ -194,7 +207,7 @@ def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: Generation
             nxt = scores.argmax(-1)
         nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
         tokens.append(nxt)
-        finished |= nxt == eos_id
+        finished |= is_stop(nxt, stop)
         if seen is not None:
             seen.scatter_(1, nxt[:, None], True)
         if step == gen.max_new_tokens - 1 or _all_ranks_done(bool(finished.all()), device):
@@ -218,7 +231,7 @@ def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: Generation
 
 @torch.no_grad()
 def sample(
-    model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int, pad_id: int
+    model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: StopIds, pad_id: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Generate responses for a left-padded batch of prompts with the KV cache.
 
@@ -235,6 +248,7 @@ def sample(
     Args:
         model: a ``*ForCausalLM`` (eval mode for the call, restored after).
         prompt_ids, prompt_mask: (B, P).
+        eos_id: the token that ends a response, or several (EOS and a chat template's end-of-turn).
     Returns:
         response_ids (B, R) with pad after each EOS, response_mask (B, R), ended (B,); R ≤ max_new_tokens.
     """

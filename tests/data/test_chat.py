@@ -175,3 +175,11 @@ def test_sft_on_a_messages_file_through_train_py(tmp_path):
     bad.write_text(good.read_text() + json.dumps({"messages": [{"role": "assistant", "content": "x"}]}) + "\n")
     with pytest.raises(DataError, match=r"bad.jsonl:17: message 0 is assistant, expected user"):
         run(compose([*args, f"data.sft.source={bad}"], tmp_path / "run2"))
+
+
+def test_rollouts_stop_at_the_templates_end_of_turn(chat_tokenizer):
+    from lit_rlhf.rollout.collect import stop_token_ids
+
+    kind, tok = chat_tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>" if kind == "chatml" else "<|eot_id|>")
+    assert stop_token_ids(tok) == [tok.eos_token_id, end]

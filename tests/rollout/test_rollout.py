@@ -21,6 +21,30 @@ def test_response_mask_ends_at_first_eos():
         assert m == [1] * n + [0] * (len(row) - n)
 
 
+def test_response_mask_ends_at_the_first_of_several_stop_ids():
+    ids = torch.tensor([[5, 4, 7, 3], [5, 6, 7, 8], [3, 9, 4, 9]])
+    mask, ended = response_mask_from_eos(ids, eos_id=[3, 4])  # EOS 3 and an end-of-turn token 4
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert ended.tolist() == [True, False, True]
+
+
+def test_sampling_stops_at_any_stop_id(policy, tokenizer):
+    """With EOS and another id as stops, greedy decoding ends at the first occurrence of either:
+    the same tokens as without the extra stop up to there, then padding."""
+    prompts = [[2, 10, 11, 12], [2, 20]]
+    ids, mask = pad(prompts, tokenizer.pad_token_id, "left")
+    gen = GenerationConfig(max_new_tokens=10, do_sample=False)
+    free, _, _ = sample(policy, ids, mask, gen, -1, tokenizer.pad_token_id)  # no stop: full length
+    stop_tok = free[0, 2].item()  # the first row's third token becomes an end-of-turn id
+    resp, resp_mask, ended = sample(policy, ids, mask, gen, [tokenizer.eos_token_id, stop_tok], tokenizer.pad_token_id)
+    for row in range(2):
+        toks = free[row].tolist()
+        n = toks.index(stop_tok) + 1 if stop_tok in toks else len(toks)
+        assert resp_mask[row].tolist()[:n] == [1] * n and not any(resp_mask[row].tolist()[n:])
+        assert resp[row, :n].tolist() == toks[:n] and bool(ended[row]) == (stop_tok in toks)
+    assert ended[0] and int(resp_mask[0].sum()) <= 3
+
+
 def test_minibatches_cover_every_index_once_per_epoch():
     g = torch.Generator().manual_seed(0)
     mbs = list(iterate_minibatches(10, 4, 2, g))
