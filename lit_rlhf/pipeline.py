@@ -11,9 +11,9 @@ prompts of the embedded task and compares it with the baseline (SFT) on the gold
 (RM) reward, KL to SFT, perplexity and length (``summary.md``, ``summary.json``), and
 ``stability.png`` overlays the RL runs' stability panels.
 
-:class:`ReasoningPipeline` (``pipeline=reasoning``) instead answers held-out problems of the embedded
-reasoning task with every policy (greedy and k samples, the task's exact checker): greedy accuracy,
-pass@k, mean@k and length against SFT (docs/rewards.md §8).
+:class:`~lit_rlhf.reasoning_pipeline.ReasoningPipeline` (``pipeline=reasoning``) runs the same
+stages machinery and instead answers held-out problems of the embedded reasoning task with every
+policy (docs/rewards.md §8).
 
 What the demo shows (docs/demo.md, MOSS-RLHF): PPO-max raises the gold reward with a bounded KL;
 vanilla PPO over-optimizes the proxy — its proxy reward keeps rising while its gold reward falls
@@ -409,123 +409,3 @@ def _notes(results: dict[str, dict[str, float]], checks: dict[str, Any], labels:
             f"({'more' if checks['ppo_length_drift'] else 'less'} than PPO-max's change)"
         )
     return notes
-
-
-@dataclass
-class ReasoningConfig(PipelineConfig):
-    """The stages and the final accuracy table of a verifiable task: every stage's policy answers
-    held-out problems of the embedded reasoning task, greedily and ``pass_k`` times sampled."""
-
-    labels: dict[str, str] = field(default_factory=dict)
-    """Stage → its row in the table (a stage without one is named by its stage name)."""
-    baseline: str = "sft"
-    """The stage whose policy the others are compared with (accuracy gains in points)."""
-    eval_stage: str = "grpo"
-    """The job whose sampling settings (algo.generation, template, prompt length) and task
-    (data.reasoning) the table uses."""
-    eval_problems: int = field(default=500, metadata={"ge": 1})
-    """Held-out problems (the task's test split, never trained on) per policy."""
-    eval_batch_size: int = field(default=100, metadata={"ge": 1})
-    """Problems per sampling batch in the final evaluation."""
-    pass_k: int = field(default=8, metadata={"ge": 0})
-    """Samples per problem for pass@k and mean@k (0 = greedy accuracy only)."""
-
-    def validate(self) -> None:
-        super().validate()
-        for key in ("baseline", "eval_stage"):
-            check(getattr(self, key) in self.jobs, key, f"{getattr(self, key)!r} is not a job ({list(self.jobs)})")
-
-
-class ReasoningPipeline(StagePipeline):
-    """The stages, then every policy's held-out accuracy on the embedded reasoning task (the
-    task's exact checker): greedy accuracy, pass@k, mean@k and response length, in ``summary.md``."""
-
-    config_class = ReasoningConfig
-    config: ReasoningConfig
-
-    def label(self, stage: str) -> str:
-        return self.config.labels.get(stage, stage)
-
-    def summarize(self, run_dir: str, cfg: Any) -> dict[str, Any]:
-        from lit_rlhf.data.reasoning import ReasoningTask, ReasoningTaskConfig
-        from lit_rlhf.rollout.generate import GenerationConfig
-        from lit_rlhf.utils.config import build_config
-
-        c = self.config
-        stage_cfg = self.stage_config(c.eval_stage, run_dir, cfg)
-        task = ReasoningTask(build_config(ReasoningTaskConfig, stage_cfg.data.prompt.reasoning, "data.prompt.reasoning"))
-        gen = build_config(GenerationConfig, stage_cfg.algo.generation, "algo.generation")
-        policies = {}
-        for stage in c.stages:
-            export = self.export_of(stage, run_dir, cfg)
-            if export and os.path.isdir(export):
-                policies[self.label(stage)] = export
-        if self.label(c.baseline) not in policies:
-            raise FileNotFoundError(f"pipeline.baseline={c.baseline}: no policy at "
-                                    f"{self.export_of(c.baseline, run_dir, cfg)} (run that stage first)")  # fmt: skip
-        problems = task.qa_records(c.eval_problems, "test")
-        results = evaluate_reasoning(policies, task, problems, c.eval_batch_size, gen, str(stage_cfg.data.prompt.template),
-                                     int(stage_cfg.data.prompt.max_prompt_length), c.pass_k)  # fmt: skip
-        base = results[self.label(c.baseline)]
-        checks = {f"{stage}_greedy_gain_points": 100 * (results[self.label(stage)]["greedy_accuracy"] - base["greedy_accuracy"])
-                  for stage in c.stages if stage != c.baseline and self.label(stage) in results}  # fmt: skip
-        flat = {f"eval/{name}/{k}": v for name, res in results.items() for k, v in res.items()}
-        table = format_accuracy_table(results, self.label(c.baseline), c.pass_k, len(problems))
-        print("\n" + table + "\n", flush=True)
-        with open(os.path.join(run_dir, "summary.md"), "w") as fh:
-            fh.write(table + "\n")
-        with open(os.path.join(run_dir, "summary.json"), "w") as fh:
-            json.dump({"policies": results, "checks": checks, "config": asdict(c)}, fh, indent=2)
-        log.info("summary: %s", os.path.join(run_dir, "summary.md"))
-        return {"results": results, "checks": checks, "flat": flat}
-
-
-@_without_grad
-def evaluate_reasoning(policies: dict[str, str], task: Any, problems: list[dict[str, str]], batch_size: int,
-                       gen: Any, template: str, max_prompt_length: int, k: int) -> dict[str, dict[str, float]]:  # fmt: skip
-    """Every policy on the same held-out problems through the one rollout path
-    (:func:`~lit_rlhf.rollout.evaluate.evaluate_verifiable`), scored by the task's exact checker
-    (:func:`~lit_rlhf.data.reasoning.answer_reward_fn`: the answer line equals the problem's
-    solution and the response ended): greedy accuracy and length, pass@k and mean@k from ``k``
-    samples with ``gen``."""
-    import torch
-
-    from lit_rlhf.data.prompts import collate_prompts, encode_prompt
-    from lit_rlhf.data.reasoning import answer_reward_fn
-    from lit_rlhf.data.templates import get_template
-    from lit_rlhf.models.builders import build_causal_lm, build_tokenizer, freeze
-    from lit_rlhf.models.spec import ModelSpec
-    from lit_rlhf.rollout.evaluate import evaluate_verifiable
-    from lit_rlhf.rollout.score import CallableScorer
-
-    chat = get_template(template)
-    scorer = CallableScorer(answer_reward_fn(task.config), "reasoning.answer_reward_fn")
-    results = {}
-    for name, path in policies.items():
-        tok = build_tokenizer(ModelSpec(name_or_path=path))
-        policy = freeze(build_causal_lm(ModelSpec(name_or_path=path), tok))
-        torch.manual_seed(0)
-        parts = []
-        for start in range(0, len(problems), batch_size):
-            chunk = problems[start : start + batch_size]
-            items = [(encode_prompt(tok, chat.format_prompt(r["prompt"]), max_prompt_length)[0], r["prompt"],
-                      {"answer": r["answer"]}) for r in chunk]  # fmt: skip
-            parts.append(evaluate_verifiable(policy, collate_prompts(items, tok.pad_token_id), tok, gen, scorer, k))
-        ev = type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in ("greedy_correct", "greedy_length",
-                                                                                    "sample_correct")))  # fmt: skip
-        results[name] = ev.metrics()
-    return results
-
-
-def format_accuracy_table(results: dict[str, dict[str, float]], baseline: str, k: int, n: int) -> str:
-    """The reasoning pipeline's markdown table (summary.md): accuracy in %, gains over the baseline in points."""
-    cols = [("greedy accuracy", "greedy_accuracy")] + ([(f"pass@{k}", f"pass@{k}"), (f"mean@{k}", f"mean@{k}")] if k else [])
-    lines = ["| policy | " + " | ".join(c for c, _ in cols) + " | length (greedy) |", "|---" * (len(cols) + 2) + "|"]
-    base = results[baseline]
-    for name, res in results.items():
-        cells = [f"{100 * res[key]:.1f}%" + ("" if name == baseline else f" ({100 * (res[key] - base[key]):+.1f})")
-                 for _, key in cols]  # fmt: skip
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {res['greedy_length']:.1f} |")
-    return "\n".join(lines + ["", f"- {n} held-out problems (the task's test split, never trained on); in brackets: "
-                                   f"points over {baseline}; pass@{k} and mean@{k} from {k} samples per problem "
-                                   "at the RL stages' sampling settings"])

@@ -27,6 +27,7 @@ ALLOWED = {
     "memory_plan": {"launch", "models", "utils"},
     "runner": {"callbacks", "core", "data", "launch", "memory_plan", "models", "modules", "runtime", "utils"},
     "pipeline": {"core", "data", "models", "report", "rollout", "runner", "utils"},
+    "reasoning_pipeline": {"data", "models", "pipeline", "rollout", "utils"},
 }
 
 

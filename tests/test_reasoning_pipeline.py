@@ -21,7 +21,7 @@ BUDGET = ["data.sft.n_val=64", "data.prompt.n_val=32"]
 @pytest.mark.integration
 def test_reasoning_pipeline_raises_held_out_accuracy(tmp_path):
     cfg = compose(BASE, tmp_path)
-    assert cfg.pipeline._target_ == "lit_rlhf.pipeline.ReasoningPipeline"
+    assert cfg.pipeline._target_ == "lit_rlhf.reasoning_pipeline.ReasoningPipeline"
     assert cfg.pipeline.stages == ["sft", "grpo", "dapo", "dr_grpo"]
     with open_dict(cfg):
         cfg.pipeline.stages = ["sft", "grpo"]

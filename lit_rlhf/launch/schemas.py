@@ -32,7 +32,7 @@ SCHEMAS = {
     "dpo": "lit_rlhf.modules.configs:DPOConfig",
     "grpo": "lit_rlhf.modules.configs:GRPOConfig",
     "pipeline": "lit_rlhf.pipeline:DemoConfig",
-    "reasoning_pipeline": "lit_rlhf.pipeline:ReasoningConfig",
+    "reasoning_pipeline": "lit_rlhf.reasoning_pipeline:ReasoningConfig",
     "model": "lit_rlhf.models.spec:ModelSpec",
     "tiny_llama": "lit_rlhf.models.spec:TinyLlamaConfig",  # model.tiny of conf/model/tiny_llama.yaml
     "sft_data": "lit_rlhf.data.configs:SFTDataConfig",
