@@ -341,7 +341,7 @@ def evaluate_policies(
         gold, proxy, kl, nll, tokens, lengths, ended = [], [], [], 0.0, 0, [], []
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
-            batch = collate_prompts([(encode_prompt(tok, chat.format_prompt(p), max_prompt_length)[0], p) for p in chunk],
+            batch = collate_prompts([(encode_prompt(tok, p, max_prompt_length, chat)[0], p) for p in chunk],
                                     tok.pad_token_id)  # fmt: skip
             r = generate_and_score(policy, batch, tok, gen, reference=sft, scorer=scorer)
             gold += [task.gold_reward(p, t, e) for p, t, e in zip(chunk, r.responses_text, r.ended.tolist())]

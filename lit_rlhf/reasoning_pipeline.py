@@ -118,7 +118,7 @@ def evaluate_reasoning(policies: dict[str, str], task: Any, problems: list[dict[
         parts = []
         for start in range(0, len(problems), batch_size):
             chunk = problems[start : start + batch_size]
-            items = [(encode_prompt(tok, chat.format_prompt(r["prompt"]), max_prompt_length)[0], r["prompt"],
+            items = [(encode_prompt(tok, r["prompt"], max_prompt_length, chat)[0], r["prompt"],
                       {"answer": r["answer"]}) for r in chunk]  # fmt: skip
             parts.append(evaluate_verifiable(policy, collate_prompts(items, tok.pad_token_id), tok, gen, scorer, k))
         ev = type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in ("greedy_correct", "greedy_length",

@@ -280,6 +280,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
         hf_logging.disable_progress_bar()
     except ImportError:  # pragma: no cover
         pass
+    if cfg.get("algo") is not None:  # every missing weight, reward and data source in one message
+        from lit_rlhf.preflight import check_inputs
+
+        check_inputs(cfg, getattr(get_class(cfg.algo, "algo"), "data_kind", ""))
     p = plan(cfg)
     if p.pipeline_cls is not None:
         return p.pipeline_cls(p.pipeline).run(cfg)

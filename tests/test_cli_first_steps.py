@@ -120,3 +120,37 @@ def test_the_wandb_logger_leaves_out_the_setting_wandb_warns_about_on_every_run(
 
     logger = wandb_logger(str(tmp_path), offline=True, project="p")
     assert "anonymous" not in logger._wandb_init and logger._wandb_init["project"] == "p"
+
+
+@pytest.mark.parametrize("algo, missing", [("ppo_max", ["algo.reward_path", "model.name_or_path"]),
+                                           ("dpo", ["model.name_or_path"])])  # fmt: skip
+def test_the_headline_command_offline_stops_with_one_message(algo, missing):
+    """`python train.py model=llama7b algo=…` with no network: one message listing every missing
+    input (no traceback, no minute of hub retries)."""
+    out = cli("model=llama7b", f"algo={algo}")
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr and out.stderr.count("Configuration error") == 1, out.stderr
+    assert f"this job cannot start; it is missing {len(missing)} input(s)" in out.stderr
+    listed = [line.split(":")[0].split("=")[0].strip("- ") for line in out.stderr.splitlines() if line.startswith("  - ")]
+    assert listed == missing, out.stderr
+
+
+def test_preflight_lists_every_missing_input(tmp_path, monkeypatch):
+    from lit_rlhf.preflight import hub_reachable, missing_inputs
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_reachable.cache_clear()
+    try:
+        cfg = compose(["model=llama7b", "algo=ppo_max", f"algo.policy_path={tmp_path}/sft",
+                       "algo.reward_path=some-org/rm-7b", f"data.prompt.source={tmp_path}/prompts.jsonl"], tmp_path)  # fmt: skip
+        lines = missing_inputs(cfg, "prompt")
+        ok = compose(["model=llama7b", "algo=ppo_max", "algo.reward_fn={_target_: lit_rlhf.rewards.exact_match}"], tmp_path)
+        ok.model.name_or_path = str(tmp_path)  # a folder without config.json: named too
+        assert [line.split(":")[0] for line in missing_inputs(ok, "prompt")] == ["model.name_or_path"]
+    finally:
+        hub_reachable.cache_clear()
+    assert [line.split(":")[0] for line in lines] == ["algo.policy_path", "algo.reward_path=some-org/rm-7b",
+                                                       f"data.prompt.source={tmp_path}/prompts.jsonl"]  # fmt: skip
+    assert "no such model folder" in lines[0] and "hub cannot be reached" in lines[1] and "no such file" in lines[2]
+    # the shipped HH-RLHF file is found, tiny models and embedded tasks need nothing
+    assert missing_inputs(compose(["experiment=sft_synthetic_tiny"], tmp_path), "sft") == []

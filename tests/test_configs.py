@@ -20,6 +20,7 @@ RM = ["algo.reward_path=/models/rm"]
 # or (RL presets) the reward, which the typed config requires
 NEEDS_USER_VALUE = {
     ("data", "sft_file"): ["data.sft.source=x.jsonl"],
+    ("data", "chat"): ["data.sft.source=x.jsonl"],
     ("data", "qa_file"): ["data.prompt.source=x.jsonl", "algo=grpo", "algo.policy_path=/models/sft", *RM],
     **{("algo", a): ["algo.policy_path=/models/sft", *RM] for a in ("ppo", "ppo_max", "ppo_moss_release")},
     **{("experiment", e): ["algo.policy_path=/models/sft", *RM] for e in ("ppo_synthetic_tiny", "ppo_max_synthetic_tiny")},
@@ -212,6 +213,24 @@ def test_headline_7b_command_composes_the_7b_recipe(tmp_path):
     p2 = plan(compose(["model=llama7b", "algo=ppo_max", "algo.policy_path=/ckpt/sft-7b", *RM], tmp_path))
     assert p2.model.name_or_path == "/ckpt/sft-7b" and p2.algo == dataclasses.replace(p.algo, policy_path="/ckpt/sft-7b")
     assert (p2.model.dtype, p2.model.gradient_checkpointing) == (cfg.model.dtype, cfg.model.gradient_checkpointing)
+
+
+@pytest.mark.parametrize("algo", ["ppo_max", "grpo", "dpo"])
+def test_headline_commands_compose_a_real_job(algo, tmp_path):
+    """`model=llama7b algo=…` composes HH-RLHF prompts in the model's chat form (template=auto), the
+    lengths of a 4k-context model, bf16 mixed precision on a GPU, not the embedded toy task."""
+    extra = [] if algo == "dpo" else RM
+    p = plan(compose(["model=llama7b", f"algo={algo}", *extra], tmp_path))
+    cfg = compose(["model=llama7b", f"algo={algo}", *extra], tmp_path)
+    assert (cfg.trainer.accelerator, cfg.trainer.precision) == ("gpu", "bf16-mixed")
+    assert p.data.template == "auto" and p.data.source.endswith("hh-rlhf/harmless-base-test.jsonl.gz")
+    assert p.data.train_rows == "1-2000"
+    if algo == "dpo":
+        assert p.data.max_length == 1024
+    else:
+        assert p.data.max_prompt_length == 512 and p.algo.generation.max_new_tokens == 256
+    # the user's own choice still wins
+    assert compose(["model=llama7b", f"algo={algo}", "data=chat", "trainer=cpu"], tmp_path).data.prompt.template == "auto"
 
 
 def _flat(node: object, prefix: str = "") -> dict[str, object]:

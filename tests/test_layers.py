@@ -25,7 +25,8 @@ ALLOWED = {
     "callbacks": {"core", "modules", "report", "utils"},
     "launch": {"runner", "utils"},
     "memory_plan": {"launch", "models", "utils"},
-    "runner": {"callbacks", "core", "data", "launch", "memory_plan", "models", "modules", "runtime", "utils"},
+    "preflight": {"data", "modules", "utils"},
+    "runner": {"callbacks", "core", "data", "launch", "memory_plan", "models", "modules", "preflight", "runtime", "utils"},
     "pipeline": {"core", "data", "models", "report", "rollout", "runner", "utils"},
     "reasoning_pipeline": {"data", "models", "pipeline", "rollout", "utils"},
 }

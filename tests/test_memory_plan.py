@@ -123,7 +123,7 @@ def test_a_gpu_launch_that_cannot_fit_is_refused_before_loading():
                    "trainer.devices=1", "memory_plan.gpu_memory_gb=80"])  # fmt: skip
     with pytest.raises(ConfigError, match="memory_plan: this job does not fit the GPU memory"):
         check_memory_plan(cfg, plan(cfg))
-    cpu = compose(["model=llama7b", "algo=ppo_max", "algo.reward_path=/ckpt/rm", "memory_plan.gpu_memory_gb=80"])
+    cpu = compose(["model=llama7b", "algo=ppo_max", "algo.reward_path=/ckpt/rm", "trainer=cpu", "memory_plan.gpu_memory_gb=80"])
     check_memory_plan(cpu, plan(cpu))  # CPU runs are not planned
     unknown = compose(["model=llama7b", "model.name_or_path=some-org/unknown-7b", "algo=sft", "trainer.accelerator=gpu",
                        "memory_plan.gpu_memory_gb=80"])  # fmt: skip

@@ -9,7 +9,7 @@ SFT export saves it next to the model (``save_pretrained``), so later stages loa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from lit_rlhf.utils.config import check
 
@@ -24,6 +24,9 @@ class BPETokenizerConfig:
     """1-based inclusive row range to learn from (the training rows, e.g. "1-2000"); None = all."""
     vocab_size: int = field(default=4096, metadata={"ge": 300})
     """Vocabulary size, the 256 byte symbols and 4 special tokens included."""
+    chat_template: Literal["chatml", "llama3"] | None = None
+    """A chat template for ``data.*.template=auto`` (data/chat.py CHAT_TEMPLATES: ChatML as Qwen2.5-Instruct,
+    Llama-3-Instruct's headers), its special tokens added after the learned vocabulary; None = none."""
 
     def validate(self) -> None:
         check(bool(self.source), "source", "required: the file whose text the tokenizer learns")
@@ -38,7 +41,8 @@ def corpus(config: BPETokenizerConfig) -> list[str]:
 
 
 def train_bpe(config: BPETokenizerConfig) -> Any:
-    """A ``PreTrainedTokenizerFast`` (byte-level BPE; <pad>, <unk>, <bos> prepended, <eos>)."""
+    """A ``PreTrainedTokenizerFast`` (byte-level BPE; <pad>, <unk>, <bos> prepended, <eos>; the chat template
+    and its special tokens when ``config.chat_template`` names one)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -53,5 +57,10 @@ def train_bpe(config: BPETokenizerConfig) -> Any:
     bos = backend.token_to_id(BOS)
     backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
                                                            special_tokens=[(BOS, bos)])  # fmt: skip
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-                                   padding_side="left", model_max_length=4096)  # fmt: skip
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+                                        padding_side="left", model_max_length=4096)  # fmt: skip
+    if config.chat_template is not None:
+        from lit_rlhf.data.chat import add_chat_template
+
+        add_chat_template(tokenizer, config.chat_template)
+    return tokenizer

@@ -1,10 +1,13 @@
-"""Conversations (``messages``) rendered with the tokenizer's own chat template.
+"""Conversations (``messages``) rendered with the tokenizer's own chat template: ``template: auto``.
 
-``data.sft.template: auto`` trains on conversations rendered by the tokenizer's chat template
-(:func:`encode_conversation`); the preference and prompt data and the rollout's stop at the
-template's end-of-turn do not use it yet.
-instruct models ship a Jinja chat template, and TRL, OpenRLHF and verl train on ``messages``
+Instruct models ship a Jinja chat template, and TRL, OpenRLHF and verl train on ``messages``
 (``[{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]``) rendered by it.
+``data.<section>.template: auto`` does the same in every stage (docs/data.md "Chat templates"):
+SFT trains on the assistant turns of the rendered conversation (:func:`encode_conversation`), the
+reward model, DPO and the RL prompts use :class:`TokenizerTemplate` (the same methods as the named
+templates of data/templates.py), and rollouts stop at the template's end-of-turn token
+(rollout/collect.py). A tokenizer without a template (a base model) renders with
+:data:`HH_DIALOGUE_TEMPLATE`.
 
 * :func:`check_messages` validates a conversation (roles, contents, order, empty assistant turns)
   and names the row of a bad one;
@@ -19,11 +22,20 @@ instruct models ship a Jinja chat template, and TRL, OpenRLHF and verl train on 
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import re
-from typing import Any, Mapping, Sequence
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import jinja2
 
 from lit_rlhf.data.collate import EncodedPair
-from lit_rlhf.data.io import DataError
+from lit_rlhf.data.io import DataError, require_str
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 Message = dict[str, str]
@@ -80,18 +92,107 @@ def hh_to_messages(dialogue: str, where: str) -> list[Message]:
     return check_messages(messages, where)
 
 
+HH_DIALOGUE_TEMPLATE = (  # newlines inside expressions: transformers renders with trim_blocks
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}{{ '\\n\\nHuman: ' + m['content'] }}"
+    "{% else %}{{ '\\n\\nAssistant: ' + m['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '\\n\\nAssistant:' }}{% endif %}"
+)
+"""What ``template=auto`` renders with when the tokenizer ships no chat template (a base model):
+Anthropic's "\\n\\nHuman: … \\n\\nAssistant: …" dialogue (the format HH-RLHF and MOSS-RLHF train base
+models on), a system message as plain text first; the tokenizer's own special tokens (BOS) are added
+as its named templates add them, and a response ends with EOS."""
+
+
+CHAT_TEMPLATES: dict[str, tuple[str, tuple[str, ...]]] = {
+    # Qwen2.5-Instruct's ChatML layout (no default system turn)
+    "chatml": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", ("<|im_start|>", "<|im_end|>")),
+    # Llama-3-Instruct's header layout
+    "llama3": ("<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+               "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+               "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}",
+               ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")),
+}
+"""Chat templates (Jinja, with the special tokens they need) that ``model.train_tokenizer.chat_template``
+gives a tokenizer learned from scratch: the layouts of two instruct families, so that the tiny
+models train and sample in the same form as a real instruct model."""
+
+
+def add_chat_template(tokenizer: Any, name: str) -> Any:
+    """``tokenizer`` with the special tokens and the Jinja template of :data:`CHAT_TEMPLATES` ``[name]``."""
+    jinja, tokens = CHAT_TEMPLATES[name]
+    tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
+    tokenizer.chat_template = jinja
+    return tokenizer
+
+
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+@dataclass(frozen=True)
+class _TemplateFacts:
+    """What a tokenizer's template writes around an assistant turn (found once per tokenizer)."""
+
+    own: bool
+    """The tokenizer's own chat template (False: the HH dialogue fallback)."""
+    response_prefix: str
+    """Text between the generation prompt and the turn's content (" " for the HH dialogue)."""
+    end_of_turn: tuple[int, ...]
+    """Special token ids written right after the content (``<|im_end|>``); empty = none."""
+
+
+_FACTS: "weakref.WeakKeyDictionary[Any, _TemplateFacts]" = weakref.WeakKeyDictionary()
+
+
+def _jinja(tokenizer: Any) -> str:
+    return tokenizer.chat_template if has_chat_template(tokenizer) else HH_DIALOGUE_TEMPLATE
+
+
 def _render(tokenizer: Any, messages: list[Message], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return tokenizer.apply_chat_template(messages, chat_template=_jinja(tokenizer), tokenize=False,
+                                         add_generation_prompt=generation_prompt)  # fmt: skip
+
+
+def template_facts(tokenizer: Any) -> _TemplateFacts:
+    """The response prefix and end-of-turn tokens of the tokenizer's template, found by rendering a
+    one-turn conversation around a sentinel answer (cached per tokenizer).
+
+    Raises:
+        DataError: the template renders the answered turn as something that does not start with
+            its generation prompt (responses could not be appended to prompts token by token).
+    """
+    if tokenizer in _FACTS:
+        return _FACTS[tokenizer]
+    own = has_chat_template(tokenizer)
+    if not own:
+        log.warning("the tokenizer has no chat template: template=auto renders conversations as Human/Assistant "
+                    "dialogues (data/chat.py HH_DIALOGUE_TEMPLATE) and responses end with EOS")  # fmt: skip
+    question = [{"role": "user", "content": "x"}]
+    prompt = _render(tokenizer, question, True)
+    full = _render(tokenizer, [*question, {"role": "assistant", "content": _SENTINEL}], False)
+    if not full.startswith(prompt) or _SENTINEL not in full:
+        raise DataError("the chat template does not render an answered turn as its generation prompt followed by the "
+                        f"answer (prompt {prompt[-40:]!r}, answered {full[-60:]!r}): responses cannot be appended to "
+                        "prompts; use a named data.*.template")  # fmt: skip
+    at = full.index(_SENTINEL)
+    prefix, after = full[len(prompt) : at], full[at + len(_SENTINEL) :]
+    special = set(tokenizer.all_special_ids) | {i for t, i in tokenizer.get_added_vocab().items()
+                                                if getattr(tokenizer.added_tokens_decoder.get(i), "special", False)}  # fmt: skip
+    end: list[int] = []
+    for tok in tokenizer(after, add_special_tokens=False)["input_ids"]:
+        if tok not in special:
+            break
+        end.append(tok)
+    facts = _FACTS[tokenizer] = _TemplateFacts(own, prefix, tuple(end))
+    return facts
 
 
 def render_prompt(tokenizer: Any, messages: list[Message]) -> str:
     """The prompt text the model sees: the conversation and the template's generation prompt
-    (e.g. ``<|im_start|>assistant\\n``). Tokenize it with ``add_special_tokens=False``: templates
-    write their own BOS."""
+    (e.g. ``<|im_start|>assistant\\n``). Tokenize it as :meth:`TokenizerTemplate.prompt_ids` does:
+    a tokenizer's own template writes its own BOS."""
     return _render(tokenizer, messages, True)
 
 
@@ -115,25 +216,106 @@ def render_with_assistant_mask(tokenizer: Any, messages: list[Message]) -> tuple
             raise DataError(f"the chat template does not render turn {i} as a prefix of the conversation: the "
                             "assistant turns cannot be located from its rendering")  # fmt: skip
         spans.append((len(before), len(upto)))
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc["offset_mapping"]]
+    special = not template_facts(tokenizer).own  # the fallback adds the tokenizer's BOS as named templates do
+    enc = tokenizer(full, add_special_tokens=special, return_offsets_mapping=True)
+    mask = [int(b > a and any(s <= a < e for s, e in spans)) for a, b in enc["offset_mapping"]]
     return list(enc["input_ids"]), mask
 
 
 def end_of_turn_ids(tokenizer: Any) -> list[int]:
-    """The special token ids the template writes right after an assistant turn's content (for
-    ChatML ``<|im_end|>``, for Llama 3 ``<|eot_id|>``); empty when it writes none (EOS alone ends a
-    response). Found by rendering a one-turn conversation around a sentinel answer."""
-    text = _render(tokenizer, [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}], False)
-    after = text[text.index(_SENTINEL) + len(_SENTINEL):]
-    special = set(tokenizer.all_special_ids) | {i for t, i in tokenizer.get_added_vocab().items()
-                                                if getattr(tokenizer.added_tokens_decoder.get(i), "special", False)}  # fmt: skip
-    out = []
-    for tok in tokenizer(after, add_special_tokens=False)["input_ids"]:
-        if tok not in special:
-            break
-        out.append(tok)
-    return out
+    """The special token ids the tokenizer's own template writes right after an assistant turn's
+    content (for ChatML ``<|im_end|>``, for Llama 3 ``<|eot_id|>``), where generation must stop as
+    well as at EOS; empty when it writes none or has no template (EOS alone ends a response)."""
+    facts = template_facts(tokenizer)
+    return list(facts.end_of_turn) if facts.own else []
+
+
+def as_messages(prompt: str | list[Message]) -> list[Message]:
+    """A prompt as a conversation: a string is one user turn."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+class TokenizerTemplate:
+    """``template: auto``: prompts and responses rendered by the tokenizer's own chat template (the
+    HH dialogue of :data:`HH_DIALOGUE_TEMPLATE` when it has none), with the same methods as the
+    named templates of data/templates.py. A prompt is a conversation ending with a user turn (a
+    string is one user turn); a response is the assistant turn's content, tokenized after the
+    template's response prefix and closed by its end-of-turn token(s) (EOS when it writes none):
+    exactly what the policy samples after the generation prompt, up to its stop token."""
+
+    name = "auto"
+
+    def prompt_ids(self, tokenizer: Any, prompt: str | list[Message]) -> list[int]:
+        text = _render(tokenizer, as_messages(prompt), True)
+        return tokenizer(text, add_special_tokens=not template_facts(tokenizer).own)["input_ids"]
+
+    def response_ids(self, tokenizer: Any, response: str) -> list[int]:
+        facts = template_facts(tokenizer)
+        ids = tokenizer(facts.response_prefix + response, add_special_tokens=False)["input_ids"]
+        return ids + self.end_ids(tokenizer)
+
+    def end_ids(self, tokenizer: Any) -> list[int]:
+        """The token(s) a response ends with."""
+        return list(template_facts(tokenizer).end_of_turn) or [tokenizer.eos_token_id]
+
+
+def prompt_messages(value: Any, where: str, field: str) -> list[Message]:
+    """A conversational prompt (TRL's conversational formats): messages ending with a user turn."""
+    return check_messages(value, f"{where}: field '{field}'", ends_with="user")
+
+
+def completion_text(value: Any, where: str, field: str) -> str:
+    """A conversational completion (``[{"role": "assistant", "content": …}]``) as its content."""
+    if (not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or len(value) != 1
+            or not isinstance(value[0], Mapping) or value[0].get("role") != "assistant"):  # fmt: skip
+        raise DataError(f"{where}: field '{field}' must be one assistant message [{{\"role\": \"assistant\", "
+                        f"\"content\": …}}] (or a string), got {value!r:.80}")  # fmt: skip
+    content = value[0].get("content")
+    if not isinstance(content, str):
+        raise DataError(f"{where}: field '{field}': the assistant message's content must be a string")
+    return content
+
+
+@contextlib.contextmanager
+def naming_row(where: str) -> Iterator[None]:
+    """Turn a chat template's refusal to render a row (Jinja's ``raise_exception``: a system turn a
+    template does not take, say) into a :class:`DataError` naming the row."""
+    try:
+        yield
+    except jinja2.TemplateError as err:
+        raise DataError(f"{where}: the tokenizer's chat template cannot render this row: {err}") from None
+
+
+def prompt_key(prompt: str | list[Message]) -> str:
+    """A hashable key of a prompt (text or conversation): duplicate counts, pairing."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def field_text_or_turns(row: Any, field: str, section: str, chat: bool, prompt: bool,
+                        hint: Sequence[str] = ()) -> str | list[Message]:  # fmt: skip
+    """``row.data[field]``: a string, or in TRL's conversational formats a list of messages — a
+    prompt (``prompt=True``: messages ending with a user turn) or a completion (one assistant
+    message, returned as its content). A conversation needs ``chat`` (template=auto): the error
+    names the row, the field and ``data.<section>.template``."""
+    value = row.data.get(field)
+    if isinstance(value, list):
+        if not chat:
+            raise DataError(f"{row.where}: field '{field}' is a conversation (a list of messages), rendered by the "
+                            f"tokenizer's chat template: set data.{section}.template=auto")  # fmt: skip
+        return prompt_messages(value, row.where, field) if prompt else completion_text(value, row.where, field)
+    return require_str(row, field, hint)
+
+
+def split_conversations(chosen: Any, rejected: Any, where: str) -> tuple[list[Message], str, str]:
+    """TRL's implicit-prompt conversational pair (``chosen`` and ``rejected`` whole conversations)
+    → (their shared turns up to the last user turn, the chosen reply, the rejected reply): both must
+    share every turn but a last assistant turn."""
+    c = check_messages(chosen, f"{where}: field 'chosen'", ends_with="assistant")
+    r = check_messages(rejected, f"{where}: field 'rejected'", ends_with="assistant")
+    if c[:-1] != r[:-1]:
+        raise DataError(f"{where}: 'chosen' and 'rejected' conversations must share every turn but the last "
+                        "assistant reply (the prompt)")  # fmt: skip
+    return c[:-1], c[-1]["content"], r[-1]["content"]
 
 
 def encode_conversation(tokenizer: Any, messages: list[Message], max_length: int) -> EncodedPair:
@@ -148,6 +330,8 @@ def encode_conversation(tokenizer: Any, messages: list[Message], max_length: int
     while start > 0 and mask[start - 1]:
         start -= 1
     prompt, loss, response = ids[:start], mask[:start], ids[start:end]
+    if not template_facts(tokenizer).end_of_turn:  # the template closes no turn: the response ends with EOS
+        response = response + [tokenizer.eos_token_id]
     response_cut = prompt_cut = 0
     if len(response) > max_length - 1:
         response_cut, response = len(response) - (max_length - 1), response[: max_length - 1]

@@ -44,8 +44,8 @@ class EncodedPreference:
     """Per-pair margin of the reward-model loss (None = 0)."""
     index: int = 0
     """Position of the pair in its split (batches carry it as ``pair_index``)."""
-    prompt: str = ""
-    """The raw prompt text (drift sampling decodes nothing back)."""
+    prompt: Any = ""
+    """The raw prompt: its text, or a conversation with template=auto (drift sampling decodes nothing back)."""
 
 
 @dataclass(frozen=True)
@@ -60,29 +60,29 @@ class EncodedExample:
     """True = a desirable completion (a chosen response), False = undesirable."""
     index: int = 0
     """Position of the example in its split (batches carry it as ``pair_index``)."""
-    prompt: str = ""
-    """The raw prompt text."""
+    prompt: Any = ""
+    """The raw prompt: its text, or a conversation (a list of messages) with template=auto."""
 
 
 def encode_pair(
     tokenizer: Any,
-    prompt: str,
+    prompt: Any,
     response: str,
     template: ChatTemplate,
     max_length: int,
     min_prompt_tokens: int = 1,
 ) -> EncodedPair:
-    """Tokenize ``template(prompt)`` (with special tokens) + ``response`` + EOS, fit to max_length.
+    """Tokenize the prompt and the response with ``template`` (data/templates.py: the named ones add
+    the tokenizer's special tokens to the prompt and EOS to the response; ``auto``'s chat template
+    writes its own and closes the response with its end-of-turn token), fit to max_length. The
+    prompt is a string, or with ``auto`` a conversation (a list of messages).
 
     Over-long pairs keep the response and cut the prompt from the left (a leading BOS is
     kept); only if the response alone exceeds ``max_length - min_prompt_tokens`` is the
     response cut from the right (then it loses its EOS).
     """
-    prompt_ids = tokenizer(template.format_prompt(prompt), add_special_tokens=True)["input_ids"]
-    response_ids = tokenizer(template.format_response(response), add_special_tokens=False)["input_ids"]
-    eos = tokenizer.eos_token_id
-    if not response_ids or response_ids[-1] != eos:
-        response_ids = response_ids + [eos]
+    prompt_ids = template.prompt_ids(tokenizer, prompt)
+    response_ids = template.response_ids(tokenizer, response)
     prompt_cut = response_cut = 0
     budget = max_length - min_prompt_tokens
     if len(response_ids) > budget:

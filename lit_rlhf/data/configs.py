@@ -33,8 +33,10 @@ class DataConfig:
     train_rows: str | None = None
     """1-based inclusive row range of ``source`` to train on (e.g. "1-2000"); None = all rows."""
     template: str = "plain"
-    """Chat template name (data/templates.py): the same for SFT, the reward model, DPO and the RL stages;
-    SFT data also takes "auto": the tokenizer's own chat template (data/chat.py)."""
+    """Prompt template, the same for SFT, the reward model, DPO and the RL stages: "auto" = the tokenizer's
+    own chat template (data/chat.py; conversations as messages, a Human/Assistant dialogue when the tokenizer
+    has none), or a named Python template for base models and the embedded tasks (data/templates.py:
+    plain, human_assistant, dialogue)."""
     eval_batch_size: int | None = field(default=None, metadata={"ge": 1})
     """Validation (and test) batch size; None = batch_size."""
     num_workers: int = field(default=0, metadata={"ge": 0})
@@ -49,13 +51,7 @@ class DataConfig:
     ROW_KEYS: ClassVar[tuple[str, ...]] = ("train_rows",)
     """The section's row-range keys, each checked to parse ("1-2000", "2001-")."""
 
-    ACCEPTS_AUTO_TEMPLATE: ClassVar[bool] = False
-    """Whether the section renders with the tokenizer's chat template (template=auto)."""
-
     def validate(self) -> None:
-        if self.template == "auto" and not self.ACCEPTS_AUTO_TEMPLATE:
-            raise ConfigError("template", f"'auto' (the tokenizer's chat template) is supported for data.sft only so "
-                                          f"far; use one of {list(TEMPLATES)}")  # fmt: skip
         check(self.template in TEMPLATES or self.template == "auto", "template",
               f"must be one of {[*TEMPLATES, 'auto']}, got {self.template!r}")  # fmt: skip
         for key in self.ROW_KEYS:
@@ -98,9 +94,10 @@ class SFTDataConfig(HeldOutDataConfig):
     messages_field: str = "messages"
     """Column holding the conversation (format=messages)."""
     prompt_field: str = "prompt"
-    """Column holding the prompt."""
+    """Column holding the prompt (a string; with template=auto also TRL's conversational prompt: messages)."""
     response_field: str = "response"
-    """Column holding the response (the target)."""
+    """Column holding the response, the target (a string; with template=auto also one assistant message:
+    TRL's conversational prompt-completion rows, response_field=completion)."""
     max_length: int = field(default=128, metadata={"ge": 2})
     """Prompt + response tokens; longer pairs lose prompt tokens from the left first."""
     batch_size: int = field(default=32, metadata={"ge": 1})
@@ -109,8 +106,6 @@ class SFTDataConfig(HeldOutDataConfig):
     """Embedded tasks: training pairs to generate."""
     n_val: int = field(default=1000, metadata={"ge": 1})
     """Embedded tasks: held-out pairs to generate (a separate random stream)."""
-
-    ACCEPTS_AUTO_TEMPLATE: ClassVar[bool] = True
 
     def validate(self) -> None:
         check(self.source is not None, "source", "is required: a .jsonl/.json/.parquet file, a save_to_disk "
@@ -125,13 +120,19 @@ class SFTDataConfig(HeldOutDataConfig):
 class PreferenceDataConfig(HeldOutDataConfig):
     """Where preference pairs come from and how they are batched (``data.preference.*``)."""
 
+    source: str | None = "synthetic"
+    """"synthetic" (the embedded task's gold-labelled pairs), a .jsonl/.jsonl.gz/.json/.parquet file, a
+    ``save_to_disk`` folder or a hub dataset name (required: None is refused)."""
     fallback_source: str | None = None
     """Used when ``source`` is a file that does not exist (e.g. the hub copy of a local file)."""
     hub_data_dir: str | None = None
     """Subset folder of a hub dataset (``harmless-base`` of ``Anthropic/hh-rlhf``)."""
     format: Literal["auto", "hh", "question", "generic", "unpaired"] = "auto"
-    """Row layout; auto = detected from the first row's keys (hh, question, generic, unpaired).
-    unpaired = ``prompt``, ``completion``, ``label`` (true = desirable) rows: KTO's data only."""
+    """Row layout; auto = detected from the first row's keys (hh, question, generic, unpaired). hh = ``chosen``
+    and ``rejected`` whole dialogues sharing their prompt; generic = ``prompt``, ``chosen``, ``rejected``; unpaired
+    = ``prompt``, ``completion``, ``label`` (true = desirable) rows: KTO's data only. With template=auto the
+    fields may be TRL's conversational values: a prompt as messages ending with a user turn, a response as
+    one assistant message, hh's chosen/rejected as whole conversations."""
     val_rows: str | None = None
     """Row range of ``source`` for validation (instead of a ``val_fraction`` carve-out)."""
     test_source: str | None = None
@@ -166,6 +167,8 @@ class PreferenceDataConfig(HeldOutDataConfig):
     ROW_KEYS: ClassVar[tuple[str, ...]] = ("train_rows", "val_rows", "test_rows")
 
     def validate(self) -> None:
+        check(self.source is not None, "source", "is required: a .jsonl/.json/.parquet file, a save_to_disk folder or "
+                                                 "a hub dataset name, e.g. data.preference.source=/path/pairs.jsonl")  # fmt: skip
         check(self.source != "reasoning", "source", "the reasoning task has no preference pairs (it is SFT and "
                                                     "prompt data with answers: data=reasoning's sft and prompt sections)")  # fmt: skip
         super().validate()
@@ -194,7 +197,8 @@ class PromptDataConfig(DataConfig):
     name, with a prompt column or HH-style pairs (required: None is refused)."""
 
     format: Literal["auto", "prompt", "hh"] = "auto"
-    """prompt = a ``prompt_field`` column; hh = the shared prompt of chosen/rejected dialogues."""
+    """prompt = a ``prompt_field`` column (a string; with template=auto also messages ending with a user turn);
+    hh = the shared prompt of chosen/rejected dialogues (or, with template=auto, conversations)."""
     prompt_field: str = "prompt"
     """Column holding the prompt (format=prompt)."""
     answer_field: str | None = None

@@ -30,15 +30,18 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
+from lit_rlhf.data.chat import (Message, field_text_or_turns, hh_to_messages, naming_row, prompt_key,
+                                split_conversations)  # fmt: skip
 from lit_rlhf.data.collate import (EncodedExample, EncodedPreference, collate_preference, collate_unpaired,
                                    encode_encoder_pair, encode_pair)  # fmt: skip
 from lit_rlhf.data.configs import PreferenceDataConfig  # noqa: F401  (re-exported)
 from lit_rlhf.data.io import DataError, Row, is_file_source, iter_rows, require_str, select_rows
+from lit_rlhf.data.lexicon import check_embedded_vocabulary
 from lit_rlhf.data.loader import ResumableDataLoader
 from lit_rlhf.data.sampler import EpochSampler, LengthGroupedSampler
 from lit_rlhf.data.synthetic import SyntheticTask
-from lit_rlhf.data.templates import get_template
-from lit_rlhf.utils.config import resolve_config
+from lit_rlhf.data.templates import AUTO, get_template
+from lit_rlhf.utils.config import ConfigError, resolve_config
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,8 @@ MARGIN_SCALES = {"llama2_small": (0.0, 1 / 3, 2 / 3, 1.0), "llama2_large": (0.0,
 
 @dataclass(frozen=True)
 class PreferencePair:
-    prompt: str
+    prompt: str | list[Message]
+    """The prompt's text, or with template=auto a conversation ending with a user turn."""
     chosen: str
     rejected: str
     margin: float | None = None
@@ -83,16 +87,18 @@ def detect_format(row: Row) -> str:
 class UnpairedExample:
     """One KTO example (docs/algorithms.md §5.3): a completion of a prompt, desirable or not."""
 
-    prompt: str
+    prompt: str | list[Message]
     completion: str
     desirable: bool
     where: str = ""
 
 
-def parse_example(row: Row) -> UnpairedExample:
-    """An ``unpaired`` row; a missing field or a label that is not true/false is a DataError naming the row."""
+def parse_example(row: Row, chat: bool = False) -> UnpairedExample:
+    """An ``unpaired`` row (with ``chat``, its prompt and completion may be conversational: messages,
+    one assistant message); a missing field or a label that is not true/false is a DataError naming the row."""
     hint = ["data.preference.format"]
-    prompt, completion = require_str(row, "prompt", hint), require_str(row, "completion", hint)
+    prompt = field_text_or_turns(row, "prompt", "preference", chat, True, hint)
+    completion = field_text_or_turns(row, "completion", "preference", chat, False, hint)
     if "label" not in row.data:
         raise DataError(f"{row.where}: missing field 'label' (true = desirable, false = undesirable); the row has: "
                         f"{', '.join(sorted(row.data))}")  # fmt: skip
@@ -154,13 +160,28 @@ def margin_of(row: Row, field_name: str, scale: str) -> float:
     return MARGIN_SCALES[scale][int(rating)]
 
 
-def parse_pair(row: Row, fmt: str, margin_field: str | None, margin_scale: str) -> PreferencePair:
+def parse_pair(row: Row, fmt: str, margin_field: str | None, margin_scale: str, chat: bool = False) -> PreferencePair:
+    """A pair of ``fmt``. With ``chat`` (template=auto) the prompt is a conversation: TRL's
+    conversational rows (a prompt of messages, chosen/rejected as one assistant message each, or
+    chosen/rejected whole conversations sharing their prompt) as they are, HH dialogues converted
+    (Human → user, Assistant → assistant), a string prompt kept (one user turn)."""
     fields = FORMAT_FIELDS[fmt]
     hint = ["data.preference.format"]
     if fmt == "hh":
-        prompt, chosen, rejected = split_hh(require_str(row, "chosen", hint), require_str(row, "rejected", hint), row.where)
-    else:
+        chosen_v, rejected_v = (row.data.get(k) for k in ("chosen", "rejected"))
+        if isinstance(chosen_v, list) or isinstance(rejected_v, list):
+            if not chat:
+                raise DataError(f"{row.where}: 'chosen'/'rejected' are conversations (lists of messages), rendered by "
+                                "the tokenizer's chat template: set data.preference.template=auto")  # fmt: skip
+            prompt, chosen, rejected = split_conversations(chosen_v, rejected_v, row.where)
+        else:
+            prompt, chosen, rejected = split_hh(require_str(row, "chosen", hint), require_str(row, "rejected", hint), row.where)
+            prompt = hh_to_messages(prompt, row.where) if chat else prompt
+    elif fmt == "question":
         prompt, chosen, rejected = (require_str(row, f, hint) for f in fields)
+    else:
+        prompt = field_text_or_turns(row, "prompt", "preference", chat, True, hint)
+        chosen, rejected = (field_text_or_turns(row, f, "preference", chat, False, hint) for f in fields[1:])
     margin = margin_of(row, margin_field, margin_scale) if margin_field else None
     return PreferencePair(prompt, chosen, rejected, margin, row.where)
 
@@ -232,7 +253,7 @@ class PreferenceDataModule(pl.LightningDataModule):
         fmt = self._format(rows)
         pairs, identical, empty = [], 0, 0
         for row in rows:
-            pair = parse_pair(row, fmt, c.margin_field, c.margin_scale)
+            pair = parse_pair(row, fmt, c.margin_field, c.margin_scale, chat=c.template == AUTO)
             if not pair.chosen.strip() or not pair.rejected.strip():
                 if c.on_empty == "error":
                     raise DataError(f"{row.where}: empty response (data.preference.on_empty=skip skips such pairs)")
@@ -244,7 +265,7 @@ class PreferenceDataModule(pl.LightningDataModule):
                 identical += 1
                 continue
             pairs.append(pair)
-        duplicates = len(pairs) - len({(p.prompt, p.chosen, p.rejected) for p in pairs})
+        duplicates = len(pairs) - len({(prompt_key(p.prompt), p.chosen, p.rejected) for p in pairs})
         self.stats.update({f"{split}_rows_read": len(rows), f"{split}_skipped_empty": empty,
                            f"{split}_skipped_identical": identical, f"{split}_duplicates": duplicates})  # fmt: skip
         return pairs
@@ -257,14 +278,14 @@ class PreferenceDataModule(pl.LightningDataModule):
                             "they train algo.loss_type=kto only")  # fmt: skip
         examples, empty = [], 0
         for row in rows:
-            example = parse_example(row)
+            example = parse_example(row, chat=c.template == AUTO)
             if not example.completion.strip():
                 if c.on_empty == "error":
                     raise DataError(f"{row.where}: empty completion (data.preference.on_empty=skip skips such rows)")
                 empty += 1
                 continue
             examples.append(example)
-        duplicates = len(examples) - len({(e.prompt, e.completion, e.desirable) for e in examples})
+        duplicates = len(examples) - len({(prompt_key(e.prompt), e.completion, e.desirable) for e in examples})
         self.stats.update({f"{split}_rows_read": len(rows), f"{split}_skipped_empty": empty,
                            f"{split}_skipped_identical": 0, f"{split}_duplicates": duplicates})  # fmt: skip
         return examples
@@ -288,11 +309,16 @@ class PreferenceDataModule(pl.LightningDataModule):
         c = self.config
         template = get_template(c.template)
         if self.kind == "encoder":
+            if c.template == AUTO:
+                raise ConfigError("data.preference.template", "'auto' renders with a causal LM's chat template; an "
+                                  "encoder reward model (model.kind=encoder) reads one of the named templates")  # fmt: skip
             enc = functools.partial(encode_encoder_pair, self.tokenizer, template=template, max_length=c.max_length)
         else:
             enc = functools.partial(encode_pair, self.tokenizer, template=template, max_length=c.max_length)
-        out = [EncodedPreference(enc(p.prompt, p.chosen), enc(p.prompt, p.rejected), p.margin, i, p.prompt)
-               for i, p in enumerate(pairs)]  # fmt: skip
+        out = []
+        for i, p in enumerate(pairs):
+            with naming_row(p.where):
+                out.append(EncodedPreference(enc(p.prompt, p.chosen), enc(p.prompt, p.rejected), p.margin, i, p.prompt))
         self.stats[f"{split}_pairs"] = len(out)
         self.stats[f"{split}_prompts_cut"] = sum(e.chosen.prompt_cut > 0 or e.rejected.prompt_cut > 0 for e in out)
         self.stats[f"{split}_responses_cut"] = sum(e.chosen.response_cut > 0 or e.rejected.response_cut > 0 for e in out)
@@ -303,8 +329,11 @@ class PreferenceDataModule(pl.LightningDataModule):
         c = self.config
         enc = functools.partial(encode_pair, self.tokenizer, template=get_template(c.template), max_length=c.max_length)
         partners = kl_partners([e.prompt for e in examples], f"{c.source} [{split}]") if examples else []
-        out = [EncodedExample(enc(e.prompt, e.completion), enc(e.prompt, examples[j].completion), e.desirable, i, e.prompt)
-               for i, (e, j) in enumerate(zip(examples, partners))]  # fmt: skip
+        out = []
+        for i, (e, j) in enumerate(zip(examples, partners)):
+            with naming_row(e.where):
+                out.append(EncodedExample(enc(e.prompt, e.completion), enc(e.prompt, examples[j].completion), e.desirable,
+                                          i, e.prompt))  # fmt: skip
         self.stats[f"{split}_examples"] = len(out)
         self.stats[f"{split}_desirable"] = sum(e.desirable for e in out)
         self.stats[f"{split}_prompts_cut"] = sum(e.completion.prompt_cut > 0 for e in out)
@@ -342,6 +371,7 @@ class PreferenceDataModule(pl.LightningDataModule):
             raise RuntimeError("PreferenceDataModule.connect(tokenizer) must be called before setup()")
         c = self.config
         if c.source == "synthetic":
+            check_embedded_vocabulary(self.tokenizer, "preference", c.source)
             self.pairs = self._synthetic_pairs()
         else:
             for split, rows in self._load_file_splits().items():

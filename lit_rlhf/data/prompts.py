@@ -17,15 +17,17 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
 
+from lit_rlhf.data.chat import field_text_or_turns, naming_row, prompt_key
 from lit_rlhf.data.collate import pad
 from lit_rlhf.data.configs import PromptDataConfig  # noqa: F401  (re-exported)
-from lit_rlhf.data.io import DataError, Row, iter_rows, require_str, select_rows
+from lit_rlhf.data.io import DataError, Row, iter_rows, select_rows
+from lit_rlhf.data.lexicon import check_embedded_vocabulary
 from lit_rlhf.data.loader import ResumableDataLoader
-from lit_rlhf.data.preference import split_hh
+from lit_rlhf.data.preference import parse_pair
 from lit_rlhf.data.reasoning import ReasoningTask
 from lit_rlhf.data.sampler import EpochSampler
 from lit_rlhf.data.synthetic import SyntheticTask
-from lit_rlhf.data.templates import get_template
+from lit_rlhf.data.templates import AUTO, TEMPLATES, get_template
 from lit_rlhf.utils.config import resolve_config
 
 log = logging.getLogger(__name__)
@@ -52,9 +54,11 @@ def row_answer(row: Row, field: str, fmt: str = "raw") -> str:
     return text
 
 
-def encode_prompt(tokenizer: Any, text: str, max_length: int) -> tuple[list[int], int]:
-    """Prompt ids (with special tokens), cut from the left to ``max_length`` keeping a leading BOS."""
-    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+def encode_prompt(tokenizer: Any, prompt: Any, max_length: int, template: Any = TEMPLATES["plain"]) -> tuple[list[int], int]:
+    """Prompt ids as ``template`` writes them (data/templates.py; named ones add the tokenizer's
+    special tokens, ``auto`` renders a conversation or a one-turn string with the chat template and
+    its generation prompt), cut from the left to ``max_length`` keeping a leading BOS; and the cut."""
+    ids = template.prompt_ids(tokenizer, prompt)
     cut = max(0, len(ids) - max_length)
     if cut:
         keep_bos = ids[0] == tokenizer.bos_token_id and max_length > 1
@@ -98,9 +102,12 @@ class PromptDataModule(pl.LightningDataModule):
         self.tokenizer = tokenizer
         return self
 
-    def _prompts(self, rows_spec: str | None) -> list[tuple[str, dict[str, str]]]:
-        """(prompt, columns) of the rows: columns = ``{"answer": …}`` with ``answer_field`` set, else {}."""
+    def _prompts(self, rows_spec: str | None) -> list[tuple[Any, dict[str, str]]]:
+        """(prompt, columns) of the rows: columns = ``{"answer": …}`` with ``answer_field`` set, else {}.
+        With template=auto a prompt is a conversation: TRL's prompt-only rows (a list of messages
+        ending with a user turn) as they are, HH dialogues converted, a string kept (one user turn)."""
         c = self.config
+        chat = c.template == AUTO
         rows = select_rows(list(iter_rows(c.source, c.train_split)), rows_spec)
         fmt = c.format
         if fmt == "auto" and rows:
@@ -108,25 +115,27 @@ class PromptDataModule(pl.LightningDataModule):
         out = []
         for row in rows:
             if fmt == "hh":
-                prompt = split_hh(require_str(row, "chosen"), require_str(row, "rejected"), row.where)[0]
+                prompt = parse_pair(row, "hh", None, "raw", chat=chat).prompt
             else:
-                prompt = require_str(row, c.prompt_field, ["data.prompt.prompt_field"])
+                prompt = field_text_or_turns(row, c.prompt_field, "prompt", chat, True, ["data.prompt.prompt_field"])
             out.append((prompt, {"answer": row_answer(row, c.answer_field, c.answer_format)} if c.answer_field else {}))
         return out
 
-    def _encode(self, prompts: list[tuple[str, dict[str, str]]], split: str) -> list[tuple]:
+    def _encode(self, prompts: list[tuple[Any, dict[str, str]]], split: str) -> list[tuple]:
         c = self.config
         template = get_template(c.template)
         out, cut = [], 0
-        kept = [(p, cols) for p, cols in prompts if p.strip()]  # an empty prompt is no question: skipped, counted
-        for p, cols in kept:
-            ids, n = encode_prompt(self.tokenizer, template.format_prompt(p), c.max_prompt_length)
+        # an empty prompt (or a conversation whose last user turn is blank) is no question: skipped, counted
+        kept = [(p, cols) for p, cols in prompts if (p if isinstance(p, str) else p[-1]["content"]).strip()]
+        for i, (p, cols) in enumerate(kept):
+            with naming_row(f"{c.source} [{split}] prompt {i + 1}"):
+                ids, n = encode_prompt(self.tokenizer, p, c.max_prompt_length, template)
             cut += n > 0
             out.append((ids, p, cols) if cols else (ids, p))
         s = self.stats
         s[f"{split}_prompts"], s[f"{split}_prompts_cut"] = len(out), cut
         s[f"{split}_skipped_empty"] = len(prompts) - len(kept)
-        s[f"{split}_duplicates"] = len(kept) - len({p for p, _ in kept})
+        s[f"{split}_duplicates"] = len(kept) - len({prompt_key(p) for p, _ in kept})
         log.info("prompts %s: %d (%d empty or blank skipped; %d duplicates kept; %d cut from the left at "
                  "max_prompt_length=%d)", split, len(out), s[f"{split}_skipped_empty"], s[f"{split}_duplicates"], cut,
                  c.max_prompt_length)  # fmt: skip
@@ -138,6 +147,8 @@ class PromptDataModule(pl.LightningDataModule):
         if self.tokenizer is None:
             raise RuntimeError("PromptDataModule.connect(tokenizer) must be called before setup()")
         c = self.config
+        if c.source in ("synthetic", "reasoning"):
+            check_embedded_vocabulary(self.tokenizer, "prompt", c.source)
         if c.source == "synthetic":
             task = SyntheticTask(c.task)
             train = [(r["prompt"], {}) for r in task.prompts(c.n_train, "train")]

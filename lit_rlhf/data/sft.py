@@ -12,17 +12,19 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
+from lit_rlhf.data.lexicon import check_embedded_vocabulary
 from lit_rlhf.data.loader import ResumableDataLoader
 from lit_rlhf.data.sampler import EpochSampler
 
-from lit_rlhf.data.chat import check_messages, encode_conversation, has_chat_template, hh_to_messages
+from lit_rlhf.data.chat import (as_messages, check_messages, encode_conversation, field_text_or_turns, hh_to_messages,
+                                naming_row)  # fmt: skip
 from lit_rlhf.data.collate import EncodedPair, collate_sft, encode_pair
 from lit_rlhf.data.configs import SFTDataConfig  # noqa: F401  (re-exported: the config lives with the other data configs)
-from lit_rlhf.data.io import DataError, Row, iter_rows, require_str, select_rows
-from lit_rlhf.data.preference import split_hh
+from lit_rlhf.data.io import DataError, Row, iter_rows, select_rows
+from lit_rlhf.data.preference import parse_pair
 from lit_rlhf.data.reasoning import ReasoningTask
 from lit_rlhf.data.synthetic import SyntheticTask
-from lit_rlhf.data.templates import TEMPLATES, get_template
+from lit_rlhf.data.templates import AUTO, get_template
 from lit_rlhf.utils.config import resolve_config
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ class SFTDataModule(pl.LightningDataModule):
         """(prompt, response, where) per usable row; with ``template=auto`` (messages, "", where):
         the conversation the tokenizer's chat template renders (data/chat.py)."""
         c = self.config
+        chat = c.template == AUTO
         out, empty = [], 0
         for row in rows:
             if c.format == "messages":
@@ -71,24 +74,27 @@ class SFTDataModule(pl.LightningDataModule):
                 response = "" if any(isinstance(m, dict) and m.get("role") == "assistant" and isinstance(
                     m.get("content"), str) and not m["content"].strip() for m in turns) else "-"  # fmt: skip
             elif c.format == "hh":  # the dialogue up to the last shared "Assistant:", then the chosen reply
-                prompt, response, _ = split_hh(require_str(row, "chosen"), require_str(row, "rejected"), row.where)
-            else:
-                prompt = require_str(row, c.prompt_field, ["data.sft.prompt_field"])
-                response = require_str(row, c.response_field, ["data.sft.response_field"])
+                pair = parse_pair(row, "hh", None, "raw", chat=chat)  # (TRL's conversational pairs too)
+                prompt, response = pair.prompt, pair.chosen
+            else:  # strings, or with template=auto TRL's conversational prompt (messages) and completion
+                prompt = field_text_or_turns(row, c.prompt_field, "sft", chat, True, ["data.sft.prompt_field"])
+                response = field_text_or_turns(row, c.response_field, "sft", chat, False, ["data.sft.response_field"])
             if not response.strip():
                 if c.on_empty == "error":
                     raise DataError(f"{row.where}: empty response (set data.sft.on_empty=skip to skip such rows)")
                 empty += 1
                 continue
-            if c.template != "auto":
+            if not chat:
                 out.append((prompt, response, row.where))
                 continue
             if c.format == "messages":
                 conversation = check_messages(messages, row.where, ends_with="assistant")
-            elif c.format == "hh":
-                conversation = hh_to_messages(require_str(row, "chosen"), row.where)
+            elif c.format == "hh":  # the whole chosen conversation
+                chosen = row.data["chosen"]
+                conversation = (check_messages(chosen, f"{row.where}: field 'chosen'", ends_with="assistant")
+                                if isinstance(chosen, list) else hh_to_messages(chosen, row.where))  # fmt: skip
             else:
-                conversation = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+                conversation = [*as_messages(prompt), {"role": "assistant", "content": response}]
             out.append((conversation, "", row.where))
         self.stats[f"{split}_rows_read"] = len(rows)
         self.stats[f"{split}_skipped_empty"] = empty
@@ -97,6 +103,8 @@ class SFTDataModule(pl.LightningDataModule):
 
     def _load_rows(self) -> tuple[list[Row], list[Row]]:
         c = self.config
+        if c.source in ("synthetic", "reasoning"):
+            check_embedded_vocabulary(self.tokenizer, "sft", c.source)
         if c.source == "synthetic":
             task = SyntheticTask(c.task)
             train = [Row(r, f"synthetic[train] #{i}") for i, r in enumerate(task.sft_records(c.n_train, "train"))]
@@ -125,10 +133,10 @@ class SFTDataModule(pl.LightningDataModule):
     def _encode(self, pairs: list[tuple[str, str, str]], split: str) -> list[EncodedPair]:
         c = self.config
         if c.template == "auto":  # the tokenizer's own chat template renders each conversation
-            if not has_chat_template(self.tokenizer):
-                raise DataError(f"data.sft.template=auto: the tokenizer has no chat template (tokenizer.chat_template); "
-                                f"use a named template ({', '.join(TEMPLATES)}) or a tokenizer that ships one")  # fmt: skip
-            encoded = [encode_conversation(self.tokenizer, m, c.max_length) for m, _, _ in pairs]
+            encoded = []
+            for m, _, where in pairs:
+                with naming_row(where):
+                    encoded.append(encode_conversation(self.tokenizer, m, c.max_length))
         else:
             template = get_template(c.template)
             encoded = [encode_pair(self.tokenizer, p, r, template, c.max_length) for p, r, _ in pairs]

@@ -1,14 +1,18 @@
-"""The chat template shared by SFT, RM and PPO (docs/algorithms.md §1: one template for every stage).
+"""The prompt templates shared by SFT, RM, DPO and the RL stages (docs/algorithms.md §1: one
+template for every stage).
 
-A template turns a raw prompt into the text the model sees, and says what goes in front of a
-response. Stages tokenize the formatted prompt (with the tokenizer's special tokens, e.g. BOS)
-and the response (without) separately and concatenate the ids, so a response always starts
-on a token boundary whatever the tokenizer merges.
+A template turns a raw prompt into the token ids the model sees, and a response into the ids that
+follow them: stages tokenize the prompt and the response separately and concatenate the ids, so a
+response always starts on a token boundary whatever the tokenizer merges, exactly as the policy
+samples it after the prompt. The named templates here are Python format strings for base models
+and the embedded tasks; ``auto`` is the tokenizer's own chat template (data/chat.py:
+:class:`~lit_rlhf.data.chat.TokenizerTemplate`), with the same three methods.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,22 @@ class ChatTemplate:
     def format_response(self, response: str) -> str:
         return self.response_prefix + response
 
+    def prompt_ids(self, tokenizer: Any, prompt: str) -> list[int]:
+        """The formatted prompt's ids, with the tokenizer's special tokens (e.g. BOS)."""
+        if not isinstance(prompt, str):
+            raise ValueError("a conversation (a list of messages) is rendered by the tokenizer's chat template: "
+                             "set the data section's template=auto")  # fmt: skip
+        return tokenizer(self.format_prompt(prompt), add_special_tokens=True)["input_ids"]
+
+    def response_ids(self, tokenizer: Any, response: str) -> list[int]:
+        """The response's ids after the prefix, ending with EOS."""
+        ids = tokenizer(self.format_response(response), add_special_tokens=False)["input_ids"]
+        return ids if ids and ids[-1] == tokenizer.eos_token_id else ids + self.end_ids(tokenizer)
+
+    def end_ids(self, tokenizer: Any) -> list[int]:
+        """The token(s) a response ends with: EOS."""
+        return [tokenizer.eos_token_id]
+
 
 TEMPLATES: dict[str, ChatTemplate] = {
     # the embedded task: prompts are sentence openings, responses their continuation
@@ -33,10 +53,18 @@ TEMPLATES: dict[str, ChatTemplate] = {
     # prompts that already end with "\n\nAssistant:" (HH-RLHF dialogues)
     "dialogue": ChatTemplate("{prompt}", " "),
 }
+AUTO = "auto"
+"""The tokenizer's own chat template (data/chat.py)."""
 
 
-def get_template(name: str) -> ChatTemplate:
+def get_template(name: str) -> Any:
+    """The named template, or for ``auto`` the tokenizer's chat template (a
+    :class:`~lit_rlhf.data.chat.TokenizerTemplate`)."""
+    if name == AUTO:
+        from lit_rlhf.data.chat import TokenizerTemplate
+
+        return TokenizerTemplate()
     try:
         return TEMPLATES[name]
     except KeyError:
-        raise ValueError(f"unknown chat template '{name}'; known: {', '.join(TEMPLATES)}") from None
+        raise ValueError(f"unknown chat template '{name}'; known: {', '.join([*TEMPLATES, AUTO])}") from None

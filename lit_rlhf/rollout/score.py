@@ -109,9 +109,10 @@ def append_eos_to_truncated(input_ids: Tensor, attention_mask: Tensor, ended: Te
 
 class ModelScorer:
     """Scores (B,) from a frozen reward model. Reuses the policy's token ids when both share a
-    tokenizer (with an EOS appended to truncated responses, as the re-tokenizing path and RM
-    training do); otherwise decodes the texts and re-tokenizes them for the reward model (an
-    encoder RM with its own vocabulary, for example)."""
+    tokenizer (with the template's end token — EOS, or the chat template's end-of-turn — appended to
+    truncated responses, as the re-tokenizing path and RM training do); otherwise decodes the texts
+    and re-tokenizes them for the reward model (an encoder RM with its own vocabulary, for example)
+    with ``template`` (data/templates.py; ``auto`` renders with the reward tokenizer's chat template)."""
 
     def __init__(self, reward_model: Any, reward_tokenizer: Any, policy_tokenizer: Any, template: Any, max_length: int):
         self.model = reward_model
@@ -124,9 +125,9 @@ class ModelScorer:
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], responses: Sequence[str],
                  ended: Tensor, columns: Mapping[str, Sequence[Any]] | None = None) -> Tensor:  # fmt: skip
         """(B,) scores; ``columns`` (the rows' dataset columns) are not read by a reward model."""
-        if self.same_vocab:
-            ids, mask = append_eos_to_truncated(input_ids, attention_mask, ended, self.tokenizer.eos_token_id,
-                                                self.tokenizer.pad_token_id)  # fmt: skip
+        if self.same_vocab:  # a truncated response gets the end token its template closes responses with
+            end = self.template.end_ids(self.tokenizer)[0] if self.template is not None else self.tokenizer.eos_token_id
+            ids, mask = append_eos_to_truncated(input_ids, attention_mask, ended, end, self.tokenizer.pad_token_id)
             return self.model(ids, mask).float()
         from lit_rlhf.data.collate import collate_sft, encode_encoder_pair, encode_pair
 

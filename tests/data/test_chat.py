@@ -1,5 +1,6 @@
-"""Conversations and the tokenizer's chat template (lit_rlhf/data/chat.py), with ChatML- and
-Llama-3-style Jinja templates written here (no download) on a byte-level BPE learned from a few lines."""
+"""Conversations and the tokenizer's chat template (lit_rlhf/data/chat.py), with the ChatML- and
+Llama-3-style Jinja templates (data/chat.py CHAT_TEMPLATES, no download) on a byte-level BPE learned
+from a few lines; every rendering is checked against one written out here."""
 
 from __future__ import annotations
 
@@ -16,15 +17,6 @@ from lit_rlhf.data.chat import (
 )
 from lit_rlhf.data.io import DataError
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-LLAMA3 = (
-    "<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-)
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Hi there"},
@@ -35,21 +27,14 @@ CONVERSATION = [
 
 
 def make_chat_tokenizer(kind, folder):
-    """A byte-level BPE learned from a few lines, with the ChatML or the Llama-3-style template."""
+    """A byte-level BPE learned from a few lines, with the ChatML or the Llama-3-style template
+    (model.train_tokenizer.chat_template; the renderings below are written out by hand)."""
     from lit_rlhf.data.bpe import BPETokenizerConfig, train_bpe
 
     path = folder / "c.jsonl"
     lines = ["Hi there, how can I help? Say yes. Be brief.", "Hello there, yes, no, help me say it."] * 20
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
-    tok = train_bpe(BPETokenizerConfig(source=str(path), vocab_size=300))
-    if kind == "chatml":
-        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-        tok.chat_template = CHATML
-    else:
-        tok.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>",
-                                                              "<|end_header_id|>", "<|eot_id|>"]})  # fmt: skip
-        tok.chat_template = LLAMA3
-    return tok
+    return train_bpe(BPETokenizerConfig(source=str(path), vocab_size=300, chat_template=kind))
 
 
 @pytest.fixture(scope="module", params=["chatml", "llama3"])
@@ -170,7 +155,7 @@ def test_sft_on_a_messages_file_through_train_py(tmp_path):
             "model.tiny.num_attention_heads=2", "model.tiny.intermediate_size=64"]  # fmt: skip
     metrics = run(compose([*args, f"data.sft.source={good}"], tmp_path / "run"))
     assert 0 < metrics["train/loss"] < 100
-    assert AutoTokenizer.from_pretrained(tmp_path / "run" / "policy").chat_template == CHATML  # later stages render alike
+    assert AutoTokenizer.from_pretrained(tmp_path / "run" / "policy").chat_template == tok.chat_template  # later stages alike
     bad = tmp_path / "bad.jsonl"
     bad.write_text(good.read_text() + json.dumps({"messages": [{"role": "assistant", "content": "x"}]}) + "\n")
     with pytest.raises(DataError, match=r"bad.jsonl:17: message 0 is assistant, expected user"):
