@@ -41,12 +41,18 @@ class Plan:
     pipeline: Any = None
 
 
-def model_node(node: Any) -> Any:
+def model_node(node: Any, policy_path: str | None = None) -> Any:
     """``cfg.model`` with a given ``name_or_path`` winning over a tiny config's ``tiny`` (and its
     ``tokenizer: synthetic`` / ``train_tokenizer``): ``model.name_or_path=<run>/sft/policy`` on top
-    of ``model=tiny_llama`` loads the saved model and the tokenizer saved beside it."""
+    of ``model=tiny_llama`` loads the saved model and the tokenizer saved beside it. A model group
+    without weights of its own (``model=hf``) takes the stage's ``algo.policy_path`` for them."""
     from omegaconf import open_dict
 
+    if isinstance(node, DictConfig) and node.get("name_or_path") is None and node.get("tiny") is None and policy_path:
+        node = node.copy()
+        with open_dict(node):
+            node.name_or_path = policy_path
+        return node
     if not isinstance(node, DictConfig) or node.get("name_or_path") is None or node.get("tiny") is None:
         return node
     node = node.copy()
@@ -123,7 +129,7 @@ def plan(cfg: DictConfig) -> Plan:
     from lit_rlhf.modules.base import RLHFModule
 
     plan_settings(cfg)  # memory_plan.* checked on every machine, not only where a GPU plan is made
-    model = build_config(ModelSpec, model_node(cfg.model), "model")
+    model = build_config(ModelSpec, model_node(cfg.model, (cfg.get("algo") or {}).get("policy_path")), "model")
     if cfg.get("trainer") is not None:
         import lightning.pytorch as pl
 

@@ -21,12 +21,13 @@ RM = ["algo.reward_path=/models/rm"]
 NEEDS_USER_VALUE = {
     ("data", "sft_file"): ["data.sft.source=x.jsonl"],
     ("data", "chat"): ["data.sft.source=x.jsonl"],
+    ("model", "hf"): ["model.name_or_path=/models/qwen-instruct"],
     ("data", "qa_file"): ["data.prompt.source=x.jsonl", "algo=grpo", "algo.policy_path=/models/sft", *RM],
     **{("algo", a): ["algo.policy_path=/models/sft", *RM] for a in ("ppo", "ppo_max", "ppo_moss_release")},
     **{("experiment", e): ["algo.policy_path=/models/sft", *RM] for e in ("ppo_synthetic_tiny", "ppo_max_synthetic_tiny")},
     **{("experiment", e): RM for e in ("ppo_max_llama7b_a100x8", "ppo_max_llama7b_lora_1gpu")},  # policy: model=llama7b
     **{("algo", a): ["algo.policy_path=/models/sft"] for a in ("dpo", "ipo", "cdpo", "simpo", "orpo", "kto")},
-    **{("experiment", e): ["algo.policy_path=/models/sft"] for e in ("dpo_synthetic_tiny", "dpo_hh_tiny", "simpo_synthetic_tiny",
+    **{("experiment", e): ["algo.policy_path=/models/sft"] for e in ("dpo_synthetic_tiny", "dpo_hh_tiny", "dpo_hh_chat_tiny", "simpo_synthetic_tiny",
                                                                      "orpo_synthetic_tiny", "kto_synthetic_tiny")},
     **{("algo", a): ["algo.policy_path=/models/sft", *RM] for a in ("grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp",
                                                                       "reinforce_pp_baseline", "remax")},
@@ -36,6 +37,7 @@ NEEDS_USER_VALUE = {
     **{("experiment", e): ["algo.policy_path=/models/sft"] for e in ("grpo_reasoning_tiny", "dapo_reasoning_tiny",
                                                                      "dr_grpo_reasoning_tiny")},
     ("experiment", "rm_hh_tiny"): ["model.name_or_path=/models/sft"],
+    ("experiment", "rm_hh_chat_tiny"): ["model.name_or_path=/models/sft"],
 }  # fmt: skip
 # an algo that can consume each data kind (data options without an `sft` section use these)
 ALGO_FOR_KIND = {"preference": ["algo=rm"], "prompt": ["algo=ppo", "algo.policy_path=/models/sft", *RM]}
@@ -421,3 +423,18 @@ def test_lora_under_fsdp_is_refused_before_anything_is_built(tmp_path):
     with pytest.raises(ConfigError, match="strategy: model.lora.enabled=true with strategy=fsdp"):
         plan(compose(["algo=ppo", "strategy=fsdp", "model.lora.enabled=true", "algo.policy_path=/m/sft", *RM], tmp_path))
     plan(compose(["algo=ppo", "strategy=fsdp", "algo.policy_path=/m/sft", *RM], tmp_path))  # full fine-tuning under FSDP: fine
+
+
+def test_readme_own_model_and_data_commands_compose(tmp_path):
+    """The five commands of README "Your own model and data" compose into valid stage jobs with the
+    chat template in every data section they read."""
+    import shlex
+
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Your own model and data", 1)[1].split("```", 2)[1]
+    commands = [" ".join(c.split()) for c in block.replace("\\\n", " ").splitlines() if "python train.py" in c]
+    assert len(commands) == 4
+    for command in commands:
+        args = [a for a in shlex.split(command.split("#")[0])[2:] if not a.startswith("hydra.")]
+        p = plan(compose(args, tmp_path))
+        assert p.data.template == "auto" and p.model.dtype == "bfloat16", command

@@ -48,7 +48,7 @@ def case_generate_ours(models: Path, s: dict) -> dict:
 
     def go():
         torch.manual_seed(0)
-        _, m, _ = sample(model, ids, mask, gen, tok.eos_token_id, tok.pad_token_id)
+        _, m, _, _ = sample(model, ids, mask, gen, tok.eos_token_id, tok.pad_token_id)
         tokens.append(int(m.sum()))
 
     t = timed(go, s["warmup"], s["steps"])

@@ -34,7 +34,7 @@ def case_floor(models: Path, s: dict) -> dict:
 
     def generate():
         torch.manual_seed(0)
-        r, m, _ = sample(actor, ids, mask, gen, tok.eos_token_id, tok.pad_token_id)
+        r, m, _, _ = sample(actor, ids, mask, gen, tok.eos_token_id, tok.pad_token_id)
         state["full"], state["mask"] = torch.cat([ids, r], 1), torch.cat([mask, m], 1)
 
     generate()

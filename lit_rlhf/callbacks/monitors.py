@@ -265,7 +265,7 @@ class SamplesTable(pl.Callback):
         rows = []
         n = min(self.max_rows, rollout.scores.shape[0])
         for i in range(n):
-            rows.append([step, rollout.prompts_text[i] if rollout.prompts_text else "",
+            rows.append([step, _as_text(rollout.prompts_text[i]) if rollout.prompts_text else "",
                          rollout.responses_text[i] if rollout.responses_text else "",
                          float(rollout.scores[i]), float(kl[i]) if kl is not None else None,
                          int(rollout.response_mask[i].sum())])  # fmt: skip
@@ -281,3 +281,9 @@ class SamplesTable(pl.Callback):
 
             # a W&B Table is immutable once logged: log the cumulative table under one key
             lg.experiment.log({"samples": wandb.Table(columns=columns, data=self._rows), "rl/iteration": step})
+
+
+def _as_text(prompt: Any) -> str:
+    """A raw prompt for the samples table: its text, or a conversation (template=auto) one
+    ``role: content`` line per message."""
+    return prompt if isinstance(prompt, str) else "\n".join(f"{m['role']}: {m['content']}" for m in prompt)

@@ -47,16 +47,19 @@ def ppo_policy_loss(
     dual_clip: float | None = None,
     aggregation: Aggregation = "token_mean",
     agg_constant: float | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate (Schulman et al. 2017, Eq. 7), per token, ρ_t = exp(logp − logp_old):
 
     l_t = max(−A_t ρ_t, −A_t clip(ρ_t, 1 − ε_low, 1 + ε_high)); with dual clip c > 1 (Ye et al.
     2020, Eq. 5) tokens with A_t < 0 are also capped at −c·A_t. ε_high > ε_low is DAPO's
-    clip-higher.
+    clip-higher. With ``is_weights`` w_t (truncated importance sampling of a mismatched sampler,
+    core/mismatch.py) each token's term is w_t·l_t.
 
     Args:
         logprobs, old_logprobs, advantages, response_mask: (B, T); whatever the first three hold
             outside the mask (inf, NaN) reaches neither the loss nor the gradient.
+        is_weights: (B, T) detached per-token weights, or None (= 1).
     Returns:
         loss, stats {"loss", "clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl", "ratio_mean", "ratio_max",
         "dual_clipfrac"}.
@@ -72,6 +75,8 @@ def ppo_policy_loss(
         cap = -advantages * dual_clip
         dual = (advantages < 0) & (per_token > cap)
         per_token = torch.where(advantages < 0, torch.minimum(per_token, cap), per_token)
+    if is_weights is not None:
+        per_token = per_token * zero_outside(is_weights.detach(), response_mask)
     loss = aggregate(per_token, response_mask, aggregation, agg_constant)
     with torch.no_grad():
         m = response_mask.bool()

@@ -8,6 +8,7 @@ holds the quantity for response token t (its log-prob, the value of the state be
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,13 +31,14 @@ class Rollout:
     ended: Tensor  # (B,) bool: the response contains an EOS (False = truncated at max_new_tokens)
     logprobs: Tensor | None = None  # (B, R) log π_old(y_t | x, y_<t) at rollout time
     ref_logprobs: Tensor | None = None  # (B, R) log π_ref(y_t | x, y_<t); None = no reference model
+    sampler_logprobs: Tensor | None = None  # (B, R) the sampling engine's own log-probs of its tokens; None = not kept
     values: Tensor | None = None  # (B, R) V_old(s_t), the critic before this update; None = no critic
     scores: Tensor | None = None  # (B,) raw reward score r(x, y) (reward model or callable), before reparameterization
     baseline_scores: Tensor | None = None  # (B,) score of each row's baseline response (ReMax: the greedy response to its prompt)
     rewards: Tensor | None = None  # (B, R) shaped per-token reward (score on the last token, −β·kl)
     advantages: Tensor | None = None  # (B, R) advantages (whitened if configured)
     returns: Tensor | None = None  # (B, R) critic targets G_t = A_t + V_t
-    prompts_text: list[str] = field(default_factory=list)  # decoded prompts (for samples tables)
+    prompts_text: list[Any] = field(default_factory=list)  # raw prompts: text, or messages with template=auto
     responses_text: list[str] = field(default_factory=list)  # decoded responses
     # per-row dataset columns handed to reward callables with the texts (the ground truth of a
     # verifiable task: {"answer": [...]}; docs/rewards.md); empty = none

@@ -80,15 +80,21 @@ def check_messages(messages: Any, where: str, ends_with: str | None = None) -> l
 
 def hh_to_messages(dialogue: str, where: str) -> list[Message]:
     """An HH-RLHF dialogue (``"\\n\\nHuman: … \\n\\nAssistant: …"``) as messages: Human → user,
-    Assistant → assistant, contents stripped; a trailing empty ``Assistant:`` (a prompt) is dropped.
-    Checked with :func:`check_messages`."""
+    Assistant → assistant, contents stripped; two turns in a row by one side (9 of the 2,312
+    harmless-base rows) become one turn, their texts joined by a blank line; a trailing empty
+    ``Assistant:`` (a prompt) is dropped. Checked with :func:`check_messages`."""
     parts = _HH_TURN.split(dialogue)
     if len(parts) < 3 or parts[0].strip():
         raise DataError(f"{where}: not an HH-RLHF dialogue (it must start with '\\n\\nHuman:')")
-    messages = [{"role": "user" if who == "Human" else "assistant", "content": text.strip()}
-                for who, text in zip(parts[1::2], parts[2::2])]  # fmt: skip
-    if messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
-        messages.pop()
+    if len(parts) > 3 and parts[-2] == "Assistant" and not parts[-1].strip():
+        parts = parts[:-2]  # a prompt: the trailing empty "Assistant:" is the generation prompt
+    messages: list[Message] = []
+    for who, text in zip(parts[1::2], parts[2::2]):
+        role = "user" if who == "Human" else "assistant"
+        if messages and messages[-1]["role"] == role:  # a few HH rows have two turns in a row by one side
+            messages[-1]["content"] = f"{messages[-1]['content']}\n\n{text.strip()}".strip()
+        else:
+            messages.append({"role": role, "content": text.strip()})
     return check_messages(messages, where)
 
 

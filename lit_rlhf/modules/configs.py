@@ -126,6 +126,15 @@ class RLConfig(OptimConfig):
     """Sampling settings of the rollouts (validation samples with them too)."""
     logprobs_at_sampling_temperature: bool = False
     """False: log-probs at temperature 1 (docs/algorithms.md §2.1); True: logits / sampling temperature."""
+    monitor_sampler: bool = False
+    """Keep the sampler's own log-probs of its tokens and log the sampler–trainer mismatch,
+    ``rollout/sampler_kl`` and ``rollout/sampler_logprob_diff_max`` (docs/algorithms.md §2.10; one
+    log-softmax per decoding step). On with ``rollout_correction=tis``."""
+    rollout_correction: Literal["none", "tis"] = "none"
+    """tis = weight each token's policy-gradient term by min(π_trainer/π_sampler, ``tis_cap``)
+    (truncated importance sampling, Yao et al. 2025; docs/algorithms.md §2.10); none = no correction."""
+    tis_cap: float = field(default=2.0, metadata={"gt": 0.0})
+    """C of the truncated importance weights (Yao et al. use 2)."""
     padding_free: bool = True
     """Run the policy, reference, critic and a causal reward model on the packed real tokens of the
     rollouts, without padding (docs/architecture.md, "Padding-free forwards"); each model is checked

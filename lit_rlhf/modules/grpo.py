@@ -193,7 +193,7 @@ class GRPOModule(RLModule):
         mask = mb.valid_mask  # responses without a finite reward are left out
         agg, constant = AGGREGATION[c.loss_aggregation], float(c.generation.max_new_tokens)
         loss, pg = ppo_policy_loss(fwd.logprobs, mb.logprobs, mb.advantages, mask, c.clip_eps_low, c.clip_eps_high,
-                                   None, agg, constant)  # fmt: skip
+                                   None, agg, constant, self.importance_weights(mb, mask))  # fmt: skip
         stats = {f"policy/{k}": v for k, v in pg.items()}
         stats["policy/entropy"] = masked_mean(fwd.entropy, mask)
         if c.kl_placement == "loss":

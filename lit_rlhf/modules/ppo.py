@@ -133,7 +133,8 @@ class PPOModule(RLModule):
         c: PPOConfig = self.config
         mask = mb.valid_mask
         pg_loss, pg_stats = ppo_policy_loss(
-            fwd.logprobs, mb.logprobs, mb.advantages, mask, c.clip_eps_low, c.clip_eps_high, c.dual_clip
+            fwd.logprobs, mb.logprobs, mb.advantages, mask, c.clip_eps_low, c.clip_eps_high, c.dual_clip,
+            is_weights=self.importance_weights(mb, mask),
         )
         actor_loss = pg_loss
         stats = {f"policy/{k}": v for k, v in pg_stats.items()}

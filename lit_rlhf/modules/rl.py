@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlhf.core.kl import AdaptiveKLController, FixedKLController, sequence_kl
+from lit_rlhf.core.mismatch import sampler_mismatch
 from lit_rlhf.core.types import Rollout
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.modules.base import RLHFModule, policy_spec
@@ -332,8 +333,14 @@ class RLModule(RLUpdateMixin, RLHFModule):
                 self.actor, batch, self.tokenizer, self.config.generation, reference=self.frozen.get("reference"),
                 critic=self.critic if policy_logprobs else None, scorer=self.scorer, policy_logprobs=policy_logprobs,
                 logprob_temperature=self.logprob_temperature(), padding_free=self.config.padding_free,
+                sampler_logprobs=self.keeps_sampler_logprobs(),
             )  # fmt: skip
         return rollout.normal_tensors()
+
+    def keeps_sampler_logprobs(self) -> bool:
+        """Whether rollouts keep the sampler's own log-probs (the mismatch monitor, TIS)."""
+        c: RLConfig = self.config
+        return c.monitor_sampler or c.rollout_correction != "none"
 
     def collect(self, batch: dict[str, Any]) -> tuple[Rollout, dict[str, Tensor]]:
         """The iteration's complete rollout (old log-probs, values when there is a critic, scores;
@@ -352,6 +359,9 @@ class RLModule(RLUpdateMixin, RLHFModule):
             if self.critic is not None:
                 rollout.values = self._first_forward.values.detach()
         required = ["logprobs", "scores"] + ["values"] * (self.critic is not None)
+        if rollout.sampler_logprobs is not None:  # the sampler–trainer mismatch (docs/algorithms.md §2.10)
+            stats.update({f"rollout/{k}": v for k, v in sampler_mismatch(rollout.logprobs, rollout.sampler_logprobs,
+                                                                          rollout.valid_mask).items()})  # fmt: skip
         return rollout.require(*required, *["ref_logprobs"] * ("reference" in self.frozen)), stats
 
     def fused_first_forward(self, batch_size: int) -> bool:

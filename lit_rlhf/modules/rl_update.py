@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from lit_rlhf.core.kl import AdaptiveKLController, kl_penalty, sequence_kl
 from lit_rlhf.core.losses import aggregate
+from lit_rlhf.core.mismatch import truncated_is_weights
 from lit_rlhf.core.types import Rollout
 from lit_rlhf.modules.health import all_ranks_finite
 from lit_rlhf.rollout.minibatches import iterate_minibatches
@@ -57,6 +58,14 @@ class RLUpdateMixin:
                                               padding_free=self.config.padding_free)  # fmt: skip
         values = response_values(self.critic, ids, mask, width) if self.critic is not None else None
         return PolicyForward(logprobs, entropy, values)
+
+    def importance_weights(self, mb: Rollout, mask: Tensor) -> Tensor | None:
+        """Per-token truncated importance weights min(π_old/π_sampler, C) of a minibatch with
+        ``algo.rollout_correction=tis`` (docs/algorithms.md §2.10), for the policy-gradient term of
+        every RL stage's loss; None without a correction."""
+        if self.config.rollout_correction != "tis":
+            return None
+        return truncated_is_weights(mb.logprobs, mb.require("sampler_logprobs").sampler_logprobs, mask, self.config.tis_cap)
 
     def kl_loss(self, logprobs: Tensor, mb: Rollout, mask: Tensor, aggregation: str = "token_mean",
                 constant: float | None = None) -> tuple[Tensor | None, dict[str, Tensor]]:  # fmt: skip

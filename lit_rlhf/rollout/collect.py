@@ -84,6 +84,7 @@ def generate_and_score(
     policy_logprobs: bool = True,
     logprob_temperature: float = 1.0,
     padding_free: bool = False,
+    sampler_logprobs: bool = False,
 ) -> Rollout:
     """Sample one response per prompt and score it with each model given.
 
@@ -99,12 +100,16 @@ def generate_and_score(
         policy_logprobs: False leaves ``logprobs`` to the caller (PPO's fused first forward).
         logprob_temperature: divide logits by this before the log-softmax (1.0 = the model's own).
         padding_free: score with packed forwards (docs/architecture.md "Padding-free forwards").
+        sampler_logprobs: keep the sampler's own log-probs of its tokens (``Rollout.sampler_logprobs``,
+            at ``logprob_temperature``): the other side of the sampler–trainer mismatch
+            (docs/algorithms.md §2.10).
     Returns:
         the :class:`Rollout`; fields of models not given are None, ``rewards``/``advantages``/``returns`` too.
     """
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
-    response_ids, response_mask, ended = sample(
-        policy, prompt_ids, prompt_mask, gen, stop_token_ids(tokenizer), tokenizer.pad_token_id
+    response_ids, response_mask, ended, sampled_logprobs = sample(
+        policy, prompt_ids, prompt_mask, gen, stop_token_ids(tokenizer), tokenizer.pad_token_id,
+        logprob_temperature if sampler_logprobs else None,
     )
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask, response_mask], 1)
@@ -125,6 +130,7 @@ def generate_and_score(
         ended=ended,
         logprobs=logprobs_of(policy) if policy_logprobs else None,
         ref_logprobs=logprobs_of(reference) if reference is not None else None,
+        sampler_logprobs=sampled_logprobs,
         values=_eval_forward(critic, lambda: response_values(critic, ids, mask, width)) if critic is not None else None,
         scores=scorer(ids, mask, prompts, texts, ended, columns=columns) if scorer is not None else None,
         prompts_text=prompts,

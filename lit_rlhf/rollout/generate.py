@@ -173,8 +173,10 @@ def _all_ranks_done(done: bool, device: torch.device) -> bool:
 
 
 def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: StopIds,
-            pad_id: int) -> list[Tensor]:  # fmt: skip
-    """The decoding loop of :func:`sample`: prefill, then one token per forward; (B,) tokens per step."""
+            pad_id: int, logprob_temperature: float | None = None) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
+    """The decoding loop of :func:`sample`: prefill, then one token per forward; (B,) tokens per
+    step, and with ``logprob_temperature`` each token's log-prob under the model's logits divided
+    by it (the sampler's own log-probs: the same distribution the trainer recomputes)."""
     b, device = prompt_ids.shape[0], prompt_ids.device
     stop = eos_id if isinstance(eos_id, int) else torch.as_tensor(list(eos_id), device=device)
     mask = prompt_mask.long()
@@ -195,7 +197,7 @@ def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: Generation
         step_fn = LayerStep(model, int(next_pos.max()) + gen.max_new_tokens + 1, rows=b if gen.prepack else None)
         verdict = layer_step_verdict(model, step_fn.prepacked)
         forward = model if verdict is False else step_fn if verdict else None
-    tokens = []
+    tokens, logps = [], []
     mass = logits.new_zeros(())  # Σ of every step's probabilities: finite iff they all are
     for step in range(gen.max_new_tokens):
         scores = process_logits(logits, seen, gen)
@@ -207,6 +209,8 @@ def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: Generation
             nxt = scores.argmax(-1)
         nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
         tokens.append(nxt)
+        if logprob_temperature is not None:
+            logps.append((logits / logprob_temperature).log_softmax(-1).gather(1, nxt[:, None])[:, 0])
         finished |= is_stop(nxt, stop)
         if seen is not None:
             seen.scatter_(1, nxt[:, None], True)
@@ -226,13 +230,14 @@ def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: Generation
     if not bool(torch.isfinite(mass)):
         raise RuntimeError("sampling: the policy's next-token probabilities are not finite (NaN or inf logits): "
                            "its weights or the prompts' activations have diverged")  # fmt: skip
-    return tokens
+    return tokens, logps
 
 
 @torch.no_grad()
 def sample(
-    model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: StopIds, pad_id: int
-) -> tuple[Tensor, Tensor, Tensor]:
+    model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: StopIds, pad_id: int,
+    logprob_temperature: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Generate responses for a left-padded batch of prompts with the KV cache.
 
     A plain decoding loop (prefill, then one token per forward with ``cache``) instead of
@@ -249,16 +254,20 @@ def sample(
         model: a ``*ForCausalLM`` (eval mode for the call, restored after).
         prompt_ids, prompt_mask: (B, P).
         eos_id: the token that ends a response, or several (EOS and a chat template's end-of-turn).
+        logprob_temperature: also return the sampler's log-prob of each token under the logits
+            divided by this (1 = the model's own distribution); None = not computed.
     Returns:
-        response_ids (B, R) with pad after each EOS, response_mask (B, R), ended (B,); R ≤ max_new_tokens.
+        response_ids (B, R) with pad after each EOS, response_mask (B, R), ended (B,); R ≤ max_new_tokens;
+        the sampler's log-probs (B, R), 0 after each EOS, or None.
     """
     was_training = model.training
     model.eval()
     try:
-        tokens = _decode(model, prompt_ids, prompt_mask, gen, eos_id, pad_id)
+        tokens, logps = _decode(model, prompt_ids, prompt_mask, gen, eos_id, pad_id, logprob_temperature)
     finally:
         model.train(was_training)
     response_ids = torch.stack(tokens, 1)
     response_mask, ended = response_mask_from_eos(response_ids, eos_id)
     response_ids = torch.where(response_mask.bool(), response_ids, torch.full_like(response_ids, pad_id))
-    return response_ids, response_mask, ended
+    sampler_logprobs = torch.stack(logps, 1) * response_mask if logps else None
+    return response_ids, response_mask, ended, sampler_logprobs

@@ -86,6 +86,11 @@ def test_hh_dialogue_to_messages():
         {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."},
         {"role": "user", "content": "And 3+3?"},
     ]  # fmt: skip
+    # two turns in a row by one side (9 harmless-base rows): one turn, joined by a blank line
+    assert hh_to_messages("\n\nHuman: Hi\n\nAssistant: Hello.\n\nAssistant: Anyone?\n\nHuman: yes\n\nAssistant:", "r") == [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello.\n\nAnyone?"},
+        {"role": "user", "content": "yes"},
+    ]  # fmt: skip
     with pytest.raises(DataError, match="f.jsonl:4: not an HH-RLHF dialogue"):
         hh_to_messages("Hello\n\nAssistant: hi", "f.jsonl:4")
 

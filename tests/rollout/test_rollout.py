@@ -34,9 +34,9 @@ def test_sampling_stops_at_any_stop_id(policy, tokenizer):
     prompts = [[2, 10, 11, 12], [2, 20]]
     ids, mask = pad(prompts, tokenizer.pad_token_id, "left")
     gen = GenerationConfig(max_new_tokens=10, do_sample=False)
-    free, _, _ = sample(policy, ids, mask, gen, -1, tokenizer.pad_token_id)  # no stop: full length
+    free, _, _, _ = sample(policy, ids, mask, gen, -1, tokenizer.pad_token_id)  # no stop: full length
     stop_tok = free[0, 2].item()  # the first row's third token becomes an end-of-turn id
-    resp, resp_mask, ended = sample(policy, ids, mask, gen, [tokenizer.eos_token_id, stop_tok], tokenizer.pad_token_id)
+    resp, resp_mask, ended, _ = sample(policy, ids, mask, gen, [tokenizer.eos_token_id, stop_tok], tokenizer.pad_token_id)
     for row in range(2):
         toks = free[row].tolist()
         n = toks.index(stop_tok) + 1 if stop_tok in toks else len(toks)
@@ -63,9 +63,9 @@ def test_left_padded_generation_matches_unpadded(policy, tokenizer):
     prompts = [[2, 10, 11, 12], [2, 20]]
     gen = GenerationConfig(max_new_tokens=6, do_sample=False)
     ids, mask = pad(prompts, tokenizer.pad_token_id, "left")
-    batch_resp, batch_mask, _ = sample(policy, ids, mask, gen, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    batch_resp, batch_mask, _, _ = sample(policy, ids, mask, gen, tokenizer.eos_token_id, tokenizer.pad_token_id)
     for i, p in enumerate(prompts):
-        alone, alone_mask, _ = sample(policy, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long), gen,
+        alone, alone_mask, _, _ = sample(policy, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long), gen,
                                       tokenizer.eos_token_id, tokenizer.pad_token_id)  # fmt: skip
         n = int(alone_mask.sum())
         assert batch_resp[i, :n].tolist() == alone[0, :n].tolist()
@@ -132,7 +132,7 @@ def test_greedy_matches_transformers_generate(policy, tokenizer):
     ids, mask = pad(prompts, tokenizer.pad_token_id, "left")
     for rep in (1.0, 1.3):
         gen = GenerationConfig(max_new_tokens=10, do_sample=False, repetition_penalty=rep)
-        ours, ours_mask, _ = sample(policy, ids, mask, gen, eos_id=-1, pad_id=0)  # no EOS: full length
+        ours, ours_mask, _, _ = sample(policy, ids, mask, gen, eos_id=-1, pad_id=0)  # no EOS: full length
         with torch.no_grad():
             ref = policy.eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
                                          repetition_penalty=rep, pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:]  # fmt: skip
