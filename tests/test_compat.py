@@ -143,6 +143,21 @@ def test_transformers_attention_interface_follows_the_config():
     assert attention_interface(config, eager) is sdpa_attention_forward
 
 
+def test_transformers_cache_keyword_reaches_the_model_and_comes_back():
+    """The KV cache passed by :func:`cache_keyword` is the one the forward fills and returns
+    (``cache`` from transformers 5.20, ``past_key_values`` before: vLLM's CPU build needs < 5.20)."""
+    import torch
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from lit_rlhf.utils.compat.transformers import cache_keyword, output_cache
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()  # fmt: skip
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **{cache_keyword(): cache})
+    assert output_cache(out) is cache and cache.get_seq_length() == 3
+
+
 def test_omegaconf_raw_node_does_not_resolve():
     from omegaconf import OmegaConf
     from omegaconf.errors import InterpolationKeyError

@@ -20,6 +20,7 @@ from lit_rlhf.utils.compat.torch import (
     mkldnn_linear_available,
     mkldnn_reorder_linear_weight,
 )
+from lit_rlhf.utils.compat.transformers import cache_keyword
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +231,10 @@ class LayerStep:
             return False
         return getattr(inner.rotary_emb, "rope_type", "default") == "default" and model.get_output_embeddings() is not None
 
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache: Any, **_: Any) -> Any:
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, **kwargs: Any) -> Any:
         from types import SimpleNamespace
+
+        cache = kwargs[cache_keyword()]
 
         hidden = self.embed(input_ids)
         cos = self.cos[position_ids]  # (B, 1, head dim)
@@ -242,8 +245,8 @@ class LayerStep:
                 hidden = _inline_layer(layer, cache.layers[layer.self_attn.layer_idx], hidden, attention_mask, rotary_cos,
                                        rotary_sin, self.attention, packed)  # fmt: skip
             else:
-                hidden = layer(hidden, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                               use_cache=True, position_embeddings=own)  # fmt: skip
+                hidden = layer(hidden, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                               position_embeddings=own, **{cache_keyword(): cache})  # fmt: skip
         last = self.norm(hidden[:, -1:])
         return SimpleNamespace(logits=self.head(last) if self.packed_head is None else self.packed_head(last), cache=cache)
 
@@ -275,7 +278,7 @@ def layer_step_ok(model: Any, step: LayerStep, kwargs: dict[str, Any]) -> tuple[
     prepacked / exact step) on its first decoding step: both run the same step (the layer step first, its cache entries then
     overwritten by the model's), logits compared at 1e-4 (fp32) / 2e-2 (half) of their scale.
     Returns the verdict and the model's own output for this step."""
-    cache = kwargs["cache"]
+    cache = kwargs[cache_keyword()]
     lengths = [layer.length for layer in cache.layers]
     failure = None
     try:

@@ -11,6 +11,7 @@ from torch import Tensor
 from lit_rlhf.core.masked import position_ids_from_mask
 from lit_rlhf.rollout.config import GenerationConfig  # noqa: F401  (re-exported)
 from lit_rlhf.rollout.decode_step import LayerStep, layer_step_ok, layer_step_verdict
+from lit_rlhf.utils.compat.transformers import cache_keyword, output_cache
 
 
 StopIds = Union[int, Sequence[int]]
@@ -182,8 +183,8 @@ def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: Generation
     mask = prompt_mask.long()
     positions = position_ids_from_mask(mask)
     cache = _preallocated_cache(model, prompt_ids.shape[1] + gen.max_new_tokens)
-    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, cache=cache,
-                use_cache=True, logits_to_keep=1)  # fmt: skip
+    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                **{cache_keyword(): cache})  # fmt: skip
     logits = out.logits[:, -1].float()
     next_pos = positions[:, -1:] + 1
     seen = None
@@ -219,7 +220,8 @@ def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: Generation
         if table is None:
             mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=device)], 1)
         step_mask = mask if table is None else table[..., : prompt_ids.shape[1] + step + 1]
-        kwargs = dict(input_ids=nxt[:, None], attention_mask=step_mask, position_ids=next_pos, cache=out.cache, use_cache=True)
+        kwargs = {"input_ids": nxt[:, None], "attention_mask": step_mask, "position_ids": next_pos, "use_cache": True,
+                  cache_keyword(): output_cache(out)}  # fmt: skip
         if forward is None:
             ok, out = layer_step_ok(model, step_fn, kwargs)  # out: the model's own, for this step
             forward = step_fn if ok else model

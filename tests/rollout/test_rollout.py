@@ -7,6 +7,7 @@ from lit_rlhf.core.masked import position_ids_from_mask
 from lit_rlhf.data.collate import pad
 from lit_rlhf.models.builders import build_causal_lm
 from lit_rlhf.rollout.generate import GenerationConfig, response_mask_from_eos, sample
+from lit_rlhf.utils.compat.transformers import cache_keyword
 from lit_rlhf.rollout.minibatches import iterate_minibatches
 from lit_rlhf.rollout.score import response_logprobs
 
@@ -336,13 +337,14 @@ def test_inlined_layers_decode_bit_for_bit_as_their_forward(arch, attn, kv_heads
     def decode(inline: bool) -> torch.Tensor:
         cache = generate._preallocated_cache(model, ids.shape[1] + steps)
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+            model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_keyword(): cache})
             step = decode_step.LayerStep(model, ids.shape[1] + steps + 1)
             assert step.inline == [True, True]
             step.inline = [inline] * 2
             tokens, pos, logits = torch.tensor([[3], [4], [5]]), positions[:, -1:] + 1, []
             for t in range(steps):
-                out = step(input_ids=tokens, attention_mask=table[..., : ids.shape[1] + t + 1], position_ids=pos, cache=cache)
+                out = step(input_ids=tokens, attention_mask=table[..., : ids.shape[1] + t + 1], position_ids=pos,
+                           **{cache_keyword(): cache})  # fmt: skip
                 logits.append(out.logits)
                 tokens, pos = out.logits[:, -1].float().argmax(-1, keepdim=True), pos + 1
         return torch.cat(logits, 1)
@@ -484,7 +486,7 @@ def test_prepacked_projections_decode_like_the_layer_forward(arch, attn, kv_head
     def decode(rows) -> tuple[torch.Tensor, torch.Tensor]:
         cache = generate._preallocated_cache(model, ids.shape[1] + steps)
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+            model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_keyword(): cache})
             step = decode_step.LayerStep(model, ids.shape[1] + steps + 1, rows=rows)
             assert step.inline == [True, True]
             if rows is None:
@@ -492,7 +494,8 @@ def test_prepacked_projections_decode_like_the_layer_forward(arch, attn, kv_head
             tokens, pos, logits = torch.tensor([[3], [4], [5]]), positions[:, -1:] + 1, []
             chosen = []
             for t in range(steps):
-                out = step(input_ids=tokens, attention_mask=table[..., : ids.shape[1] + t + 1], position_ids=pos, cache=cache)
+                out = step(input_ids=tokens, attention_mask=table[..., : ids.shape[1] + t + 1], position_ids=pos,
+                           **{cache_keyword(): cache})  # fmt: skip
                 logits.append(out.logits)
                 tokens, pos = out.logits[:, -1].argmax(-1, keepdim=True), pos + 1
                 chosen.append(tokens)

@@ -3,6 +3,7 @@ attention implementation a model's config selected, as the inlined decoding laye
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 from lit_rlhf.utils.compat import private_attr
@@ -15,3 +16,19 @@ def attention_interface(config: Any, eager: Callable[..., Any] | None) -> Callab
 
     name = private_attr(config, "_attn_implementation", "transformers", "PretrainedConfig._attn_implementation")
     return ALL_ATTENTION_FUNCTIONS.get_interface(name, eager)
+
+
+@functools.cache
+def cache_keyword() -> str:
+    """The keyword a causal LM's forward and its decoder layers take the KV cache by: ``cache``
+    in transformers 5.20 and later, ``past_key_values`` before (vLLM's CPU build requires < 5.20)."""
+    import inspect
+
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+def output_cache(out: Any) -> Any:
+    """The KV cache a forward returned (``out.cache``; ``out.past_key_values`` before 5.20)."""
+    return out.cache if hasattr(out, "cache") else out.past_key_values
