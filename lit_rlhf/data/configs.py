@@ -36,7 +36,7 @@ class DataConfig:
     """Prompt template, the same for SFT, the reward model, DPO and the RL stages: "auto" = the tokenizer's
     own chat template (data/chat.py; conversations as messages, a Human/Assistant dialogue when the tokenizer
     has none), or a named Python template for base models and the embedded tasks (data/templates.py:
-    plain, human_assistant, dialogue)."""
+    plain = none, the text as it is; human_assistant; dialogue)."""
     eval_batch_size: int | None = field(default=None, metadata={"ge": 1})
     """Validation (and test) batch size; None = batch_size."""
     num_workers: int = field(default=0, metadata={"ge": 0})

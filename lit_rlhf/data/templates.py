@@ -48,6 +48,8 @@ class ChatTemplate:
 TEMPLATES: dict[str, ChatTemplate] = {
     # the embedded task: prompts are sentence openings, responses their continuation
     "plain": ChatTemplate(),
+    # no template: the prompt's text as it is (the same as plain)
+    "none": ChatTemplate(),
     # single-turn Anthropic HH style, for raw questions
     "human_assistant": ChatTemplate("\n\nHuman: {prompt}\n\nAssistant:", " "),
     # prompts that already end with "\n\nAssistant:" (HH-RLHF dialogues)

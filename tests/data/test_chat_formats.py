@@ -253,3 +253,17 @@ def test_sft_rm_ppo_and_dpo_on_conversational_files(tmp_path):
     for metrics, key in ((sft, "train/loss"), (rm, "train/loss"), (ppo, "policy/loss"), (dpo, "train/loss")):
         assert key in metrics and math.isfinite(metrics[key]), (key, sorted(metrics))
     assert (tmp_path / "ppo" / "actor" / "config.json").exists() and (tmp_path / "dpo" / "policy" / "config.json").exists()
+
+
+def test_template_none_is_the_text_as_it_is(tokenizer):
+    from lit_rlhf.data.collate import encode_pair
+    from lit_rlhf.data.templates import get_template
+    from lit_rlhf.utils.config import ConfigError
+    from lit_rlhf.data.configs import PromptDataConfig
+
+    none = encode_pair(tokenizer, "the dog", "runs", get_template("none"), 32)
+    assert none.prompt_ids == tokenizer("the dog")["input_ids"] and none.response_ids == tokenizer(
+        "runs", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]  # fmt: skip
+    PromptDataConfig(template="none").validate()
+    with pytest.raises(ConfigError, match="template: must be one of"):
+        PromptDataConfig(template="chatml").validate()
