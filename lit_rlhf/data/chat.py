@@ -2,7 +2,7 @@
 
 Instruct models ship a Jinja chat template, and TRL, OpenRLHF and verl train on ``messages``
 (``[{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]``) rendered by it.
-``data.<section>.template: auto`` does the same in every stage (docs/data.md "Chat templates"):
+``data.<section>.template: auto`` does the same in every stage (docs/data.md "Templates"):
 SFT trains on the assistant turns of the rendered conversation (:func:`encode_conversation`), the
 reward model, DPO and the RL prompts use :class:`TokenizerTemplate` (the same methods as the named
 templates of data/templates.py), and rollouts stop at the template's end-of-turn token
