@@ -24,11 +24,13 @@ _REWARD_KEYS = ("reward_path", "reward_fn", "reward_fns")
 
 @functools.cache
 def hub_reachable() -> bool:
-    """Whether the Hugging Face hub (``HF_ENDPOINT``) answers a TCP connection within 3 s;
-    False under ``HF_HUB_OFFLINE=1``. Checked once per process."""
+    """Whether the Hugging Face hub (``HF_ENDPOINT``) answers a TCP connection within 3 s — or,
+    behind an HTTPS proxy (``HTTPS_PROXY``/``ALL_PROXY``), the proxy does; False under
+    ``HF_HUB_OFFLINE=1``. Checked once per process."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return False
-    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    proxy = next((os.environ[k] for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy") if os.environ.get(k)), None)
+    url = urlparse(proxy or os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     try:
         socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=3).close()
         return True
@@ -46,6 +48,20 @@ def _model_cached(repo: str) -> bool:
 
         return isinstance(try_to_load_from_cache(repo, "config.json"), str)
     except Exception:  # noqa: BLE001 - not a valid repo id: the loader will say so
+        return False
+
+
+def _dataset_cached(name: str) -> bool:
+    """A hub dataset already in the local caches (the hub's, or ``datasets``' own)."""
+    folder = os.path.join(os.environ.get("HF_DATASETS_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "datasets"), name.replace("/", "___"))  # fmt: skip
+    if os.path.isdir(folder):
+        return True
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        return any(r.repo_id == name and r.repo_type == "dataset" for r in scan_cache_dir().repos)
+    except Exception:  # noqa: BLE001 - no hub cache yet
         return False
 
 
@@ -83,7 +99,7 @@ def _data_problem(section: Any, key: str) -> str | None:
             return None
         also = f" (nor can its fallback_source {fallback} be fetched: the hub is unreachable)" if fallback else ""
         return f"{key}.source={source}: no such file{also}"
-    if os.path.isdir(source) or hub_reachable():
+    if os.path.isdir(source) or _dataset_cached(source) or hub_reachable():
         return None
     return (f"{key}.source={source}: not a local file or folder, and the Hugging Face hub cannot be reached "
             "(offline): save it locally (datasets' save_to_disk, or a .jsonl) and point at it")  # fmt: skip

@@ -154,3 +154,28 @@ def test_preflight_lists_every_missing_input(tmp_path, monkeypatch):
     assert "no such model folder" in lines[0] and "hub cannot be reached" in lines[1] and "no such file" in lines[2]
     # the shipped HH-RLHF file is found, tiny models and embedded tasks need nothing
     assert missing_inputs(compose(["experiment=sft_synthetic_tiny"], tmp_path), "sft") == []
+
+
+def test_preflight_honours_a_proxy_and_the_datasets_cache(tmp_path, monkeypatch):
+    import socket
+
+    from lit_rlhf.preflight import _data_problem, hub_reachable
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://unreachable.invalid")
+    monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{server.getsockname()[1]}")
+    hub_reachable.cache_clear()
+    try:
+        assert hub_reachable()  # the proxy answers: the hub is reachable through it
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        hub_reachable.cache_clear()
+        monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))
+        assert "not a local file or folder" in _data_problem({"source": "some-org/prefs"}, "data.preference")
+        (tmp_path / "some-org___prefs").mkdir()
+        assert _data_problem({"source": "some-org/prefs"}, "data.preference") is None  # cached: loads offline
+    finally:
+        server.close()
+        hub_reachable.cache_clear()

@@ -133,6 +133,14 @@ def add_chat_template(tokenizer: Any, name: str) -> Any:
     return tokenizer
 
 
+def hh_dialogue_text(prompt: str | list[Message]) -> str:
+    """A prompt as the Human/Assistant dialogue text :data:`HH_DIALOGUE_TEMPLATE` renders, ending
+    with "\\n\\nAssistant:" (no tokenizer involved): what a reward model trained on dialogue
+    strings (an encoder, which has no chat template) reads."""
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)  # as transformers renders templates
+    return env.from_string(HH_DIALOGUE_TEMPLATE).render(messages=as_messages(prompt), add_generation_prompt=True)
+
+
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
@@ -187,7 +195,7 @@ def template_facts(tokenizer: Any) -> _TemplateFacts:
     special = set(tokenizer.all_special_ids) | {i for t, i in tokenizer.get_added_vocab().items()
                                                 if getattr(tokenizer.added_tokens_decoder.get(i), "special", False)}  # fmt: skip
     end: list[int] = []
-    for tok in tokenizer(after, add_special_tokens=False)["input_ids"]:
+    for tok in tokenizer(after.lstrip(), add_special_tokens=False)["input_ids"]:  # Llama-2-chat: " </s>"
         if tok not in special:
             break
         end.append(tok)
@@ -314,14 +322,19 @@ def field_text_or_turns(row: Any, field: str, section: str, chat: bool, prompt: 
 
 def split_conversations(chosen: Any, rejected: Any, where: str) -> tuple[list[Message], str, str]:
     """TRL's implicit-prompt conversational pair (``chosen`` and ``rejected`` whole conversations)
-    → (their shared turns up to the last user turn, the chosen reply, the rejected reply): both must
-    share every turn but a last assistant turn."""
-    c = check_messages(chosen, f"{where}: field 'chosen'", ends_with="assistant")
-    r = check_messages(rejected, f"{where}: field 'rejected'", ends_with="assistant")
-    if c[:-1] != r[:-1]:
+    → (their shared turns, ending with a user turn, the chosen reply, the rejected reply): both must
+    share every turn but a last assistant turn. An empty reply is returned as "" (the caller skips
+    and counts it, as for string rows)."""
+    prompts = []
+    for name, conversation in (("chosen", chosen), ("rejected", rejected)):
+        if not isinstance(conversation, list) or len(conversation) < 2:
+            raise DataError(f"{where}: field '{name}' must be a conversation ending with an assistant reply, got "
+                            f"{conversation!r:.80}")  # fmt: skip
+        prompts.append(check_messages(conversation[:-1], f"{where}: field '{name}'", ends_with="user"))
+    if prompts[0] != prompts[1]:
         raise DataError(f"{where}: 'chosen' and 'rejected' conversations must share every turn but the last "
                         "assistant reply (the prompt)")  # fmt: skip
-    return c[:-1], c[-1]["content"], r[-1]["content"]
+    return prompts[0], completion_text(chosen[-1:], where, "chosen"), completion_text(rejected[-1:], where, "rejected")
 
 
 def encode_conversation(tokenizer: Any, messages: list[Message], max_length: int) -> EncodedPair:

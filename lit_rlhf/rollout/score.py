@@ -112,7 +112,8 @@ class ModelScorer:
     tokenizer (with the template's end token — EOS, or the chat template's end-of-turn — appended to
     truncated responses, as the re-tokenizing path and RM training do); otherwise decodes the texts
     and re-tokenizes them for the reward model (an encoder RM with its own vocabulary, for example)
-    with ``template`` (data/templates.py; ``auto`` renders with the reward tokenizer's chat template)."""
+    with ``template`` (data/templates.py; ``auto`` renders with the reward tokenizer's chat template, and an
+    encoder, which has none, reads conversations as the HH dialogue text of the named ``dialogue`` template)."""
 
     def __init__(self, reward_model: Any, reward_tokenizer: Any, policy_tokenizer: Any, template: Any, max_length: int):
         self.model = reward_model
@@ -131,8 +132,14 @@ class ModelScorer:
             return self.model(ids, mask).float()
         from lit_rlhf.data.collate import collate_sft, encode_encoder_pair, encode_pair
 
-        encode = encode_encoder_pair if self.model.kind == "encoder" else encode_pair
-        pairs = [encode(self.tokenizer, p, r, self.template, self.max_length) for p, r in zip(prompts, responses)]
+        encode, template = (encode_encoder_pair if self.model.kind == "encoder" else encode_pair), self.template
+        if self.model.kind == "encoder" and getattr(template, "name", None) == "auto":
+            # an encoder has no chat template: it reads conversations as the HH dialogue text it trains on
+            from lit_rlhf.data.chat import hh_dialogue_text
+            from lit_rlhf.data.templates import get_template
+
+            prompts, template = [hh_dialogue_text(p) for p in prompts], get_template("dialogue")
+        pairs = [encode(self.tokenizer, p, r, template, self.max_length) for p, r in zip(prompts, responses)]
         batch = collate_sft(pairs, self.tokenizer.pad_token_id)
         device = input_ids.device
         return self.model(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float()

