@@ -116,14 +116,3 @@ def saved_models(tiny_spec, tokenizer, tmp_path_factory):
     from tests.helpers.ppo import save_tiny_models
 
     return save_tiny_models(tiny_spec, tokenizer, tmp_path_factory.mktemp("tiny_models"))
-
-
-#: the longest tests (seconds on one 2-core worker), started first so that the other worker runs
-#: everything else meanwhile: started last, the reasoning pipeline (224-286 s) ran alone for the
-#: suite's final ~100 s
-LONG_FIRST = ("tests/test_reasoning_pipeline.py::test_reasoning_pipeline_raises_held_out_accuracy",)
-
-
-def pytest_collection_modifyitems(config, items):
-    """Move :data:`LONG_FIRST` to the front (the same order in every xdist worker: it is a stable sort)."""
-    items.sort(key=lambda item: item.nodeid not in LONG_FIRST)
