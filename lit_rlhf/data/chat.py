@@ -23,6 +23,7 @@ templates of data/templates.py), and rollouts stop at the template's end-of-turn
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -137,8 +138,13 @@ def hh_dialogue_text(prompt: str | list[Message]) -> str:
     """A prompt as the Human/Assistant dialogue text :data:`HH_DIALOGUE_TEMPLATE` renders, ending
     with "\\n\\nAssistant:" (no tokenizer involved): what a reward model trained on dialogue
     strings (an encoder, which has no chat template) reads."""
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)  # as transformers renders templates
-    return env.from_string(HH_DIALOGUE_TEMPLATE).render(messages=as_messages(prompt), add_generation_prompt=True)
+    return _hh_dialogue_jinja().render(messages=as_messages(prompt), add_generation_prompt=True)
+
+
+@functools.cache
+def _hh_dialogue_jinja() -> jinja2.Template:
+    """:data:`HH_DIALOGUE_TEMPLATE` compiled once (the encoder reward model renders every rollout's prompt)."""
+    return jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(HH_DIALOGUE_TEMPLATE)  # as transformers does
 
 
 def has_chat_template(tokenizer: Any) -> bool:

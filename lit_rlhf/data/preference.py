@@ -160,19 +160,21 @@ def margin_of(row: Row, field_name: str, scale: str) -> float:
     return MARGIN_SCALES[scale][int(rating)]
 
 
-def parse_pair(row: Row, fmt: str, margin_field: str | None, margin_scale: str, chat: bool = False) -> PreferencePair:
-    """A pair of ``fmt``. With ``chat`` (template=auto) the prompt is a conversation: TRL's
+def parse_pair(row: Row, fmt: str, margin_field: str | None, margin_scale: str, chat: bool = False,
+               section: str = "preference") -> PreferencePair:  # fmt: skip
+    """A pair of ``fmt`` (errors name ``data.<section>.*``: the SFT and prompt data read HH pairs too).
+    With ``chat`` (template=auto) the prompt is a conversation: TRL's
     conversational rows (a prompt of messages, chosen/rejected as one assistant message each, or
     chosen/rejected whole conversations sharing their prompt) as they are, HH dialogues converted
     (Human → user, Assistant → assistant), a string prompt kept (one user turn)."""
     fields = FORMAT_FIELDS[fmt]
-    hint = ["data.preference.format"]
+    hint = [f"data.{section}.format"]
     if fmt == "hh":
         chosen_v, rejected_v = (row.data.get(k) for k in ("chosen", "rejected"))
         if isinstance(chosen_v, list) or isinstance(rejected_v, list):
             if not chat:
                 raise DataError(f"{row.where}: 'chosen'/'rejected' are conversations (lists of messages), rendered by "
-                                "the tokenizer's chat template: set data.preference.template=auto")  # fmt: skip
+                                f"the tokenizer's chat template: set data.{section}.template=auto")  # fmt: skip
             prompt, chosen, rejected = split_conversations(chosen_v, rejected_v, row.where)
         else:
             prompt, chosen, rejected = split_hh(require_str(row, "chosen", hint), require_str(row, "rejected", hint), row.where)
@@ -180,8 +182,8 @@ def parse_pair(row: Row, fmt: str, margin_field: str | None, margin_scale: str, 
     elif fmt == "question":
         prompt, chosen, rejected = (require_str(row, f, hint) for f in fields)
     else:
-        prompt = field_text_or_turns(row, "prompt", "preference", chat, True, hint)
-        chosen, rejected = (field_text_or_turns(row, f, "preference", chat, False, hint) for f in fields[1:])
+        prompt = field_text_or_turns(row, "prompt", section, chat, True, hint)
+        chosen, rejected = (field_text_or_turns(row, f, section, chat, False, hint) for f in fields[1:])
     margin = margin_of(row, margin_field, margin_scale) if margin_field else None
     return PreferencePair(prompt, chosen, rejected, margin, row.where)
 

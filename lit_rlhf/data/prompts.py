@@ -115,7 +115,7 @@ class PromptDataModule(pl.LightningDataModule):
         out = []
         for row in rows:
             if fmt == "hh":
-                prompt = parse_pair(row, "hh", None, "raw", chat=chat).prompt
+                prompt = parse_pair(row, "hh", None, "raw", chat=chat, section="prompt").prompt
             else:
                 prompt = field_text_or_turns(row, c.prompt_field, "prompt", chat, True, ["data.prompt.prompt_field"])
             out.append((prompt, {"answer": row_answer(row, c.answer_field, c.answer_format)} if c.answer_field else {}))

@@ -74,7 +74,7 @@ class SFTDataModule(pl.LightningDataModule):
                 response = "" if any(isinstance(m, dict) and m.get("role") == "assistant" and isinstance(
                     m.get("content"), str) and not m["content"].strip() for m in turns) else "-"  # fmt: skip
             elif c.format == "hh":  # the dialogue up to the last shared "Assistant:", then the chosen reply
-                pair = parse_pair(row, "hh", None, "raw", chat=chat)  # (TRL's conversational pairs too)
+                pair = parse_pair(row, "hh", None, "raw", chat=chat, section="sft")  # (TRL's conversational pairs too)
                 prompt, response = pair.prompt, pair.chosen
             else:  # strings, or with template=auto TRL's conversational prompt (messages) and completion
                 prompt = field_text_or_turns(row, c.prompt_field, "sft", chat, True, ["data.sft.prompt_field"])
