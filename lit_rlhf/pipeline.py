@@ -326,6 +326,7 @@ def evaluate_policies(
     from lit_rlhf.rollout.collect import generate_and_score
     from lit_rlhf.rollout.generate import GenerationConfig
     from lit_rlhf.rollout.score import ModelScorer
+    from lit_rlhf.rollout.vllm_engine import engine_for
 
     tok = build_tokenizer(ModelSpec(name_or_path=sft_path))
     sft = freeze(build_causal_lm(ModelSpec(name_or_path=sft_path), tok))
@@ -334,16 +335,17 @@ def evaluate_policies(
     scorer = ModelScorer(rm, tok, tok, chat, 512) if rm is not None else None
     if gen is None:
         gen = GenerationConfig(max_new_tokens=24, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
-    results = {}
+    results, engine = {}, None
     for name, path in policies.items():
         policy = sft if path == sft_path else freeze(build_causal_lm(ModelSpec(name_or_path=path), tok))
+        engine = engine_for(policy, gen, path, engine)  # None: the hf loop samples from the policy
         torch.manual_seed(0)
         gold, proxy, kl, nll, tokens, lengths, ended = [], [], [], 0.0, 0, [], []
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
             batch = collate_prompts([(encode_prompt(tok, p, max_prompt_length, chat)[0], p) for p in chunk],
                                     tok.pad_token_id)  # fmt: skip
-            r = generate_and_score(policy, batch, tok, gen, reference=sft, scorer=scorer)
+            r = generate_and_score(policy, batch, tok, gen, reference=sft, scorer=scorer, engine=engine)
             gold += [task.gold_reward(p, t, e) for p, t, e in zip(chunk, r.responses_text, r.ended.tolist())]
             proxy += r.scores.tolist() if r.scores is not None else []
             kl += sequence_kl(r.logprobs, r.ref_logprobs, r.response_mask, clamp=None).tolist()

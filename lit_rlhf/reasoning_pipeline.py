@@ -107,20 +107,23 @@ def evaluate_reasoning(policies: dict[str, str], task: Any, problems: list[dict[
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.rollout.evaluate import evaluate_verifiable
     from lit_rlhf.rollout.score import CallableScorer
+    from lit_rlhf.rollout.vllm_engine import engine_for
 
     chat = get_template(template)
     scorer = CallableScorer(answer_reward_fn(task.config), "reasoning.answer_reward_fn")
-    results = {}
+    results, engine = {}, None
     for name, path in policies.items():
         tok = build_tokenizer(ModelSpec(name_or_path=path))
         policy = freeze(build_causal_lm(ModelSpec(name_or_path=path), tok))
+        engine = engine_for(policy, gen, path, engine)  # None: the hf loop samples from the policy
         torch.manual_seed(0)
         parts = []
         for start in range(0, len(problems), batch_size):
             chunk = problems[start : start + batch_size]
             items = [(encode_prompt(tok, r["prompt"], max_prompt_length, chat)[0], r["prompt"],
                       {"answer": r["answer"]}) for r in chunk]  # fmt: skip
-            parts.append(evaluate_verifiable(policy, collate_prompts(items, tok.pad_token_id), tok, gen, scorer, k))
+            parts.append(evaluate_verifiable(policy, collate_prompts(items, tok.pad_token_id), tok, gen, scorer, k,
+                                             engine=engine))  # fmt: skip
         ev = type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in ("greedy_correct", "greedy_length",
                                                                                     "sample_correct")))  # fmt: skip
         results[name] = ev.metrics()

@@ -86,6 +86,8 @@ class RLHFModule(pl.LightningModule):
         self.config = resolve_config(self.config_class, config, kwargs, "algo")
         self.model_spec = resolve_config(ModelSpec, model, {}, "model") if model is not None else None
         self.tokenizer = tokenizer
+        self.engine: Any = None  # the vllm rollout engine (algo.generation.engine=vllm), built at the first rollout
+        self._weight_loads = 0  # weights replaced other than by an optimizer step (a rollback, a restore)
         self.save_hyperparameters(
             {"config": to_dict(self.config), "model": to_dict(self.model_spec) if self.model_spec else None}
         )
@@ -260,6 +262,36 @@ class RLHFModule(pl.LightningModule):
         if isinstance(strategy, RLHFFSDPStrategy) and strategy.wrapped:  # before setup: nothing sharded yet
             return fsdp_gathered(self)
         return torch.no_grad()
+
+    # ------------------------------------------------------------ rollout engine
+    def rollout_engine(self, model: torch.nn.Module) -> Any:
+        """Who samples from ``model``: None = the hf decoding loop over ``model`` itself; with
+        ``algo.generation.engine=vllm`` the process's vLLM engine (lit_rlhf/rollout/vllm_engine.py),
+        built at the first call and its weights synced to ``model``'s whenever they changed since
+        its last sync (an optimizer step, a rollback, a checkpoint restore). Call it inside
+        :meth:`sampling_mode`: under ZeRO-3/FSDP that is where the weights are whole."""
+        gen = getattr(self.config, "generation", None)
+        if gen is None or gen.engine == "hf":
+            return None
+        from lit_rlhf.rollout.vllm_engine import engine_for
+
+        at_temperature = getattr(self.config, "logprobs_at_sampling_temperature", False) and gen.temperature != 1.0
+        self.engine = engine_for(model, gen, self.weights_version(), self.engine,
+                                 "processed_logprobs" if at_temperature else "raw_logprobs")  # fmt: skip
+        return self.engine
+
+    def weights_version(self) -> tuple[int, int]:
+        """Changes when the trained weights do: (optimizer steps, loads of a state dict)."""
+        return (self._trainer.global_step if self._trainer is not None else 0, self._weight_loads)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self._weight_loads += 1  # the rollout engine re-syncs (rollout_engine)
+        return super().load_state_dict(*args, **kwargs)
+
+    def engine_sleep(self) -> None:
+        """Free the vllm engine's GPU memory until the next rollout (``algo.generation.vllm.sleep``)."""
+        if self.engine is not None:
+            self.engine.sleep()
 
     def with_lora(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` with LoRA adapters injected when ``model.lora.enabled`` (then only they, and

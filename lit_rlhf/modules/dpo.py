@@ -350,5 +350,6 @@ class DPOModule(RLHFModule):
         with self.sampling_mode(self.policy):
             rollout = generate_and_score(self.policy, prompts, self.tokenizer, self.config.generation,
                                          reference=self.frozen.get("reference"),
-                                         padding_free=self.config.padding_free)  # fmt: skip
+                                         padding_free=self.config.padding_free,
+                                         engine=self.rollout_engine(self.policy))  # fmt: skip
         return {"rollout": rollout.normal_tensors()}

