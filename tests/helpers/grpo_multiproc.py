@@ -66,14 +66,17 @@ PRESETS = {
 
 def main() -> None:
     args = multiproc_args("folder with policy/ and rm/", [("--dapo", {"action": "store_true"}),
-                                                          ("--preset", {"choices": sorted(PRESETS), "default": None})])
+                                                          ("--preset", {"choices": sorted(PRESETS), "default": None}),
+                                                          ("--engine", {"choices": ["hf", "vllm"], "default": "hf"})])
     torch.set_num_threads(1)
     policy, rm = os.path.join(args.models, "policy"), os.path.join(args.models, "rm")
     reward = ({"reward_fn": {"_target_": "tests.helpers.grpo_multiproc.uneven_reward"}, "dynamic_sampling": True,
                "max_resample_rounds": 2} if args.dapo else {"reward_path": rm})  # fmt: skip
     algo = {"num_generations": 4, "minibatch_size": 4, "num_iterations": 2} if args.preset is None else PRESETS[args.preset]
+    engine = {"engine": args.engine, "vllm": {"kv_cache_gib": 0.0625}}
     cfg = build_config(GRPOConfig, {"policy_path": policy, "lr": 1e-3, "rollout_batch_size": 8,
-                                    "generation": {"max_new_tokens": 6}, **algo, **reward}, "algo")  # fmt: skip
+                                    "monitor_sampler": args.engine == "vllm",
+                                    "generation": {"max_new_tokens": 6, **engine}, **algo, **reward}, "algo")  # fmt: skip
     spec = GRPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=policy))
     tok = build_tokenizer(spec)
     module = GRPOModule(cfg, model=spec, tokenizer=tok)
@@ -90,7 +93,8 @@ def main() -> None:
             sampling.append({k: float(st[k]) for k in ("grpo/kept_groups", "grpo/resample_rounds") if k in st})
             m = r.response_mask.float()  # this rank's masked sum, sum of squares and count of the advantages
             last.update(advantages=[float((r.advantages * m).sum()), float((r.advantages**2 * m).sum()), float(m.sum())],
-                        baselines=None if r.baseline_scores is None else r.baseline_scores.tolist())  # fmt: skip
+                        baselines=None if r.baseline_scores is None else r.baseline_scores.tolist(),
+                        prompts=list(r.prompts_text), sampler_kl=float(st.get("rollout/sampler_kl", -1.0)))  # fmt: skip
 
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=8, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,

@@ -112,3 +112,85 @@ def test_weight_sync_after_an_optimizer_step(vllm_models, tokenizer):
     assert torch.equal(hf, vl) and not torch.equal(vl, before)
     assert torch.equal(generate_and_score(old, batch, tokenizer, gen, policy_logprobs=False).response_ids, before)
     assert not engine.sync(model, "after one step")  # the same version: nothing pushed
+
+
+def test_a_lora_policy_is_pushed_merged(vllm_models, tokenizer):
+    """LoRA: the engine gets W + (α/r)·B·A under the plain names; with B trained away from 0 the
+    engine's greedy tokens equal the hf loop's over the adapted model."""
+    from lit_rlhf.models.builders import build_causal_lm
+    from lit_rlhf.models.lora import add_lora
+    from lit_rlhf.models.spec import LoraSpec, ModelSpec
+    from lit_rlhf.rollout.collect import generate_and_score
+    from lit_rlhf.rollout.generate import GenerationConfig
+    from lit_rlhf.rollout.vllm_engine import policy_weights
+
+    model = add_lora(build_causal_lm(ModelSpec(name_or_path=vllm_models[0]), tokenizer),
+                     LoraSpec(enabled=True, r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))  # fmt: skip
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.5)
+    weights = policy_weights(model)
+    assert not any("lora_" in k or "base_layer" in k for k in weights)
+    q = model.model.layers[0].self_attn.q_proj
+    expected = q.base_layer.weight + 2.0 * q.lora_B["default"].weight @ q.lora_A["default"].weight
+    torch.testing.assert_close(weights["model.layers.0.self_attn.q_proj.weight"], expected)
+    assert model.config.tie_word_embeddings and torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+    batch = prompts_batch(tokenizer)
+    gen = GenerationConfig(max_new_tokens=10, do_sample=False)
+    hf = generate_and_score(model, batch, tokenizer, gen, policy_logprobs=False).response_ids
+    vl = generate_and_score(model, batch, tokenizer, gen, engine=engine_of(model), policy_logprobs=False).response_ids
+    assert torch.equal(hf, vl)
+
+
+def run_cfg(stage, models, out, *extra):
+    from lit_rlhf.runner import run
+    from tests.conftest import compose
+    from tests.test_resume import EVERY_BATCH, stage_overrides
+
+    engine = ["algo.generation.engine=vllm", "algo.generation.vllm.kv_cache_gib=0.0625", "algo.monitor_sampler=true"]
+    return run(compose([*stage_overrides(stage, models), *EVERY_BATCH, *engine, *extra], out))
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("stage", ["ppo", "grpo"])
+def test_ppo_max_and_dapo_with_the_vllm_engine_train_log_the_mismatch_and_resume_exactly(stage, vllm_models, tmp_path):
+    """PPO-max and DAPO (dynamic sampling's extra rounds, n = G requests) through train.py's runner
+    with engine=vllm: 2 epochs with validation, the sampler–trainer mismatch logged (fp32 noise), and
+    a resume from a mid-run checkpoint ends exactly where the uninterrupted run ends."""
+    from tests.test_resume import assert_same_end, load
+
+    metrics = run_cfg(stage, vllm_models, tmp_path / "full")
+    assert 0.0 <= metrics["rollout/sampler_kl"] < 1e-8 and metrics["rollout/sampler_logprob_diff_max"] < 1e-4
+    assert metrics["perf/engine_sync_s"] >= 0 and "val/score_mean" in metrics
+    ckpts = sorted((tmp_path / "full" / "checkpoints").glob("b*.ckpt"))
+    assert len(ckpts) >= 4
+    final = load(tmp_path / "full" / "checkpoints" / "last.ckpt")
+    run_cfg(stage, vllm_models, tmp_path / "resumed", f"ckpt_path={ckpts[2]}")
+    assert_same_end(load(tmp_path / "resumed" / "checkpoints" / "last.ckpt"), final, f"{stage} resumed at {ckpts[2].name}")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_two_ddp_ranks_each_sample_their_share_with_their_own_engine(vllm_models, tmp_path):
+    """GRPO under DDP with 2 processes, engine=vllm (each rank's engine joins the process group as
+    vLLM's external launcher): the ranks sample different prompts, log fp32-noise mismatch, and end
+    with identical weights, changed from the initial ones."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_distributed import run_helper
+
+    models = Path(vllm_models[0]).parent
+    run_helper("grpo_multiproc.py", tmp_path, "--strategy", "ddp", "--devices", "2", "--models", str(models),
+               "--engine", "vllm")  # fmt: skip
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == 2
+    assert ranks[0]["prompts"] != ranks[1]["prompts"]
+    assert all(0.0 <= r["sampler_kl"] < 1e-8 for r in ranks)
+    for k, v in ranks[0]["params"].items():
+        torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
+    init = AutoModelForCausalLM.from_pretrained(models / "policy").state_dict()
+    assert any(not torch.equal(ranks[0]["params"][k], v.float()) for k, v in init.items())

@@ -15,7 +15,7 @@ from __future__ import annotations
 from importlib import metadata
 
 #: the versions pyproject.toml pins, which every function here is tested against
-PINNED = {"lightning": "2.6.6", "deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.24.0", "omegaconf": "2.3.1"}
+PINNED = {"lightning": "2.6.6", "deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.19.0", "omegaconf": "2.3.1"}
 
 
 class CompatError(RuntimeError):

@@ -1,4 +1,4 @@
-"""transformers internals (pinned transformers==5.24.0; lit_rlhf/utils/compat/__init__.py): the
+"""transformers internals (pinned transformers==5.19.0; lit_rlhf/utils/compat/__init__.py): the
 attention implementation a model's config selected, as the inlined decoding layers call it."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def attention_interface(config: Any, eager: Callable[..., Any] | None) -> Callab
 @functools.cache
 def cache_keyword() -> str:
     """The keyword a causal LM's forward and its decoder layers take the KV cache by: ``cache``
-    in transformers 5.20 and later, ``past_key_values`` before (vLLM's CPU build requires < 5.20)."""
+    in transformers 5.20 and later, ``past_key_values`` before (the pinned 5.19: vLLM's CPU build
+    requires < 5.20); tests/test_compat.py checks it against the installed transformers."""
     import inspect
 
     from transformers.models.llama.modeling_llama import LlamaModel
