@@ -29,6 +29,12 @@ al. 2022 (arXiv:2205.05198) with fused attention: 34·s·b·h bytes per layer an
 gradient (8·s·b·V). Under ZeRO-3 and FSDP the rollout gathers the trained models whole (bf16
 under ZeRO-3, full precision under FSDP1) on top of the KV cache. These are estimates: the plan keeps ``memory_plan.reserve_gb`` free for the
 CUDA context and allocator fragmentation.
+
+With the vLLM rollout engine (``algo.generation.engine=vllm``) the KV cache row is the engine's:
+it takes ``algo.generation.vllm.gpu_memory_utilization`` of the card (its weights, KV cache and
+workspace), or its weights (the policy's, at the weights dtype, over ``tensor_parallel_size``)
+plus ``vllm.kv_cache_gib`` when that is set. Asleep during the update (``vllm.sleep``) it holds
+nothing then; awake it adds to the update's peak too.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class Setup:
     seq_len: int
     gen_batch: int
     gen_len: int
+    engine: Any = None  # the VLLMConfig of a vllm rollout engine; None = the hf loop
 
     @property
     def master_weight_bytes(self) -> int:
@@ -121,6 +128,7 @@ class MemoryPlan:
     kv_cache: float
     kv_note: str
     rollout_gather: float = 0.0  # ZeRO-3/FSDP: trained weights gathered whole for the rollout, beyond the shard
+    engine_sleeps: bool = False  # a vllm engine (the kv_cache row) frees its memory during the update
     notes: list[str] = field(default_factory=list)
     gpu_memory_gb: float | None = None
     reserve_gb: float = 2.0
@@ -132,7 +140,8 @@ class MemoryPlan:
 
     @property
     def peak(self) -> float:
-        return self.model_states + max(self.activations, self.kv_cache + self.rollout_gather)
+        resident = 0.0 if self.engine_sleeps or not self.setup.engine else self.kv_cache  # an awake engine's share
+        return self.model_states + max(self.activations + resident, self.kv_cache + self.rollout_gather)
 
     @property
     def fits(self) -> bool | None:
@@ -148,9 +157,12 @@ class MemoryPlan:
         for r in self.rows:
             lines.append(f"| {r.name} | {r.role} | {_count(r.params)} | {_count(r.trainable)} | {g(r.weights)} | "
                          f"{g(r.grads)} | {g(r.optimizer)} | {g(r.total)} |")  # fmt: skip
+        kv = "vLLM engine" if self.setup.engine else "KV cache"
         lines += [f"| activations | {self.activation_note} | | | | | | {g(self.activations)} |",
-                  f"| KV cache | {self.kv_note} | | | | | | {g(self.kv_cache)} |"]  # fmt: skip
-        rollout = "KV cache"
+                  f"| {kv} | {self.kv_note} | | | | | | {g(self.kv_cache)} |"]  # fmt: skip
+        rollout = kv
+        if self.setup.engine and not self.engine_sleeps:
+            rollout = f"{kv}; the awake engine also beside the activations"
         if self.rollout_gather:
             lines.append(f"| rollout gather | trained weights gathered whole while sampling | | | | | | "
                          f"{g(self.rollout_gather)} |")  # fmt: skip
@@ -197,6 +209,7 @@ def setup_from(cfg: Any, job: Any) -> Setup:
     algo, data = job.algo, job.data
     rl = getattr(job.algo_cls, "data_kind", "") == "prompt"
     gen_len = algo.generation.max_new_tokens if rl else 0
+    engine = algo.generation.vllm if rl and algo.generation.engine == "vllm" else None
     if rl:  # RL stages: prompts + responses (validation-only sampling, e.g. DPO's drift, is not planned)
         prompt_len = getattr(data, "max_prompt_length", 256) or 256
         seq, gen_batch = prompt_len + gen_len, algo.rollout_batch_size
@@ -210,10 +223,10 @@ def setup_from(cfg: Any, job: Any) -> Setup:
                  mixed="bf16" in precision or "16" in precision,
                  weight_bytes={"float32": 4, "auto": 2}.get(spec.dtype, 2), lora=spec.lora,
                  checkpointing=spec.gradient_checkpointing, micro_batch=int(micro), seq_len=int(seq),
-                 gen_batch=int(gen_batch), gen_len=int(gen_len))  # fmt: skip
+                 gen_batch=int(gen_batch), gen_len=int(gen_len), engine=engine)  # fmt: skip
 
 
-def estimate(cfg: Any, job: Any, setup: Setup | None = None) -> MemoryPlan:
+def estimate(cfg: Any, job: Any, setup: Setup | None = None, gpu_memory_gb: float | None = None) -> MemoryPlan:
     s = setup or setup_from(cfg, job)
     spec = job.model
     notes: list[str] = []
@@ -257,12 +270,36 @@ def estimate(cfg: Any, job: Any, setup: Setup | None = None) -> MemoryPlan:
     if s.gen_batch and s.strategy in ("zero3", "fsdp"):
         full = 2 if s.strategy == "zero3" else s.master_weight_bytes
         gather = float(sum(max(0.0, full * r.params - r.weights) for r in rows if r.role == "trained"))
+    kv_note = f"generation, {s.gen_batch} x {t} tokens" if s.gen_batch else "no generation"
+    if s.engine is not None:
+        kv, kv_note = engine_bytes(s, a, notes, gpu_memory_gb)
     title = f"{spec.name_or_path or 'tiny Llama (model.tiny)'} ({_count(a.params())} parameters), {job.algo_cls.__name__}"
     return MemoryPlan(title=title, setup=s, rows=rows, activations=float(acts),
                       activation_note=f"{trained_models} trained model(s), micro-batch {b} x {t} tokens",
-                      kv_cache=float(kv), rollout_gather=gather,
-                      kv_note=f"generation, {s.gen_batch} x {t} tokens" if s.gen_batch else "no generation",
-                      notes=notes)  # fmt: skip
+                      kv_cache=float(kv), rollout_gather=gather, kv_note=kv_note, notes=notes,
+                      engine_sleeps=bool(s.engine is not None and s.engine.sleep))  # fmt: skip
+
+
+def engine_bytes(s: Setup, a: Any, notes: list[str], gpu_memory_gb: float | None = None) -> tuple[float, str]:
+    """(bytes, note) of the colocated vLLM engine per GPU: ``gpu_memory_utilization`` of the card, or
+    its weights + ``kv_cache_gib``; without a GPU size, weights + the generation's KV cache."""
+    e = s.engine
+    weights = s.weight_bytes * a.params() / e.tensor_parallel_size
+    kv = 2 * a.layers * s.gen_batch * s.seq_len * a.kv_heads * a.head_dim * s.weight_bytes / e.tensor_parallel_size
+    sleep = ", asleep during the update" if e.sleep else ""
+    if e.kv_cache_gib is not None:
+        return weights + e.kv_cache_gib * GIB, f"vLLM: weights + kv_cache_gib={e.kv_cache_gib:g}{sleep}"
+    gpu = gpu_memory_gb
+    if gpu is None:
+        notes.append("the vLLM engine is counted as its weights + this rollout's KV cache: with a GPU size "
+                     "(memory_plan.gpu_memory_gb) it is gpu_memory_utilization of the card")  # fmt: skip
+        return weights + kv, f"vLLM: weights + {s.gen_batch} x {s.seq_len} tokens of KV{sleep}"
+    share = e.gpu_memory_utilization * gpu * GIB
+    if share < weights + kv:
+        notes.append(f"algo.generation.vllm.gpu_memory_utilization={e.gpu_memory_utilization:g} gives the engine "
+                     f"{share / GIB:.1f} GiB, less than its weights + one rollout's KV cache "
+                     f"({(weights + kv) / GIB:.1f} GiB): vLLM would refuse to start or queue requests")  # fmt: skip
+    return share, f"vLLM: gpu_memory_utilization={e.gpu_memory_utilization:g} of {gpu:g} GiB{sleep}"
 
 
 SWITCHES: list[tuple[str, dict[str, Any]]] = [
@@ -277,7 +314,7 @@ SWITCHES: list[tuple[str, dict[str, Any]]] = [
 def plan_for(cfg: Any, job: Any, gpu_memory_gb: float | None = None, reserve_gb: float = 2.0) -> MemoryPlan:
     """The plan of a composed job, with the single switches that would make it fit when it does not."""
     base = setup_from(cfg, job)
-    plan = estimate(cfg, job, base)
+    plan = estimate(cfg, job, base, gpu_memory_gb)
     plan.gpu_memory_gb, plan.reserve_gb = gpu_memory_gb, reserve_gb
     if plan.fits is False:
         usable = (gpu_memory_gb - reserve_gb) * GIB
@@ -289,13 +326,13 @@ def plan_for(cfg: Any, job: Any, gpu_memory_gb: float | None = None, reserve_gb:
             alt = replace(base, **change)
             if alt == base:
                 continue
-            peak = estimate(cfg, job, alt).peak
+            peak = estimate(cfg, job, alt, gpu_memory_gb).peak
             if peak <= usable:
                 plan.alternatives.append((label, peak))
         if base.micro_batch > 1:
             for micro in (base.micro_batch // 2, 1):
                 alt = replace(base, micro_batch=micro, gen_batch=min(base.gen_batch, max(micro, 1) * 4) if base.gen_batch else 0)
-                peak = estimate(cfg, job, alt).peak
+                peak = estimate(cfg, job, alt, gpu_memory_gb).peak
                 if peak <= usable:
                     plan.alternatives.append((f"micro-batch {micro} (algo.minibatch_size / data batch_size)", peak))
                     break

@@ -115,6 +115,26 @@ def test_presets_fit_their_hardware_and_plain_zero2_ppo_is_refused_with_switches
     assert fsdp.rollout_gather / 2**30 == pytest.approx(2 * (4 * 6.738e9 / 2**30 - 3.51), abs=0.02)
 
 
+def test_the_vllm_engine_is_counted_as_its_share_of_the_card_or_its_weights_and_kv_cache():
+    """engine=vllm: the KV-cache row becomes the engine's — gpu_memory_utilization × the card, or the
+    policy's bf16 weights + kv_cache_gib — outside the update's peak when it sleeps, inside when not."""
+    gib = 2**30
+    base = ["experiment=ppo_max_llama7b_a100x8", "algo.reward_path=/ckpt/rm", "memory_plan.gpu_memory_gb=80",
+            "algo.generation.engine=vllm"]  # fmt: skip
+    hf = _plan(*base[:3])
+    share = _plan(*base)
+    assert share.kv_cache == pytest.approx(0.3 * 80 * gib) and share.engine_sleeps
+    assert share.model_states == hf.model_states
+    assert share.peak == pytest.approx(share.model_states + max(share.activations, 0.3 * 80 * gib))
+    awake = _plan(*base, "algo.generation.vllm.sleep=false")
+    assert awake.peak == pytest.approx(awake.model_states + share.activations + 0.3 * 80 * gib)
+    fixed = _plan(*base, "algo.generation.vllm.kv_cache_gib=4")
+    assert fixed.kv_cache == pytest.approx(2 * P7B + 4 * gib)  # bf16 weights of the policy + 4 GiB
+    assert "| vLLM engine | vLLM: weights + kv_cache_gib=4, asleep during the update |" in fixed.render()
+    small = _plan(*base, "algo.generation.vllm.gpu_memory_utilization=0.1")  # 8 GiB < 12.55 GiB of weights
+    assert any("gpu_memory_utilization=0.1 gives the engine 8.0 GiB" in n for n in small.notes)
+
+
 def test_a_gpu_launch_that_cannot_fit_is_refused_before_loading():
     from lit_rlhf.runner import check_memory_plan, plan
     from lit_rlhf.utils.config import ConfigError
