@@ -1,6 +1,9 @@
-"""GPU check for a lent accelerator (one CUDA GPU, under 8 minutes): PPO-max with a ~85M-parameter
+"""GPU check for a lent accelerator (one CUDA GPU, under 9 minutes): PPO-max with a ~85M-parameter
 Llama for a few iterations under DeepSpeed ZeRO-2 and ZeRO-3 (bf16), FSDP (fp32 weights, bf16-mixed)
-and with LoRA (bf16-mixed, one device).
+and with LoRA (bf16-mixed, one device); and ``vllm``: ZeRO-2 with the colocated vLLM rollout engine
+(``algo.generation.engine=vllm``, bf16, gpu_memory_utilization 0.3, asleep during the update), whose
+rollout tokens/s are compared with a standalone ``vllm.LLM`` of the same trained policy (its own
+process memory, same prompts and sampling) instead of bare ``generate``.
 
     bash bench/gpu_check.sh            # = python bench/gpu_check.py, writes bench/results/gpu_check.md
 
@@ -32,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 SHAPE = dict(hidden=768, layers=12, heads=12, inter=2048, batch=32, prompt_len=16, new_tokens=128, iterations=6, warmup=2)
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
-VARIANTS = ["zero2", "zero3", "fsdp", "lora"]
+VARIANTS = ["zero2", "zero3", "fsdp", "lora", "vllm"]
 
 
 def build(folder: Path) -> None:
@@ -71,7 +74,9 @@ def run_variant(variant: str, folder: Path) -> dict:
     cfg = build_config(PPOConfig, dict(policy_path=str(folder / "policy"), reward_path=str(folder / "rm"), export_dir=None,
                                        rollout_batch_size=s["batch"], minibatch_size=s["batch"] // 4, lr=1e-5,
                                        critic_lr=1e-5, score_norm="normalize", kl_coef=0.05, critic_warmup_steps=0,
-                                       generation={"max_new_tokens": s["new_tokens"], "top_p": 1.0, "top_k": 0}),
+                                       generation={"max_new_tokens": s["new_tokens"], "top_p": 1.0, "top_k": 0,
+                                                   "engine": "vllm" if variant == "vllm" else "hf",
+                                                   "vllm": {"gpu_memory_utilization": 0.3}}),
                        "algo")  # fmt: skip
     lora = LoraSpec(enabled=variant == "lora", r=16, alpha=32.0)
     dtype = "float32" if variant == "fsdp" else "bfloat16"  # FSDP's mixed precision keeps fp32 weights
@@ -80,10 +85,10 @@ def run_variant(variant: str, folder: Path) -> dict:
     module = PPOModule(cfg, model=spec, tokenizer=tok)
     data = PromptDataModule(n_train=s["batch"] * 20, n_val=0, batch_size=s["batch"],
                             max_prompt_length=s["prompt_len"]).connect(tok)  # fmt: skip
-    if variant in ("zero2", "zero3"):
+    if variant in ("zero2", "zero3", "vllm"):
         from lit_rlhf.runtime.strategies import RLHFDeepSpeedStrategy
 
-        stage = int(variant[-1])
+        stage = 2 if variant == "vllm" else int(variant[-1])
         strategy: object = RLHFDeepSpeedStrategy(config={"zero_optimization": {"stage": stage}, "bf16": {"enabled": True},
                                                          "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
                                                          "train_micro_batch_size_per_gpu": s["batch"] // 4})  # fmt: skip
@@ -129,6 +134,10 @@ def run_variant(variant: str, folder: Path) -> dict:
     prompts = next(iter(data.train_dataloader()))
     ids, mask = prompts["prompt_ids"].cuda(), prompts["prompt_mask"].cuda()
     rates = []
+    if variant == "vllm":
+        bare_tok_s = standalone_vllm(actor, ids, mask, folder)
+    else:
+        bare_tok_s = None
     with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
         for _ in range(3):
             torch.cuda.synchronize()
@@ -137,7 +146,9 @@ def run_variant(variant: str, folder: Path) -> dict:
                                  top_k=0, top_p=1.0, pad_token_id=tok.pad_token_id)  # fmt: skip
             torch.cuda.synchronize()
             rates.append(ids.shape[0] * (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))
-    bare_tok_s = statistics.median(rates[1:])
+            if bare_tok_s is not None:
+                break
+    bare_tok_s = bare_tok_s if bare_tok_s is not None else statistics.median(rates[1:])
 
     p = sum(x.numel() for n, x in module.actor.named_parameters() if ".lora_" not in n)
     tokens, total = statistics.median(probe.tokens), statistics.median(probe.total_tokens)
@@ -152,10 +163,37 @@ def run_variant(variant: str, folder: Path) -> dict:
                                  if trainer_strategy.startswith("deepspeed") else
                                  {"_target_": "lit_rlhf.runtime.strategies.RLHFFSDPStrategy"} if trainer_strategy == "fsdp"
                                  else "auto"})  # fmt: skip
-    plan = estimate(plan_cfg, job)
+    plan = estimate(plan_cfg, job, gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 2**30)
     return {"variant": variant, "gpu": name, "policy_params": p, "step_s": step_s, "rollout_tokens_per_s": rollout_tok_s,
             "bare_generate_tokens_per_s": bare_tok_s, "peak_gib": peak / 2**30, "plan_gib": plan.peak / 2**30,
             "tflops": flops / step_s / 1e12, "mfu": (flops / step_s / peak_flops) if peak_flops else None}  # fmt: skip
+
+
+def standalone_vllm(actor, ids, mask, folder: Path) -> float:
+    """Tokens/s of a standalone ``vllm.LLM`` loading the trained policy from disk (after the run's
+    engine is dropped), on the same prompts with the same sampling settings (T 1, no filters)."""
+    import gc
+
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from lit_rlhf.rollout.vllm_engine import clear_engines
+
+    clear_engines()
+    gc.collect()
+    torch.cuda.empty_cache()
+    actor.save_pretrained(folder / "trained")
+    llm = LLM(model=str(folder / "trained"), dtype="bfloat16", gpu_memory_utilization=0.3, skip_tokenizer_init=True,
+              generation_config="vllm")  # fmt: skip
+    rows = [TokensPrompt(prompt_token_ids=r[m.bool()].tolist()) for r, m in zip(ids.cpu(), mask.cpu())]
+    params = SamplingParams(temperature=1.0, max_tokens=SHAPE["new_tokens"], detokenize=False)
+    rates = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        outs = llm.generate(rows, params, use_tqdm=False)
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0))
+    return statistics.median(rates[1:])
 
 
 def main() -> None:
@@ -163,6 +201,8 @@ def main() -> None:
     ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--models", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_check.md"))
+    ap.add_argument("--variants", nargs="*", choices=VARIANTS, default=VARIANTS,
+                    help="run only these (vllm: needs the CUDA `vllm` package)")
     args = ap.parse_args()
     if args.variant:
         print(json.dumps(run_variant(args.variant, Path(args.models))))
@@ -174,7 +214,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         build(Path(tmp))
-        for variant in VARIANTS:
+        for variant in args.variants:
             env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
             proc = subprocess.run([sys.executable, __file__, "--variant", variant, "--models", tmp], env=env,
                                   capture_output=True, text=True, timeout=420)  # fmt: skip
@@ -183,7 +223,8 @@ def main() -> None:
             else:
                 results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(results[-1], flush=True)
-    lines = ["| variant | GPU | step s | rollout tok/s | bare generate tok/s | peak GiB | plan GiB | TFLOP/s | MFU |",
+    lines = ["| variant | GPU | step s | rollout tok/s | bare generate (vllm: standalone vLLM) tok/s | peak GiB | plan GiB "
+             "| TFLOP/s | MFU |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         if "error" in r:

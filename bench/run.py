@@ -87,7 +87,7 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
     ]  # fmt: skip
     for name in r:
         c = r[name]
-        if not isinstance(c, dict) or name == "floor":
+        if not isinstance(c, dict) or name in ("floor", "sync_engine"):
             continue
         unit = UNITS.get(name.split("_")[0])
         if "error" in c or unit not in c:
@@ -135,6 +135,20 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
         lines.append("| GRPO samples/s, lit_rlhf / TRL, one process, steps alternating | — | ≥ 1.3 |")
     value, rounds = _ratio(r, "generate_ours", "generate_bare", "tokens_per_s")
     lines.append(f"| generation tokens/s, lit_rlhf / bare generate | {fmt(value, '{:.2f}')} | |")
+    # the vLLM engine on CPU: reported, no target (vLLM's CPU path is not what it is for)
+    for label, a, b, unit in (("generation tokens/s, vllm engine / hf engine", "generate_vllm", "generate_ours", "tokens_per_s"),
+                              ("generation tokens/s, vllm engine / bare generate", "generate_vllm", "generate_bare",
+                               "tokens_per_s"),
+                              ("PPO-max samples/s, vllm engine / hf engine", "ppo_vllm", "ppo_ours", "samples_per_s")):  # fmt: skip
+        value, _ = _ratio(r, a, b, unit)
+        derived[f"{a}_over_{b}"] = value
+        lines.append(f"| {label} (CPU) | {fmt(value, '{:.2f}')} | reported |")
+    sync = r.get("sync_engine", {})
+    if "bench_sync_s" in sync:
+        lines += ["", f"vLLM engine weight sync (all parameters pushed, prefix cache reset; median): "
+                  f"{sync['bench_sync_s'] * 1e3:.1f} ms for the bench policy ({sync['bench_params'] / 1e6:.1f}M parameters)"
+                  + (f", {sync['big_sync_s'] * 1e3:.0f} ms for a {sync['big_params'] / 1e6:.0f}M-parameter Llama"
+                     if "big_sync_s" in sync else "")]  # fmt: skip
     for name, a, b in (("PPO", "ppo_ours", "ppo_trl"), ("GRPO", "grpo_ours", "grpo_trl")):
         if "rss_mb" in r.get(a, {}) and "rss_mb" in r.get(b, {}):
             derived[f"{a}_rss_over_trl"] = r[a]["rss_mb"] / r[b]["rss_mb"]
@@ -180,7 +194,7 @@ def main() -> None:
                 print(f"[bench] {name}: {rounds[name][-1]}", flush=True)
         for name, runs in rounds.items():
             ok = [x for x in runs if "error" not in x]
-            key = "floor_s" if name == "floor" else "step_s"
+            key = {"floor": "floor_s", "sync_engine": "bench_sync_s"}.get(name, "step_s")
             results[name] = sorted(ok, key=lambda x: x[key])[(len(ok) - 1) // 2] if ok else runs[-1]
             results[name]["rounds"] = [x.get(key) for x in runs]
             if any("ratio" in x for x in ok):  # a paired case: its own ratio per round

@@ -83,11 +83,15 @@ def test_bench_smoke(tmp_path, bench):
     floor = r["floor"]
     assert floor["floor_s"] == pytest.approx(floor["generate_s"] + floor["score_forwards_s"] + floor["train_fwd_bwd_s"])
     for case in ours:
-        if case != "floor":
+        if case not in ("floor", "sync_engine"):
             unit = bench.UNITS[case.split("_")[0]]
             per_step = s["batch"] * s["new_tokens"] if unit == "tokens_per_s" else s["batch"]
             assert r[case]["step_s"] > 0 and r[case][unit] == pytest.approx(per_step / r[case]["step_s"]), case
     assert r["ppo_ours"]["fused_first_forward"] is True  # 1 epoch over 1 minibatch: the rollout's forward is the update's
+    assert r["ppo_vllm"]["fused_first_forward"] is True and r["generate_vllm"]["engine_start_s"] > 0
+    assert r["sync_engine"]["bench_params"] == saved["results"]["params"] and r["sync_engine"]["bench_sync_s"] > 0
+    assert saved["ratios"]["ppo_vllm_over_ppo_ours"] == pytest.approx(r["ppo_vllm"]["samples_per_s"]
+                                                                      / r["ppo_ours"]["samples_per_s"])
     grpo = r["grpo_ours"]
     assert 0 < grpo["rollout_s"] < grpo["step_s"] and grpo["update_s"] == pytest.approx(grpo["step_s"] - grpo["rollout_s"])
     full, lora = r["ppomem_full"], r["ppomem_lora"]

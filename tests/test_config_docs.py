@@ -30,7 +30,7 @@ def test_every_config_field_has_a_docstring(name):
     assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
 
 
-@pytest.mark.parametrize("path", ["lit_rlhf.rollout.generate:GenerationConfig", "lit_rlhf.models.spec:TinyLlamaConfig", "lit_rlhf.models.spec:LoraSpec",
+@pytest.mark.parametrize("path", ["lit_rlhf.rollout.generate:GenerationConfig", "lit_rlhf.rollout.config:VLLMConfig", "lit_rlhf.models.spec:TinyLlamaConfig", "lit_rlhf.models.spec:LoraSpec",
                                   "lit_rlhf.data.synthetic:TaskConfig", "lit_rlhf.data.synthetic:LanguageConfig"])
 def test_nested_config_fields_have_docstrings(path):
     import importlib

@@ -1,6 +1,6 @@
 """The benchmark cases (bench/run.py runs each in its own process), one module per family:
 generation (``generation.py``), PPO with its naive floor and its memory cases (``ppo.py``), the
-reward model (``rm.py``), DPO (``dpo.py``), GRPO — also both trainers in one process, steps
+reward model (``rm.py``), DPO (``dpo.py``), the vLLM rollout engine (``engine.py``), GRPO — also both trainers in one process, steps
 alternating: :class:`Alternation` (``grpo.py``, ``alternation.py``); shared set-up and timers in
 ``common.py``. Each case takes the models folder and the shapes and returns a dict of measurements."""
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 from .alternation import Alternation
 from .common import ROOT, build_models, peak_rss_mb, shapes
 from .dpo import case_dpo_ours, case_dpo_trl
+from .engine import case_generate_vllm, case_sync_engine
 from .generation import case_generate_bare, case_generate_ours
 from .grpo import case_grpo_ours, case_grpo_paired, case_grpo_trl
 from .ppo import case_floor, case_ppo_memory, case_ppo_ours, case_ppo_trl
@@ -17,9 +18,12 @@ from .rm import case_rm_ours, case_rm_trl
 CASES = {
     "generate_bare": case_generate_bare,
     "generate_ours": case_generate_ours,
+    "generate_vllm": case_generate_vllm,
     "floor": case_floor,
     "ppo_ours": case_ppo_ours,
     "ppo_trl": case_ppo_trl,
+    "ppo_vllm": lambda models, s: case_ppo_ours(models, s, engine="vllm"),
+    "sync_engine": case_sync_engine,
     "rm_ours": case_rm_ours,
     "rm_trl": case_rm_trl,
     "dpo_ours": case_dpo_ours,

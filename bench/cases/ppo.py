@@ -66,8 +66,9 @@ def case_floor(models: Path, s: dict) -> dict:
             "floor_s": t_gen + t_score + t_train}  # fmt: skip
 
 
-def case_ppo_ours(models: Path, s: dict) -> dict:
-    """A lit_rlhf ``ppo_max`` iteration (1 epoch, 1 minibatch) through Lightning's Trainer."""
+def case_ppo_ours(models: Path, s: dict, engine: str = "hf") -> dict:
+    """A lit_rlhf ``ppo_max`` iteration (1 epoch, 1 minibatch) through Lightning's Trainer, sampled by
+    ``engine`` (hf: the decoding loop; vllm: the colocated vLLM engine, synced every iteration)."""
     import lightning.pytorch as pl
     import yaml
 
@@ -86,7 +87,7 @@ def case_ppo_ours(models: Path, s: dict) -> dict:
                   rollout_batch_size=s["batch"], minibatch_size=s["batch"], ppo_epochs=1, critic_warmup_steps=0, lr=1e-6,
                   critic_lr=1e-6,
                   generation={"max_new_tokens": s["new_tokens"], "temperature": 0.7, "top_p": 1.0, "top_k": 0,
-                              "repetition_penalty": 1.0})  # fmt: skip
+                              "repetition_penalty": 1.0, "engine": engine, "vllm": {"kv_cache_gib": 0.5}})  # fmt: skip
     cfg = build_config(PPOConfig, values, "algo")
     spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=str(models / "policy")))
     tok = build_tokenizer(spec)

@@ -359,7 +359,7 @@ class RLModule(RLUpdateMixin, RLHFModule):
                 rollout.values = self._first_forward.values.detach()
         required = ["logprobs", "scores"] + ["values"] * (self.critic is not None)
         if self.engine is not None:
-            stats["perf/engine_sync_s"] = torch.tensor(self.engine.last_sync_s)
+            stats["perf/engine_sync_s"] = torch.tensor(self.engine.take_sync_seconds())
         if rollout.sampler_logprobs is not None:  # the sampler–trainer mismatch (docs/algorithms.md §2.10)
             stats.update({f"rollout/{k}": v for k, v in sampler_mismatch(rollout.logprobs, rollout.sampler_logprobs,
                                                                           rollout.valid_mask).items()})  # fmt: skip

@@ -11,7 +11,7 @@ from typing import Literal
 @dataclass
 class VLLMConfig:
     """``algo.generation.vllm.*``: the colocated vLLM engine (``algo.generation.engine=vllm``;
-    lit_rlhf/rollout/vllm_engine.py, docs/scaling.md §6). One engine per training process, built
+    lit_rlhf/rollout/vllm_engine.py, docs/scaling.md §5). One engine per training process, built
     from the policy's config at the first rollout, its weights replaced by the trained policy's
     before every rollout that follows an optimizer step."""
 
@@ -46,7 +46,7 @@ class GenerationConfig:
 
     engine: Literal["hf", "vllm"] = "hf"
     """Who samples: hf = lit_rlhf's KV-cache decoding loop over the policy itself (rollout/generate.py;
-    the CPU default); vllm = a colocated vLLM engine (``vllm.*`` below; docs/scaling.md §6), its
+    the CPU default); vllm = a colocated vLLM engine (``vllm.*`` below; docs/scaling.md §5), its
     weights synced from the policy before each rollout. The log-probs the update uses are always
     the trainer's own recomputation; the sampler's can be monitored (``algo.monitor_sampler``)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)

@@ -1,4 +1,4 @@
-"""The colocated vLLM rollout engine (``algo.generation.engine=vllm``; docs/scaling.md §6).
+"""The colocated vLLM rollout engine (``algo.generation.engine=vllm``; docs/scaling.md §5).
 
 One ``vllm.LLM`` per training process, in that process (TRL's ``vllm_mode="colocate"``): built at
 the first rollout from the policy's *config* alone (``load_format="dummy"``: no weights are read
@@ -143,7 +143,13 @@ class VLLMEngine:
         self.device = param.device
         self.shared = _LLMS.get(self.key) or self._build(hf_config)
         _LLMS[self.key] = self.shared
-        self.last_sync_s = 0.0
+        self.last_sync_s = 0.0  # the last sync's seconds
+        self._untaken_sync_s = 0.0  # seconds of syncs since take_sync_seconds()
+
+    def take_sync_seconds(self) -> float:
+        """Seconds spent syncing since the last call (an RL iteration's ``perf/engine_sync_s``)."""
+        out, self._untaken_sync_s = self._untaken_sync_s, 0.0
+        return out
 
     @property
     def llm(self) -> Any:
@@ -199,6 +205,7 @@ class VLLMEngine:
         shared.llm.reset_prefix_cache()
         shared.owner = (id(self), version)
         self.last_sync_s = time.perf_counter() - started
+        self._untaken_sync_s += self.last_sync_s
         return True
 
     def sleep(self) -> None:

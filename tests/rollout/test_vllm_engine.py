@@ -194,3 +194,45 @@ def test_two_ddp_ranks_each_sample_their_share_with_their_own_engine(vllm_models
         torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
     init = AutoModelForCausalLM.from_pretrained(models / "policy").state_dict()
     assert any(not torch.equal(ranks[0]["params"][k], v.float()) for k, v in init.items())
+
+
+def test_pass_at_k_samples_one_request_of_k_per_prompt(policy, tokenizer):
+    """Validation's pass@k through the engine: the greedy rows equal the hf loop's, and each prompt's
+    k samples (one request, n = k) are consecutive rows scored with that prompt's answer."""
+    from lit_rlhf.data.prompts import collate_prompts, encode_prompt
+    from lit_rlhf.rollout.collect import generate_and_score
+    from lit_rlhf.rollout.config import GenerationConfig
+    from lit_rlhf.rollout.evaluate import evaluate_verifiable
+    from lit_rlhf.rollout.score import CallableScorer
+    from tests.rollout.test_evaluate import Recorder
+
+    prompts = ["the dog", "a small cat", "every happy bird sings"]
+    items = [(encode_prompt(tokenizer, p, 16)[0], p, {"answer": f"a{i}"}) for i, p in enumerate(prompts)]
+    batch = collate_prompts(items, tokenizer.pad_token_id)
+    gen = GenerationConfig(max_new_tokens=8, temperature=1.0)
+    rec = Recorder()
+    ev = evaluate_verifiable(policy, batch, tokenizer, gen, CallableScorer(rec), k=4, engine=engine_of(policy))
+    greedy = generate_and_score(policy, batch, tokenizer, GenerationConfig(max_new_tokens=8, do_sample=False))
+    assert [r for _, _, r in rec.rows[:3]] == greedy.responses_text
+    assert [(p, a) for p, a, _ in rec.rows[3:]] == [(p, f"a{i}") for i, p in enumerate(prompts) for _ in range(4)]
+    assert ev.sample_correct.shape == (3, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_dpo_drift_sampling_with_the_vllm_engine(vllm_models, tmp_path):
+    """DPO's validation-time drift rollouts (the KL of the policy's own samples to the reference)
+    come from the engine, synced to the DPO policy after its optimizer steps."""
+    from lit_rlhf.runner import run
+    from tests.conftest import compose
+    from tests.test_resume import stage_overrides
+
+    overrides = [*stage_overrides("dpo", vllm_models), "trainer.accelerator=cpu", "logger=none", "trainer.max_epochs=1",
+                 "trainer.enable_progress_bar=false", "algo.generation.engine=vllm",
+                 "algo.generation.vllm.kv_cache_gib=0.0625"]  # fmt: skip
+    from lit_rlhf.rollout import vllm_engine
+
+    metrics = run(compose(overrides, tmp_path))
+    assert "stability/kl" in metrics, sorted(metrics)  # the drift monitor saw the engine's samples
+    versions = [shared.owner[1] for shared in vllm_engine._LLMS.values() if shared.owner is not None]
+    assert versions and versions[-1][0] > 0  # the engine last held the weights after DPO's optimizer steps

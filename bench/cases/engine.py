@@ -1,0 +1,80 @@
+"""The vLLM rollout engine (``algo.generation.engine=vllm``) on CPU: its sampling tokens/s on the
+bench model (against the hf engine and bare ``generate``: cases in generation.py), a PPO-max step
+with it (against ``ppo_ours``), and the time of one weight sync on the bench model and on a
+103M-parameter Llama. No target on CPU: vLLM's CPU path is not what it is for; the figures say what
+it costs here (README, "Benchmark")."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from .common import prompts, timed
+
+KV = {"kv_cache_gib": 0.5}
+
+
+def case_generate_vllm(models: Path, s: dict) -> dict:
+    """The vllm engine sampling the bench prompts (T 0.7, as generate_ours), weights synced once."""
+    import torch
+
+    from lit_rlhf.data.collate import pad
+    from lit_rlhf.models.builders import build_causal_lm, build_tokenizer
+    from lit_rlhf.models.spec import ModelSpec
+    from lit_rlhf.rollout.config import GenerationConfig, VLLMConfig
+    from lit_rlhf.rollout.vllm_engine import VLLMEngine
+
+    spec = ModelSpec(name_or_path=str(models / "policy"))
+    tok = build_tokenizer(spec)
+    model = build_causal_lm(spec, tok)
+    started = time.perf_counter()
+    engine = VLLMEngine(model, VLLMConfig(**KV))
+    engine.sync(model, 0)
+    build_s = time.perf_counter() - started
+    ids, mask = pad(prompts(tok, s["batch"]), tok.pad_token_id, "left")
+    gen = GenerationConfig(max_new_tokens=s["new_tokens"], temperature=0.7)
+    tokens = []
+
+    def go():
+        torch.manual_seed(0)
+        _, m, _, _ = engine.sample(ids, mask, gen, tok.eos_token_id, tok.pad_token_id)
+        tokens.append(int(m.sum()))
+
+    t = timed(go, s["warmup"], s["steps"])
+    return {"step_s": t, "tokens_per_s": s["batch"] * s["new_tokens"] / t, "response_tokens_mean": statistics.mean(tokens),
+            "engine_start_s": build_s}  # fmt: skip
+
+
+def _sync_seconds(model, repeats: int = 5) -> float:
+    from lit_rlhf.rollout.config import VLLMConfig
+    from lit_rlhf.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(model, VLLMConfig(**KV))
+    times = []
+    for version in range(repeats + 1):
+        t0 = time.perf_counter()
+        engine.sync(model, version)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])  # the first sync also warms the engine's reload path
+
+
+def case_sync_engine(models: Path, s: dict, smoke: bool = False) -> dict:
+    """Median seconds of one weight sync (all parameters pushed, prefix cache reset): the bench
+    policy, and (not in smoke mode) a 103M-parameter Llama (hidden 768, 12 layers, vocab 24,000)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lit_rlhf.models.builders import build_causal_lm, build_tokenizer
+    from lit_rlhf.models.spec import ModelSpec
+
+    spec = ModelSpec(name_or_path=str(models / "policy"))
+    model = build_causal_lm(spec, build_tokenizer(spec))
+    out = {"bench_params": sum(p.numel() for p in model.parameters()), "bench_sync_s": _sync_seconds(model)}
+    if s["hidden"] >= 256:  # the full shapes only
+        torch.manual_seed(0)
+        big = LlamaForCausalLM(LlamaConfig(vocab_size=24000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                           intermediate_size=2048, max_position_embeddings=512,
+                                           tie_word_embeddings=True)).eval()  # fmt: skip
+        out.update(big_params=sum(p.numel() for p in big.parameters()), big_sync_s=_sync_seconds(big, 3))
+    return out
