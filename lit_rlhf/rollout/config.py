@@ -16,11 +16,12 @@ class VLLMConfig:
     before every rollout that follows an optimizer step."""
 
     gpu_memory_utilization: float = field(default=0.3, metadata={"gt": 0.0, "le": 1.0})
-    """GPU: the fraction of the card vLLM may take (its weights + KV cache), beside the training
-    state (TRL's colocate default, 0.3). The memory plan counts it. No effect on CPU."""
+    """The fraction of the card vLLM may take (its weights, KV cache and workspace), beside the
+    training state (TRL's colocate default, 0.3); the memory plan counts it. On CPU vLLM reads it as
+    the fraction of the host's memory (prefer ``kv_cache_gib`` there)."""
     kv_cache_gib: float | None = field(default=None, metadata={"gt": 0.0})
-    """The KV cache's size in GiB instead (vLLM's ``kv_cache_memory_bytes``); None = GPU: from
-    gpu_memory_utilization, CPU: vLLM's ``VLLM_CPU_KVCACHE_SPACE`` (default 4 GiB)."""
+    """The KV cache's size in GiB instead (vLLM's ``kv_cache_memory_bytes``; the tests use 1/16);
+    None = sized from gpu_memory_utilization."""
     tensor_parallel_size: int = field(default=1, metadata={"ge": 1})
     """Shards of the engine over the ranks of one node (colocated: each rank holds one shard, and
     a TP group samples the same prompts). 1 = every rank samples its own prompts."""

@@ -170,8 +170,8 @@ class VLLMEngine:
             max_model_len=k.max_model_len, enforce_eager=k.enforce_eager, seed=k.seed, generation_config="vllm",
             logprobs_mode=k.logprobs_mode, tensor_parallel_size=k.tensor_parallel_size, enable_prefix_caching=True,
         )  # fmt: skip
+        kwargs["gpu_memory_utilization"] = k.gpu_memory_utilization  # on CPU: of the host's memory
         if k.device == "cuda":
-            kwargs["gpu_memory_utilization"] = k.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = k.sleep
         if k.kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = k.kv_cache_bytes
