@@ -1,6 +1,7 @@
 """The benchmark cases (bench/run.py runs each in its own process), one module per family:
 generation (``generation.py``), PPO with its naive floor and its memory cases (``ppo.py``), the
-reward model (``rm.py``), DPO (``dpo.py``), the vLLM rollout engine (``engine.py``), GRPO — also both trainers in one process, steps
+reward model (``rm.py``), DPO (``dpo.py``), the vLLM rollout engine (``engine.py``), GRPO — also
+both trainers in one process, steps
 alternating: :class:`Alternation` (``grpo.py``, ``alternation.py``); shared set-up and timers in
 ``common.py``. Each case takes the models folder and the shapes and returns a dict of measurements."""
 

@@ -2,8 +2,9 @@
 
 PPO's training iterations, every RL stage's validation and the demo's final evaluation call
 :func:`generate_and_score` (docs/architecture.md "One rollout path"). It samples responses with
-the rollout engine (the hf KV-cache loop, or a colocated vLLM engine), decodes them, and runs one forward per model it is given, in the caller's grad
-mode (``torch.inference_mode`` in PPO's rollout, docs/algorithms.md §2.1).
+the rollout engine (the hf KV-cache loop, or a colocated vLLM engine), decodes them, and runs one
+forward per model it is given, in the caller's grad mode (``torch.inference_mode`` in PPO's
+rollout, docs/algorithms.md §2.1).
 """
 
 from __future__ import annotations
