@@ -333,6 +333,7 @@ class DPOModule(RLHFModule):
             self.log_dict(_names("val/", values), sync_dist=False)  # already reduced across ranks
         if self.config.precompute_ref_logprobs:
             self.frozen.pop("reference", None)
+        self.engine_sleep()  # a vllm engine's GPU memory goes back to training until the next drift rollout
 
     # ------------------------------------------------------------------ drift
 

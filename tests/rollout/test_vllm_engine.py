@@ -238,3 +238,21 @@ def test_dpo_drift_sampling_with_the_vllm_engine(vllm_models, tmp_path):
     assert "stability/kl" in metrics, sorted(metrics)  # the drift monitor saw the engine's samples
     versions = [shared.owner[1] for shared in vllm_engine._LLMS.values() if shared.owner is not None]
     assert versions and versions[-1][0] > 0  # the engine last held the weights after DPO's optimizer steps
+
+
+def test_the_demo_evaluation_samples_through_the_engine(vllm_models):
+    """The demo's final table (pipeline.evaluate_policies) with engine=vllm: decoded greedily, every
+    figure equals the hf loop's (one engine for every policy of the table)."""
+    from dataclasses import replace
+
+    from lit_rlhf.data.synthetic import SyntheticTask
+    from lit_rlhf.pipeline import evaluate_policies
+    from lit_rlhf.rollout.config import GenerationConfig, VLLMConfig
+
+    task = SyntheticTask()
+    prompts = [r["prompt"] for r in task.prompts(8, "test")]
+    gen = GenerationConfig(max_new_tokens=10, do_sample=False, repetition_penalty=1.1)
+    policy, rm = vllm_models
+    runs = [evaluate_policies({"SFT": policy, "again": policy}, policy, rm, task, prompts, 4, g)
+            for g in (gen, replace(gen, engine="vllm", vllm=VLLMConfig(**KV)))]  # fmt: skip
+    assert runs[0] == runs[1] and runs[0]["SFT"]["kl_to_sft"] == 0.0
