@@ -163,7 +163,7 @@ def test_ppo_max_and_dapo_with_the_vllm_engine_train_log_the_mismatch_and_resume
 
     metrics = run_cfg(stage, vllm_models, tmp_path / "full")
     assert 0.0 <= metrics["rollout/sampler_kl"] < 1e-8 and metrics["rollout/sampler_logprob_diff_max"] < 1e-4
-    assert metrics["perf/engine_sync_s"] >= 0 and "val/score_mean" in metrics
+    assert metrics["perf/engine_sync_s"] > 0 and "val/score_mean" in metrics  # the last rollout synced after a step
     ckpts = sorted((tmp_path / "full" / "checkpoints").glob("b*.ckpt"))
     assert len(ckpts) >= 4
     final = load(tmp_path / "full" / "checkpoints" / "last.ckpt")
