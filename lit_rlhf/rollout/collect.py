@@ -73,6 +73,21 @@ def _eval_forward(model: Any, fn: Callable[[], Tensor]) -> Tensor:
         model.train(was_training)
 
 
+def sample_responses(policy: Any, batch: Mapping[str, Any], tokenizer: Any, gen: GenerationConfig, engine: Any, n: int,
+                     logprob_temperature: float | None) -> tuple[Mapping[str, Any], tuple]:  # fmt: skip
+    """(``batch`` with each prompt repeated ``n`` times, the ``sample`` tuple of its responses): ``n``
+    responses per prompt from the vllm ``engine`` (one request each) or, with None, the hf loop
+    over ``policy`` on the repeated prompts (its draws exactly as before groups were requests)."""
+    stop, pad = stop_token_ids(tokenizer), tokenizer.pad_token_id
+    if engine is not None:
+        sampled = engine.sample(batch["prompt_ids"], batch["prompt_mask"], gen, stop, pad, logprob_temperature, n=n)
+    if n > 1:
+        batch = repeat_prompts(batch, n)
+    if engine is None:
+        sampled = sample(policy, batch["prompt_ids"], batch["prompt_mask"], gen, stop, pad, logprob_temperature)
+    return batch, sampled
+
+
 def generate_and_score(
     policy: Any,
     batch: Mapping[str, Any],
@@ -106,24 +121,15 @@ def generate_and_score(
         sampler_logprobs: keep the sampler's own log-probs of its tokens (``Rollout.sampler_logprobs``,
             at ``logprob_temperature``): the other side of the sampler–trainer mismatch
             (docs/algorithms.md §2.10).
-        engine: who samples — None = the hf decoding loop over ``policy`` (rollout/generate.py), or a
-            :class:`~lit_rlhf.rollout.vllm_engine.VLLMEngine` already synced to ``policy``'s weights.
-        responses_per_prompt: a group of G responses per prompt (GRPO, pass@k): consecutive rows of
-            the rollout; one request with ``n=G`` on the vllm engine.
+        engine: None = the hf loop over ``policy``, or a synced :class:`~lit_rlhf.rollout.vllm_engine.VLLMEngine`.
+        responses_per_prompt: G responses per prompt (GRPO, pass@k), consecutive rows (vllm: one ``n=G`` request).
     Returns:
         the :class:`Rollout`; fields of models not given are None, ``rewards``/``advantages``/``returns`` too.
     """
-    stop, pad, lp_temp = stop_token_ids(tokenizer), tokenizer.pad_token_id, logprob_temperature if sampler_logprobs else None
-    if engine is not None:
-        sampled = engine.sample(batch["prompt_ids"], batch["prompt_mask"], gen, stop, pad, lp_temp, n=responses_per_prompt)
-    if responses_per_prompt > 1:
-        batch = repeat_prompts(batch, responses_per_prompt)
+    batch, (response_ids, response_mask, ended, sampled_logprobs) = sample_responses(
+        policy, batch, tokenizer, gen, engine, responses_per_prompt, logprob_temperature if sampler_logprobs else None)
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
-    if engine is None:
-        sampled = sample(policy, prompt_ids, prompt_mask, gen, stop, pad, lp_temp)
-    response_ids, response_mask, ended, sampled_logprobs = sampled
-    ids = torch.cat([prompt_ids, response_ids], 1)
-    mask = torch.cat([prompt_mask, response_mask], 1)
+    ids, mask = torch.cat([prompt_ids, response_ids], 1), torch.cat([prompt_mask, response_mask], 1)
     width = prompt_ids.shape[1]
 
     def logprobs_of(model: Any) -> Tensor:
