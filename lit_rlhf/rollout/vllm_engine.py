@@ -280,10 +280,11 @@ def clear_engines() -> None:
 def engine_for(model: torch.nn.Module, gen: GenerationConfig, version: Any, engine: VLLMEngine | None = None,
                logprobs_mode: str = "raw_logprobs") -> VLLMEngine | None:  # fmt: skip
     """The sampler of ``model`` under ``gen.engine``: None for hf (the decoding loop samples from
-    ``model``), else ``engine`` (or a new one) synced to ``model``'s weights unless it already holds
-    ``version`` of them."""
+    ``model``), else ``engine`` (a new one when there is none or it was built for another
+    architecture) synced to ``model``'s weights unless it already holds ``version`` of them."""
     if gen.engine == "hf":
         return None
-    engine = engine or VLLMEngine(model, gen.vllm, logprobs_mode)
+    if engine is None or engine.key.config_json != model.config.to_json_string(use_diff=False):
+        engine = VLLMEngine(model, gen.vllm, logprobs_mode)
     engine.sync(model, version)
     return engine

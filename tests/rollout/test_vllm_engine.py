@@ -256,3 +256,26 @@ def test_the_demo_evaluation_samples_through_the_engine(vllm_models):
     runs = [evaluate_policies({"SFT": policy, "again": policy}, policy, rm, task, prompts, 4, g)
             for g in (gen, replace(gen, engine="vllm", vllm=VLLMConfig(**KV)))]  # fmt: skip
     assert runs[0] == runs[1] and runs[0]["SFT"]["kl_to_sft"] == 0.0
+
+
+def test_engine_for_builds_anew_for_another_architecture(policy, tokenizer):
+    """engine_for (the evaluations' helper) reuses an engine for the same architecture, builds a new
+    one for another (a narrower MLP here), and returns None for the hf engine."""
+    from lit_rlhf.models.builders import build_causal_lm
+    from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
+    from lit_rlhf.rollout.collect import generate_and_score
+    from lit_rlhf.rollout.config import GenerationConfig, VLLMConfig
+    from lit_rlhf.rollout.vllm_engine import engine_for
+
+    gen = GenerationConfig(max_new_tokens=8, do_sample=False, engine="vllm", vllm=VLLMConfig(**KV))
+    first = engine_for(policy, gen, "a")
+    assert engine_for(policy, gen, "a", first) is first and engine_for(policy, GenerationConfig(), "a", first) is None
+    torch.manual_seed(3)
+    narrow = TinyLlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=96)
+    other = build_causal_lm(ModelSpec(tiny=narrow, tokenizer="synthetic"), tokenizer).eval()
+    second = engine_for(other, gen, "b", first)
+    assert second is not first
+    batch = prompts_batch(tokenizer)
+    hf = generate_and_score(other, batch, tokenizer, gen, policy_logprobs=False).response_ids
+    vl = generate_and_score(other, batch, tokenizer, gen, engine=second, policy_logprobs=False).response_ids
+    assert torch.equal(vl, hf)
