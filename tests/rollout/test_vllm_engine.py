@@ -171,33 +171,6 @@ def test_ppo_max_and_dapo_with_the_vllm_engine_train_log_the_mismatch_and_resume
     assert_same_end(load(tmp_path / "resumed" / "checkpoints" / "last.ckpt"), final, f"{stage} resumed at {ckpts[2].name}")
 
 
-@pytest.mark.slow
-@pytest.mark.integration
-def test_two_ddp_ranks_each_sample_their_share_with_their_own_engine(vllm_models, tmp_path):
-    """GRPO under DDP with 2 processes (μ = 2 passes of 2 minibatches per rollout), engine=vllm (each
-    rank's engine joins the process group as vLLM's external launcher): the ranks sample different
-    prompts, log fp32-noise mismatch, and end with identical weights (gradients all-reduced), every
-    one changed from the initial ones. (This is also CI's plain-GRPO DDP run; DAPO's is in
-    tests/test_distributed.py.)"""
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
-
-    from tests.test_distributed import WRAPPERS, run_helper
-
-    models = Path(vllm_models[0]).parent
-    run_helper("grpo_multiproc.py", tmp_path, "--strategy", "ddp", "--devices", "2", "--models", str(models),
-               "--engine", "vllm")  # fmt: skip
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == 2
-    assert ranks[0]["wrapper"] == WRAPPERS["ddp"] and ranks[0]["prompts"] != ranks[1]["prompts"]
-    assert all(0.0 <= r["sampler_kl"] < 1e-8 for r in ranks)
-    for k, v in ranks[0]["params"].items():
-        torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
-    init = AutoModelForCausalLM.from_pretrained(models / "policy").state_dict()
-    assert all(not torch.equal(ranks[0]["params"][k], v.float()) for k, v in init.items())
-
-
 def test_pass_at_k_samples_one_request_of_k_per_prompt(policy, tokenizer):
     """Validation's pass@k through the engine: the greedy rows equal the hf loop's, and each prompt's
     k samples (one request, n = k) are consecutive rows scored with that prompt's answer."""
