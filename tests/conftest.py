@@ -26,6 +26,26 @@ from lit_rlhf.launch.schemas import register  # noqa: E402
 register()  # the Hydra schemas every preset starts from (train.py does the same)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """``--dist loadgroup`` (``make test``): the tests marked ``xdist_group`` share module fixtures (one
+    model or one launch of processes for many tests) and must run on one worker. pytest-xdist 3.8 tells
+    its scheduler a test's group by appending ``@<group>`` to the node id through the attribute
+    ``_nodeid``, which pytest 9.2 no longer reads (its node ids are structured): nothing failed, each
+    worker silently ran the groups' fixtures again (pytest-dev/pytest-xdist#1386). Append it where
+    pytest keeps it now, on the workers, when xdist's own suffix did not take."""
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers under --dist loadgroup
+        return
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                         for m in item.iter_markers("xdist_group")})  # fmt: skip
+        suffix = "@" + "_".join(groups)
+        if groups and not item.nodeid.endswith(suffix):
+            item._id = coerce_node_id(item.nodeid + suffix)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from lit_rlhf.models.builders import build_tokenizer
