@@ -1,6 +1,8 @@
 """Clusters and sweeps: SLURM settings follow the trainer's, and a multirun through submitit's
-local executor runs its jobs, each with Lightning's 2-process DDP launcher inside (Hydra multirun
-combined with the DDP subprocess launcher works: the ranks restart from the job's saved config)."""
+local executor runs its job with Lightning's 2-process DDP launcher inside (Hydra multirun
+combined with the DDP subprocess launcher works: the ranks restart from the job's saved config).
+One job: each is 4 processes that import everything; a sweep's jobs each getting their own run
+directory and seed is tests/test_train.py's multirun test (Hydra's basic launcher)."""
 
 from __future__ import annotations
 
@@ -32,12 +34,11 @@ def test_submitit_local_multirun_with_ddp_in_each_job(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=submitit_local", "experiment=sft_synthetic_tiny",
          "strategy=ddp_sim", "trainer.max_steps=2", "data.sft.n_train=64", "data.sft.n_val=16", "logger=none",
-         "trainer.enable_progress_bar=false", "callbacks=none", "seed=1,2", f"hydra.sweep.dir={tmp_path}"],
+         "trainer.enable_progress_bar=false", "callbacks=none", "seed=2", f"hydra.sweep.dir={tmp_path}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    for job, seed in (("0", 1), ("1", 2)):
-        assert (tmp_path / job / "policy" / "model.safetensors").exists()
-        assert OmegaConf.load(tmp_path / job / ".hydra" / "config.yaml").seed == seed
+    assert (tmp_path / "0" / "policy" / "model.safetensors").exists()
+    assert OmegaConf.load(tmp_path / "0" / ".hydra" / "config.yaml").seed == 2
     logs = "".join(p.read_text() for p in (tmp_path / ".submitit").rglob("*_log.err"))
-    assert logs.count("MEMBER: 2/2") == 2  # rank 1 of each job joined
+    assert logs.count("MEMBER: 2/2") == 1  # rank 1 of the job joined
