@@ -116,17 +116,44 @@ def cfg_factory(tmp_path):
     return make
 
 
+def built_once(tmp_path_factory, name: str, build):
+    """``build(folder)`` (returning JSON-able data) run ONCE in the whole session, across the xdist
+    workers: a session fixture runs once per worker, and two workers would each train the same
+    model. The first worker to get here builds under a file lock in the folder the workers' temporary
+    folders share; the other waits and reads the result."""
+    import fcntl
+    import json
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # .../pytest-N/popen-gw0 -> .../pytest-N, shared by the workers of this session
+    out, done = root / name, root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # a worker that failed part-way left it
+            result = build(out)
+            done.write_text(json.dumps(result))
+        return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def trained_sft(tmp_path_factory):
     """(export folder, final metrics) of the tiny SFT trained on 8,000 embedded-task pairs for 2
-    epochs (~12 s), shared by the tests that need a policy which has learned the language."""
-    from lit_rlhf.runner import run
+    epochs (~12 s alone), shared by the tests that need a policy which has learned the language
+    (trained once for both pytest workers)."""
 
-    out = tmp_path_factory.mktemp("trained_sft")
-    metrics = run(compose(["trainer.accelerator=cpu", "logger=none", "callbacks=none", "trainer.enable_progress_bar=false",
-                           "data.sft.n_train=8000", "data.sft.n_val=1000", "data.batch_size=32", "trainer.max_epochs=2"],
-                          out))  # fmt: skip
-    return out / "policy", metrics
+    def build(out):
+        from lit_rlhf.runner import run
+
+        metrics = run(compose(["trainer.accelerator=cpu", "logger=none", "callbacks=none", "trainer.enable_progress_bar=false",
+                               "data.sft.n_train=8000", "data.sft.n_val=1000", "data.batch_size=32", "trainer.max_epochs=2"],
+                              out))  # fmt: skip
+        return {"policy": str(out / "policy"), "metrics": metrics}
+
+    result = built_once(tmp_path_factory, "trained_sft", build)
+    return Path(result["policy"]), result["metrics"]
 
 
 @pytest.fixture(scope="session")
