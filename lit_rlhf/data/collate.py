@@ -83,6 +83,27 @@ def encode_pair(
     """
     prompt_ids = template.prompt_ids(tokenizer, prompt)
     response_ids = template.response_ids(tokenizer, response)
+    return fit_pair(tokenizer, prompt_ids, response_ids, max_length, min_prompt_tokens)
+
+
+def encode_pairs(
+    tokenizer: Any, prompts: Sequence[Any], responses: Sequence[str], template: Any, max_length: int
+) -> list[EncodedPair]:
+    """:func:`encode_pair` of many rows, the same pairs. With a named template (data/templates.py) the
+    prompts and the responses each go through the tokenizer in one call: a call's fixed cost is most
+    of a short row's encoding time (the embedded task's 21,000 SFT rows: 3.3 s row by row). The chat
+    template (``auto``) renders row by row."""
+    if not isinstance(template, ChatTemplate):
+        return [encode_pair(tokenizer, p, r, template, max_length) for p, r in zip(prompts, responses, strict=True)]
+    prompt_ids = template.prompt_ids_batch(tokenizer, list(prompts))
+    response_ids = template.response_ids_batch(tokenizer, list(responses))
+    return [fit_pair(tokenizer, p, r, max_length) for p, r in zip(prompt_ids, response_ids, strict=True)]
+
+
+def fit_pair(
+    tokenizer: Any, prompt_ids: list[int], response_ids: list[int], max_length: int, min_prompt_tokens: int = 1
+) -> EncodedPair:
+    """Fit a pair's ids to ``max_length`` by :func:`encode_pair`'s rule."""
     prompt_cut = response_cut = 0
     budget = max_length - min_prompt_tokens
     if len(response_ids) > budget:

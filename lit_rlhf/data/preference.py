@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from lit_rlhf.data.chat import (Message, field_text_or_turns, hh_to_messages, naming_row, prompt_key,
                                 split_conversations)  # fmt: skip
 from lit_rlhf.data.collate import (EncodedExample, EncodedPreference, collate_preference, collate_unpaired,
-                                   encode_encoder_pair, encode_pair)  # fmt: skip
+                                   encode_encoder_pair, encode_pair, encode_pairs)  # fmt: skip
 from lit_rlhf.data.configs import PreferenceDataConfig  # noqa: F401  (re-exported)
 from lit_rlhf.data.io import DataError, Row, is_file_source, iter_rows, require_str, select_rows
 from lit_rlhf.data.lexicon import check_embedded_vocabulary
@@ -310,17 +310,23 @@ class PreferenceDataModule(pl.LightningDataModule):
     def _encode(self, pairs: list[PreferencePair], split: str) -> list[EncodedPreference]:
         c = self.config
         template = get_template(c.template)
-        if self.kind == "encoder":
-            if c.template == AUTO:
-                raise ConfigError("data.preference.template", "'auto' renders with a causal LM's chat template; an "
-                                  "encoder reward model (model.kind=encoder) reads one of the named templates")  # fmt: skip
-            enc = functools.partial(encode_encoder_pair, self.tokenizer, template=template, max_length=c.max_length)
+        if self.kind == "encoder" and c.template == AUTO:
+            raise ConfigError("data.preference.template", "'auto' renders with a causal LM's chat template; an "
+                              "encoder reward model (model.kind=encoder) reads one of the named templates")  # fmt: skip
+        if self.kind != "encoder" and c.template != AUTO:  # one tokenizer call per side for all rows (the same ids)
+            n = len(pairs)
+            encoded = encode_pairs(self.tokenizer, [p.prompt for p in pairs] * 2,
+                                   [p.chosen for p in pairs] + [p.rejected for p in pairs], template, c.max_length)  # fmt: skip
+            sides = list(zip(encoded[:n], encoded[n:]))
         else:
-            enc = functools.partial(encode_pair, self.tokenizer, template=template, max_length=c.max_length)
-        out = []
-        for i, p in enumerate(pairs):
-            with naming_row(p.where):
-                out.append(EncodedPreference(enc(p.prompt, p.chosen), enc(p.prompt, p.rejected), p.margin, i, p.prompt))
+            enc = functools.partial(encode_encoder_pair if self.kind == "encoder" else encode_pair, self.tokenizer,
+                                    template=template, max_length=c.max_length)  # fmt: skip
+            sides = []
+            for p in pairs:
+                with naming_row(p.where):
+                    sides.append((enc(p.prompt, p.chosen), enc(p.prompt, p.rejected)))
+        out = [EncodedPreference(chosen, rejected, p.margin, i, p.prompt)
+               for i, (p, (chosen, rejected)) in enumerate(zip(pairs, sides))]  # fmt: skip
         self.stats[f"{split}_pairs"] = len(out)
         self.stats[f"{split}_prompts_cut"] = sum(e.chosen.prompt_cut > 0 or e.rejected.prompt_cut > 0 for e in out)
         self.stats[f"{split}_responses_cut"] = sum(e.chosen.response_cut > 0 or e.rejected.response_cut > 0 for e in out)
@@ -329,13 +335,22 @@ class PreferenceDataModule(pl.LightningDataModule):
     def _encode_examples(self, examples: list[UnpairedExample], split: str) -> list[EncodedExample]:
         """Each example with its KL row: its prompt and the completion of :func:`kl_partners`' choice."""
         c = self.config
-        enc = functools.partial(encode_pair, self.tokenizer, template=get_template(c.template), max_length=c.max_length)
+        template = get_template(c.template)
         partners = kl_partners([e.prompt for e in examples], f"{c.source} [{split}]") if examples else []
-        out = []
-        for i, (e, j) in enumerate(zip(examples, partners)):
-            with naming_row(e.where):
-                out.append(EncodedExample(enc(e.prompt, e.completion), enc(e.prompt, examples[j].completion), e.desirable,
-                                          i, e.prompt))  # fmt: skip
+        if c.template != AUTO:  # one tokenizer call per side for all rows (the same ids)
+            n = len(examples)
+            encoded = encode_pairs(self.tokenizer, [e.prompt for e in examples] * 2,
+                                   [e.completion for e in examples] + [examples[j].completion for j in partners],
+                                   template, c.max_length)  # fmt: skip
+            sides = list(zip(encoded[:n], encoded[n:]))
+        else:
+            enc = functools.partial(encode_pair, self.tokenizer, template=template, max_length=c.max_length)
+            sides = []
+            for e, j in zip(examples, partners):
+                with naming_row(e.where):
+                    sides.append((enc(e.prompt, e.completion), enc(e.prompt, examples[j].completion)))
+        out = [EncodedExample(completion, kl, e.desirable, i, e.prompt)
+               for i, (e, (completion, kl)) in enumerate(zip(examples, sides))]  # fmt: skip
         self.stats[f"{split}_examples"] = len(out)
         self.stats[f"{split}_desirable"] = sum(e.desirable for e in out)
         self.stats[f"{split}_prompts_cut"] = sum(e.completion.prompt_cut > 0 for e in out)

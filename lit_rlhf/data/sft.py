@@ -18,7 +18,7 @@ from lit_rlhf.data.sampler import EpochSampler
 
 from lit_rlhf.data.chat import (as_messages, check_messages, encode_conversation, field_text_or_turns, hh_to_messages,
                                 naming_row)  # fmt: skip
-from lit_rlhf.data.collate import EncodedPair, collate_sft, encode_pair
+from lit_rlhf.data.collate import EncodedPair, collate_sft, encode_pairs
 from lit_rlhf.data.configs import SFTDataConfig  # noqa: F401  (re-exported: the config lives with the other data configs)
 from lit_rlhf.data.io import DataError, Row, iter_rows, select_rows
 from lit_rlhf.data.preference import parse_pair
@@ -138,8 +138,8 @@ class SFTDataModule(pl.LightningDataModule):
                 with naming_row(where):
                     encoded.append(encode_conversation(self.tokenizer, m, c.max_length))
         else:
-            template = get_template(c.template)
-            encoded = [encode_pair(self.tokenizer, p, r, template, c.max_length) for p, r, _ in pairs]
+            prompts, responses = [p for p, _, _ in pairs], [r for _, r, _ in pairs]
+            encoded = encode_pairs(self.tokenizer, prompts, responses, get_template(c.template), c.max_length)
         self.stats[f"{split}_pairs"] = len(encoded)
         self.stats[f"{split}_prompts_cut"] = sum(e.prompt_cut > 0 for e in encoded)
         self.stats[f"{split}_responses_cut"] = sum(e.response_cut > 0 for e in encoded)

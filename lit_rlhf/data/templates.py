@@ -30,15 +30,30 @@ class ChatTemplate:
 
     def prompt_ids(self, tokenizer: Any, prompt: str) -> list[int]:
         """The formatted prompt's ids, with the tokenizer's special tokens (e.g. BOS)."""
-        if not isinstance(prompt, str):
-            raise ValueError("a conversation (a list of messages) is rendered by the tokenizer's chat template: "
-                             "set the data section's template=auto")  # fmt: skip
-        return tokenizer(self.format_prompt(prompt), add_special_tokens=True)["input_ids"]
+        return self.prompt_ids_batch(tokenizer, [prompt])[0]
 
     def response_ids(self, tokenizer: Any, response: str) -> list[int]:
         """The response's ids after the prefix, ending with EOS."""
-        ids = tokenizer(self.format_response(response), add_special_tokens=False)["input_ids"]
-        return ids if ids and ids[-1] == tokenizer.eos_token_id else ids + self.end_ids(tokenizer)
+        return self.response_ids_batch(tokenizer, [response])[0]
+
+    def prompt_ids_batch(self, tokenizer: Any, prompts: list[str]) -> list[list[int]]:
+        """:meth:`prompt_ids` of many prompts in one tokenizer call (the same ids: each text is encoded
+        on its own; a call's fixed cost is most of a short row's time)."""
+        for prompt in prompts:
+            if not isinstance(prompt, str):
+                raise ValueError("a conversation (a list of messages) is rendered by the tokenizer's chat template: "
+                                 "set the data section's template=auto")  # fmt: skip
+        if not prompts:
+            return []
+        return tokenizer([self.format_prompt(p) for p in prompts], add_special_tokens=True)["input_ids"]
+
+    def response_ids_batch(self, tokenizer: Any, responses: list[str]) -> list[list[int]]:
+        """:meth:`response_ids` of many responses in one tokenizer call."""
+        if not responses:
+            return []
+        eos, end = tokenizer.eos_token_id, self.end_ids(tokenizer)
+        encoded = tokenizer([self.format_response(r) for r in responses], add_special_tokens=False)["input_ids"]
+        return [ids if ids and ids[-1] == eos else ids + end for ids in encoded]
 
     def end_ids(self, tokenizer: Any) -> list[int]:
         """The token(s) a response ends with: EOS."""

@@ -66,3 +66,40 @@ def test_collate_sft_response_mask(tokenizer):
     resp = batch["input_ids"][batch["response_mask"].bool()].tolist()
     assert resp == a.response_ids + b.response_ids
     assert batch["input_ids"].dtype == torch.long
+
+
+def test_encode_pairs_gives_encode_pairs_ids_row_by_row(tokenizer, tmp_path):
+    """The batched encoding (one tokenizer call per side, used by the SFT and preference data) equals
+    encode_pair on each row: real HH-RLHF dialogues with a byte-level BPE learned from them (the
+    dialogue and human_assistant templates; max_length cuts prompts and responses), and the embedded
+    task's tokenizer with texts that already end in EOS, empty responses and cuts."""
+    import gzip
+    import json
+
+    import pytest
+
+    from lit_rlhf.data.bpe import BPETokenizerConfig, train_bpe
+    from lit_rlhf.data.collate import encode_pairs
+    from lit_rlhf.models.builders import prepare_tokenizer
+    from tests.conftest import ROOT
+
+    hh = ROOT.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
+    if not hh.exists():
+        pytest.skip("shared HH-RLHF data not found beside the checkout")
+    with gzip.open(hh, "rt") as fh:
+        rows = [json.loads(line) for _, line in zip(range(300), fh)]
+    cut = [r["chosen"].rfind("\n\nAssistant:") + len("\n\nAssistant:") for r in rows]
+    prompts = [r["chosen"][:k] for r, k in zip(rows, cut)]
+    responses = [r["chosen"][k:].strip() for r, k in zip(rows, cut)] + [r["rejected"][k:].strip() for r, k in zip(rows, cut)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"t": r["chosen"]}) + "\n" for r in rows))
+    bpe = prepare_tokenizer(train_bpe(BPETokenizerConfig(source=str(tmp_path / "c.jsonl"), vocab_size=400)))
+    cases = [(bpe, prompts * 2, responses, name, n) for name in ("dialogue", "human_assistant") for n in (64, 1024)]
+    eos = tokenizer.eos_token
+    cases.append((tokenizer, ["the dog", "a", "the happy old dog", "every"], ["sees a cat", "", f"runs {eos}", "the"],
+                  "plain", 4))  # fmt: skip
+    for tok, ps, rs, name, max_length in cases:
+        template = get_template(name)
+        batched = encode_pairs(tok, ps, rs, template, max_length)
+        assert batched == [encode_pair(tok, p, r, template, max_length) for p, r in zip(ps, rs)], (name, max_length)
+        if max_length < 100:  # both cuts exercised
+            assert any(e.prompt_cut for e in batched) and any(e.response_cut for e in batched), (name, max_length)
