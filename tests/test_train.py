@@ -233,7 +233,15 @@ def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models):
     }.get(experiment.split("_")[0], [])  # fmt: skip
     if "reasoning" in experiment and not experiment.startswith("sft"):  # verifiable reward: no RM, its own tokenizer
         extra = [f"algo.policy_path={_saved_reasoning_policy(tmp_path)}", "validate_before_fit=false"]
-    cfg = compose([f"experiment={experiment}", "debug=fdr", "trainer.enable_progress_bar=false", *extra], tmp_path)
+    if experiment == "rm_hh_minilm":  # a real 22M encoder: one step on 8 pairs of 256 tokens is ~9 s of CPU
+        extra = ["data.preference.max_length=64"]
+    overrides = [f"experiment={experiment}", "debug=fdr", "trainer.enable_progress_bar=false", *extra]
+    cfg = compose(overrides, tmp_path)
+    # one batch is trained and one validated: the embedded tasks generate and tokenize 256 rows per
+    # split, not their 10,000-20,000 (most of such a run's time; the full sizes are the recipes' runs)
+    embedded = [k for k in ("sft", "preference", "prompt") if k in cfg.data and cfg.data[k].source in ("synthetic", "reasoning")]
+    if embedded:
+        cfg = compose([*overrides, *(f"data.{k}.{n}=256" for k in embedded for n in ("n_train", "n_val"))], tmp_path)
     metrics = run(cfg)
     assert metrics and all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
 
