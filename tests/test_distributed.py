@@ -87,6 +87,20 @@ def assert_ranks_agree_and_trained(ranks, models):
     assert len(changed) == len(init)
 
 
+def assert_identical_and_trained(ranks, policy_dir=None, synced=()):
+    """Both ranks' policies are bit-identical; with ``policy_dir``, every parameter moved from the initial
+    one there; each metric in ``synced`` is the same on both ranks (reduced, not per rank)."""
+    from transformers import AutoModelForCausalLM
+
+    for k, v in ranks[0]["params"].items():
+        torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
+    if policy_dir is not None:
+        init = AutoModelForCausalLM.from_pretrained(policy_dir).state_dict()
+        assert all(not torch.equal(ranks[0]["params"][k], v.float()) for k, v in init.items())
+    for key in synced:
+        assert ranks[0]["metrics"][key] == pytest.approx(ranks[1]["metrics"][key]), key
+
+
 # the strategies the PPO tests compare, by number of processes: each count's runs share one launch
 # (DeepSpeed ZeRO-3, which patches module construction, last)
 PPO_RUNS = {2: ("ddp", "deepspeed", "fsdp", "deepspeed3"), 1: ("ddp", "deepspeed3")}
@@ -264,17 +278,11 @@ def test_dpo_two_processes_identical(dpo_runs, models, strategy, precompute):
     with the live one; FSDP also clips by trainer.gradient_clip_val, which Lightning alone refuses
     under FSDP): identical policies on both ranks, trained, and the validation's metrics (pairs and
     drift, sampled from gathered weights under FSDP) reduced over both ranks' batches."""
-    from transformers import AutoModelForCausalLM
-
     out, ranks = dpo_runs[strategy, precompute, "sigmoid"]
     assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 4
     assert ranks[0]["wrapper"] == WRAPPERS[strategy]
-    for k, v in ranks[0]["params"].items():
-        torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
-    init = AutoModelForCausalLM.from_pretrained(models / "policy").state_dict()
-    assert all(not torch.equal(ranks[0]["params"][k], v.float()) for k, v in init.items())
-    for key in ("val/loss", "val/rewards/accuracies", "stability/kl", "stability/response_length"):
-        assert ranks[0]["metrics"][key] == pytest.approx(ranks[1]["metrics"][key]), key  # synced, not per rank
+    synced = ("val/loss", "val/rewards/accuracies", "stability/kl", "stability/response_length")
+    assert_identical_and_trained(ranks, models / "policy", synced)
     if precompute:
         assert (out / "ref_logprobs.pt").exists()
 
@@ -285,8 +293,6 @@ def test_kto_under_ddp_takes_the_reference_point_over_both_ranks(dpo_runs, model
     """KTO with 2 DDP processes (tests/helpers/dpo_multiproc.py --loss-type kto): at every step both ranks
     use the same z_ref, max(0, mean over BOTH ranks' KL rows), though their own rows' means differ; the
     policies agree exactly and trained; validation's metrics are reduced over both ranks."""
-    from transformers import AutoModelForCausalLM
-
     _, ranks = dpo_runs["ddp", False, "kto"]
     assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 4
     points = [r["reference_points"] for r in ranks]
@@ -294,12 +300,7 @@ def test_kto_under_ddp_takes_the_reference_point_over_both_ranks(dpo_runs, model
     for (s0, n0, z0), (s1, n1, z1) in zip(*points):
         assert z0 == z1 and z0 == pytest.approx(max(0.0, (s0 + s1) / (n0 + n1)), rel=1e-5, abs=1e-7)
     assert any(abs(s0 / n0 - s1 / n1) > 1e-3 for (s0, n0, _), (s1, n1, _) in zip(*points))  # not equal by chance
-    for k, v in ranks[0]["params"].items():
-        torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
-    init = AutoModelForCausalLM.from_pretrained(models / "policy").state_dict()
-    assert all(not torch.equal(ranks[0]["params"][k], v.float()) for k, v in init.items())
-    for key in ("val/loss", "val/kl", "val/rewards/chosen", "val/rewards/rejected"):
-        assert ranks[0]["metrics"][key] == pytest.approx(ranks[1]["metrics"][key]), key  # synced, not per rank
+    assert_identical_and_trained(ranks, models / "policy", ("val/loss", "val/kl", "val/rewards/chosen", "val/rewards/rejected"))
 
 
 GRPO_RUNS = {"dapo": ["--dapo"], "reinforce_pp": ["--preset", "reinforce_pp"], "remax": ["--preset", "remax"],
@@ -342,8 +343,6 @@ def test_dapo_two_processes_identical(grpo_runs, models):
     and train on as many groups (the fewest: 1 of 2), so their updates stay in step instead of
     hanging. (Under DeepSpeed and FSDP GRPO runs the update and rollout code PPO's ZeRO-2/3 and
     FSDP tests cover; the helper's ``--strategy deepspeed|fsdp`` runs them, not repeated in CI.)"""
-    from transformers import AutoModelForCausalLM
-
     ranks = grpo_runs["dapo"]
     # DAPO: 1 group (4 rows) each = 1 minibatch x μ 2 = 2 steps an iteration
     assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == 4
@@ -351,10 +350,7 @@ def test_dapo_two_processes_identical(grpo_runs, models):
     for r in ranks:
         assert r["sampling"] == [{"grpo/kept_groups": 1.0, "grpo/resample_rounds": 2.0}] * 4
         assert r["extra_batches"] == 2 * 4
-    for k, v in ranks[0]["params"].items():
-        torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
-    init = AutoModelForCausalLM.from_pretrained(models / "policy").state_dict()
-    assert all(not torch.equal(ranks[0]["params"][k], v.float()) for k, v in init.items())
+    assert_identical_and_trained(ranks, models / "policy")
 
 
 @pytest.mark.slow
@@ -368,8 +364,7 @@ def test_reinforce_pp_and_remax_two_processes(grpo_runs, preset):
     ranks = grpo_runs[preset]
     iterations = {"reinforce_pp": 4, "remax": 8}[preset]  # 2 minibatches an iteration, or 1
     assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == iterations
-    for k, v in ranks[0]["params"].items():
-        torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
+    assert_identical_and_trained(ranks)
     s, sq, n = (sum(r["advantages"][i] for r in ranks) for i in range(3))
     if preset == "reinforce_pp":
         assert s / n == pytest.approx(0.0, abs=1e-5) and sq / (n - 1) == pytest.approx(1.0, abs=1e-4)  # Bessel
@@ -388,13 +383,8 @@ def test_two_ddp_ranks_each_sample_their_share_with_their_own_vllm_engine(grpo_r
     has the single-process engine tests): the ranks sample different prompts, log fp32-noise mismatch,
     and end with identical weights (gradients all-reduced), every one changed from the initial ones.
     (This is also CI's plain-GRPO DDP run.)"""
-    from transformers import AutoModelForCausalLM
-
     ranks = grpo_runs["vllm"]
     assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == 2
     assert ranks[0]["wrapper"] == WRAPPERS["ddp"] and ranks[0]["prompts"] != ranks[1]["prompts"]
     assert all(0.0 <= r["sampler_kl"] < 1e-8 for r in ranks)
-    for k, v in ranks[0]["params"].items():
-        torch.testing.assert_close(ranks[1]["params"][k], v, rtol=0, atol=0, msg=f"{k} differs across ranks")
-    init = AutoModelForCausalLM.from_pretrained(vllm_models / "policy").state_dict()
-    assert all(not torch.equal(ranks[0]["params"][k], v.float()) for k, v in init.items())
+    assert_identical_and_trained(ranks, vllm_models / "policy")
