@@ -11,15 +11,15 @@ from lit_rlhf.runner import run
 from tests.conftest import compose
 
 BASE = ["pipeline=reasoning", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "logger=csv"]
-# The SFT stage reads the pipeline's 20,000 solutions but sees 80,000 of them (4 epochs of batches of
-# 32: 2,500 steps) instead of the recipe's 120,000 (6 epochs of 64), 2/3 of its compute and most of
-# this test's time: about 3 min 25 s of its 4 min 7 s on one core of the development machine. With seed
-# 42: SFT greedy accuracy 0.67 and GRPO (60 iterations) 0.90. Cheaper SFTs left too little to teach or
-# too little margin: 3 epochs of 32 gave 0.45 and a GRPO gain of +6.5 points at 40 iterations, +10.5 at
-# 80; 2 epochs of 16 did not learn the arithmetic (0.10; as earlier sessions found at 600-1,250 steps
-# of 64, with a smaller set, or a constant or larger lr).
+# The SFT stage reads the pipeline's 20,000 solutions but takes 2,200 steps of 32 (70,400 solutions,
+# 3.5 epochs) instead of the recipe's 6 epochs of 64 (120,000): the SFT is most of this test's time
+# (about 3 min of its ~4 min on one core of the development machine). With seed 42: SFT greedy accuracy
+# 0.615, GRPO (60 iterations) 0.88; at 2,500 steps of 32, 0.67 and 0.90. Cheaper SFTs left too little
+# to teach or too little margin: 3 epochs of 32 (1,875 steps) gave 0.45 and a GRPO gain of +6.5 points
+# at 40 iterations, +10.5 at 80; 2 epochs of 16 did not learn the arithmetic (0.10; as earlier sessions
+# found at 600-1,250 steps of 64, with a smaller set, or a constant or larger lr).
 BUDGET = ["data.sft.n_val=64", "data.prompt.n_val=32"]
-SFT_BUDGET = ["data.batch_size=32", "trainer.max_epochs=4"]
+SFT_BUDGET = ["data.batch_size=32", "trainer.max_epochs=4", "trainer.max_steps=2200"]
 
 
 @pytest.mark.slow
