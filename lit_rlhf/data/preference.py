@@ -313,18 +313,7 @@ class PreferenceDataModule(pl.LightningDataModule):
         if self.kind == "encoder" and c.template == AUTO:
             raise ConfigError("data.preference.template", "'auto' renders with a causal LM's chat template; an "
                               "encoder reward model (model.kind=encoder) reads one of the named templates")  # fmt: skip
-        if self.kind != "encoder" and c.template != AUTO:  # one tokenizer call per side for all rows (the same ids)
-            n = len(pairs)
-            encoded = encode_pairs(self.tokenizer, [p.prompt for p in pairs] * 2,
-                                   [p.chosen for p in pairs] + [p.rejected for p in pairs], template, c.max_length)  # fmt: skip
-            sides = list(zip(encoded[:n], encoded[n:]))
-        else:
-            enc = functools.partial(encode_encoder_pair if self.kind == "encoder" else encode_pair, self.tokenizer,
-                                    template=template, max_length=c.max_length)  # fmt: skip
-            sides = []
-            for p in pairs:
-                with naming_row(p.where):
-                    sides.append((enc(p.prompt, p.chosen), enc(p.prompt, p.rejected)))
+        sides = self._encode_two(pairs, [p.chosen for p in pairs], [p.rejected for p in pairs], template)
         out = [EncodedPreference(chosen, rejected, p.margin, i, p.prompt)
                for i, (p, (chosen, rejected)) in enumerate(zip(pairs, sides))]  # fmt: skip
         self.stats[f"{split}_pairs"] = len(out)
@@ -332,23 +321,29 @@ class PreferenceDataModule(pl.LightningDataModule):
         self.stats[f"{split}_responses_cut"] = sum(e.chosen.response_cut > 0 or e.rejected.response_cut > 0 for e in out)
         return out
 
+    def _encode_two(self, rows: list[Any], firsts: list[str], seconds: list[str], template: Any) -> list[tuple]:
+        """(encoded first, encoded second) completion of each row's prompt. A causal model with a named
+        template: one tokenizer call per side for all rows (encode_pairs, the same ids); otherwise row by
+        row, a chat template's refusal naming the row."""
+        c = self.config
+        if self.kind != "encoder" and c.template != AUTO:
+            encoded = encode_pairs(self.tokenizer, [r.prompt for r in rows] * 2, firsts + seconds, template, c.max_length)
+            return list(zip(encoded[: len(rows)], encoded[len(rows) :]))
+        enc = functools.partial(encode_encoder_pair if self.kind == "encoder" else encode_pair, self.tokenizer,
+                                template=template, max_length=c.max_length)  # fmt: skip
+        sides = []
+        for r, first, second in zip(rows, firsts, seconds):
+            with naming_row(r.where):
+                sides.append((enc(r.prompt, first), enc(r.prompt, second)))
+        return sides
+
     def _encode_examples(self, examples: list[UnpairedExample], split: str) -> list[EncodedExample]:
         """Each example with its KL row: its prompt and the completion of :func:`kl_partners`' choice."""
         c = self.config
         template = get_template(c.template)
         partners = kl_partners([e.prompt for e in examples], f"{c.source} [{split}]") if examples else []
-        if c.template != AUTO:  # one tokenizer call per side for all rows (the same ids)
-            n = len(examples)
-            encoded = encode_pairs(self.tokenizer, [e.prompt for e in examples] * 2,
-                                   [e.completion for e in examples] + [examples[j].completion for j in partners],
-                                   template, c.max_length)  # fmt: skip
-            sides = list(zip(encoded[:n], encoded[n:]))
-        else:
-            enc = functools.partial(encode_pair, self.tokenizer, template=template, max_length=c.max_length)
-            sides = []
-            for e, j in zip(examples, partners):
-                with naming_row(e.where):
-                    sides.append((enc(e.prompt, e.completion), enc(e.prompt, examples[j].completion)))
+        sides = self._encode_two(examples, [e.completion for e in examples], [examples[j].completion for j in partners],
+                                 template)  # fmt: skip
         out = [EncodedExample(completion, kl, e.desirable, i, e.prompt)
                for i, (e, (completion, kl)) in enumerate(zip(examples, sides))]  # fmt: skip
         self.stats[f"{split}_examples"] = len(out)
