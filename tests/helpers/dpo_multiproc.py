@@ -28,18 +28,19 @@ from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import DPOConfig  # noqa: E402
 from lit_rlhf.modules.dpo import DPOModule  # noqa: E402
 from lit_rlhf.utils.config import build_config  # noqa: E402
-from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args, wrapper_name  # noqa: E402
+from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args, run_parser, wrapper_name  # noqa: E402
+
+
+PARSER = run_parser("folder with policy/", [("--precompute", {"action": "store_true"}), ("--loss-type", {"default": "sigmoid"})])
 
 
 def main() -> None:
-    runs = multiproc_args("folder with policy/", [("--precompute", {"action": "store_true"}),
-                                                  ("--loss-type", {"default": "sigmoid"})])  # fmt: skip
     torch.set_num_threads(1)
-    for args in runs:
-        fit(args)
+    for args in multiproc_args(PARSER):
+        run(args)
 
 
-def fit(args) -> None:
+def run(args) -> None:
     policy = os.path.join(args.models, "policy")
     cfg = build_config(DPOConfig, {"policy_path": policy, "lr": 1e-3, "warmup_steps": 0, "drift_prompts": 4,
                                    "precompute_ref_logprobs": args.precompute, "generation": {"max_new_tokens": 6},

@@ -30,7 +30,7 @@ from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import GRPOConfig  # noqa: E402
 from lit_rlhf.modules.grpo import GRPOModule  # noqa: E402
 from lit_rlhf.utils.config import build_config  # noqa: E402
-from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args, wrapper_name  # noqa: E402
+from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args, run_parser, wrapper_name  # noqa: E402
 
 
 def uneven_reward():
@@ -64,16 +64,18 @@ PRESETS = {
 }  # fmt: skip
 
 
+PARSER = run_parser("folder with policy/ and rm/", [("--dapo", {"action": "store_true"}),
+                                                    ("--preset", {"choices": sorted(PRESETS), "default": None}),
+                                                    ("--engine", {"choices": ["hf", "vllm"], "default": "hf"})])
+
+
 def main() -> None:
-    runs = multiproc_args("folder with policy/ and rm/", [("--dapo", {"action": "store_true"}),
-                                                          ("--preset", {"choices": sorted(PRESETS), "default": None}),
-                                                          ("--engine", {"choices": ["hf", "vllm"], "default": "hf"})])
     torch.set_num_threads(1)
-    for args in runs:
-        fit(args)
+    for args in multiproc_args(PARSER):
+        run(args)
 
 
-def fit(args) -> None:
+def run(args) -> None:
     policy, rm = os.path.join(args.models, "policy"), os.path.join(args.models, "rm")
     reward = ({"reward_fn": {"_target_": "tests.helpers.grpo_multiproc.uneven_reward"}, "dynamic_sampling": True,
                "max_resample_rounds": 2} if args.dapo else {"reward_path": rm})  # fmt: skip

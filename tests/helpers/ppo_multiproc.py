@@ -31,7 +31,7 @@ from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import PPOConfig  # noqa: E402
 from lit_rlhf.modules.ppo import PPOModule  # noqa: E402
 from lit_rlhf.utils.config import build_config  # noqa: E402
-from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args  # noqa: E402
+from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args, run_parser  # noqa: E402
 
 
 def fsdp(trainer) -> bool:
@@ -117,21 +117,27 @@ class Dump(pl.Callback):
         )  # fmt: skip
 
 
+PARSER = run_parser("folder with policy/ and rm/", [
+    ("--max-steps", {"type": int, "default": 4}),
+    ("--ckpt-dir", {"help": "save a checkpoint every 2 optimizer steps here"}),
+    ("--resume", {"help": "checkpoint to resume from"}),
+    ("--resume-into", {"help": "then resume a fresh fit from the step-2 checkpoint in --ckpt-dir, ranks here"}),
+    ("--export-dir", {"help": "export the actor here at the end of the fit (algo.export_dir)"}),
+])  # fmt: skip
+
+
 def main() -> None:
-    runs = multiproc_args("folder with policy/ and rm/", [
-        ("--max-steps", {"type": int, "default": 4}),
-        ("--ckpt-dir", {"help": "save a checkpoint every 2 optimizer steps here"}),
-        ("--resume", {"help": "checkpoint to resume from"}),
-        ("--resume-into", {"help": "then resume a fresh fit from the step-2 checkpoint in --ckpt-dir, ranks here"}),
-        ("--export-dir", {"help": "export the actor here at the end of the fit (algo.export_dir)"}),
-    ])  # fmt: skip
     torch.set_num_threads(1)
-    for args in runs:
-        fit(args, args.out, args.resume, args.ckpt_dir, args.export_dir)
-        if args.resume_into:  # a fresh module, data module and strategy: only the checkpoint carries the state
-            ckpt = sorted(Path(args.ckpt_dir).glob("*step=2.ckpt"))
-            assert len(ckpt) == 1, sorted(os.listdir(args.ckpt_dir))
-            fit(args, args.resume_into, str(ckpt[0]), None, None)
+    for args in multiproc_args(PARSER):
+        run(args)
+
+
+def run(args) -> None:
+    fit(args, args.out, args.resume, args.ckpt_dir, args.export_dir)
+    if args.resume_into:  # a fresh module, data module and strategy: only the checkpoint carries the state
+        ckpt = sorted(Path(args.ckpt_dir).glob("*step=2.ckpt"))
+        assert len(ckpt) == 1, sorted(os.listdir(args.ckpt_dir))
+        fit(args, args.resume_into, str(ckpt[0]), None, None)
 
 
 def fit(args, out: str, resume: str | None, ckpt_dir: str | None, export_dir: str | None) -> None:

@@ -41,12 +41,17 @@ class Dump(pl.Callback):
                        os.path.join(self.out, "result.pt"))  # fmt: skip
 
 
+PARSER = argparse.ArgumentParser()
+PARSER.add_argument("--devices", type=int, default=2)
+PARSER.add_argument("--out", required=True)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--devices", type=int, default=2)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
     torch.set_num_threads(1)
+    run(PARSER.parse_args())
+
+
+def run(args) -> None:
     torch.manual_seed(0)
     spec = ModelSpec(tiny=TinyLlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
                      tokenizer="synthetic")  # fmt: skip
