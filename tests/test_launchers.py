@@ -3,7 +3,7 @@ local executor runs its job with Lightning's 2-process DDP launcher inside (Hydr
 combined with the DDP subprocess launcher works: the ranks restart from the job's saved config),
 and that job is the suite's check of strategy=ddp_sim through train.py (data split, learning, the
 export). One job: each is 4 processes that import everything; a sweep's jobs each getting their own
-run directory and seed is tests/test_train.py's multirun test (Hydra's basic launcher)."""
+run directory and logger run is tests/test_short_runs.py's README sweep (Hydra's basic launcher)."""
 
 from __future__ import annotations
 

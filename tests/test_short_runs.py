@@ -100,7 +100,8 @@ def test_ppo_max_short_budget_with_wandb_alone_has_its_metric_and_stability_png(
 def test_readme_tiny_experiments_sweep_on_a_short_budget_runs_every_job_and_prints_each_event_once(tmp_path):
     """``-m experiment=sft_synthetic_tiny,rm_synthetic_tiny trainer.max_steps=2``: both experiments
     name a val/ optimized_metric that a 2-step fit (of 4-step epochs) never logs; the sweep exits 0 and both jobs run
-    and export. The same output shows each Lightning line once, without ads or known warnings."""
+    and export, each in its own run directory with its own logger run (Hydra's basic launcher). The same
+    output shows each Lightning line once, without ads or known warnings."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "-m", "experiment=sft_synthetic_tiny,rm_synthetic_tiny",
          "trainer.max_steps=2", "data.sft.n_train=256", "data.sft.n_val=64", "data.preference.n_train=256",
@@ -108,8 +109,12 @@ def test_readme_tiny_experiments_sweep_on_a_short_budget_runs_every_job_and_prin
          f"hydra.sweep.dir={tmp_path}"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["0", "1"]
     assert (tmp_path / "0" / "policy" / "model.safetensors").is_file()
     assert (tmp_path / "1" / "reward_model" / "reward_config.json").is_file()
+    columns = [(tmp_path / job / "csv" / "metrics.csv").read_text().splitlines()[0].split(",") for job in ("0", "1")]
+    assert "val/perplexity" in columns[0] and "val/accuracy" not in columns[0]  # each job its own logger run
+    assert "val/accuracy" in columns[1] and "val/perplexity" not in columns[1]
     console = out.stdout + out.stderr
     assert console.count("running a final validation") == 2 and "Configuration error" not in console
     assert console.count("Seed set to 42") == 2  # once per job (it was printed twice: "INFO: …" and Hydra's line)

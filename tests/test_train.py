@@ -126,24 +126,6 @@ def test_cli_bad_data_names_file_and_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_multirun_gives_one_run_dir_and_logger_run_per_job(tmp_path):
-    out = cli(
-        "-m", "algo=sft", "algo.lr=1e-3,3e-3", "trainer.max_steps=5", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false",
-        "data.sft.n_train=200", "data.sft.n_val=50", f"hydra.sweep.dir={tmp_path}", timeout=900,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
-    assert [p.name for p in jobs] == ["0", "1"]
-    lrs = []
-    for job in jobs:
-        assert (job / "policy" / "model.safetensors").exists()
-        rows = read_metrics(job / "csv" / "metrics.csv")
-        lrs.append(max(float(r["train/lr"]) for r in rows if r.get("train/lr")))
-    assert lrs[0] < lrs[1]  # each job logged its own run with its own learning rate
-
-
-@pytest.mark.slow
-@pytest.mark.integration
 def test_optuna_sweep_runs_from_the_readme_command(tmp_path):
     """``-m hparams_search=sft_lr_optuna`` as the README writes it (no algo=): the search selects
     the SFT stage itself, runs its trials and reports the best value of val/perplexity."""
