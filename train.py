@@ -16,23 +16,31 @@ from omegaconf import DictConfig  # noqa: E402
 
 PLAN_ONLY = False  # `--plan`: print the memory plan of the composed job and exit (lit_rlhf/memory_plan.py)
 
+# the errors reported in one line without a traceback, by the module that defines each: a module is only
+# in sys.modules once the job got that far, so a job that fails its first checks never imports torch
+USER_ERRORS = {"lit_rlhf.data.io": "DataError", "lit_rlhf.models.builders": "ModelLoadError",
+               "lit_rlhf.rollout.score": "RewardFunctionError", "lit_rlhf.modules.health": "NonFiniteTrainingError"}
+
+
+def is_user_error(err: BaseException) -> bool:
+    return any(isinstance(err, getattr(sys.modules[module], name)) for module, name in USER_ERRORS.items()
+               if module in sys.modules)  # fmt: skip
+
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from lit_rlhf.data.io import DataError
-    from lit_rlhf.models.builders import ModelLoadError
-    from lit_rlhf.modules.health import NonFiniteTrainingError
-    from lit_rlhf.rollout.score import RewardFunctionError
-    from lit_rlhf.runner import metric_value, run
+    from lit_rlhf.runner import check_before_imports, metric_value, run  # torch, Lightning: imported by the job
     from lit_rlhf.utils.config import ConfigError
 
     from lit_rlhf.utils.console import one_line_per_event
     from lit_rlhf.utils.secrets import mask_override, restore_secrets
 
-    one_line_per_event()  # Lightning's own console handler off (Hydra's prints it), ads and known warnings filtered
     restore_secrets(cfg)  # DDP ranks 1… start from the masked .hydra/config.yaml
     sys.argv[1:] = [mask_override(a) for a in sys.argv[1:]]  # loggers (W&B) record the command line
     try:
+        if not PLAN_ONLY:  # a missing input or a bad algo.* value in about a second (run checks again: cheap)
+            check_before_imports(cfg)
+        one_line_per_event()  # Lightning's own console handler off (Hydra's prints it), ads and known warnings filtered
         if PLAN_ONLY:
             from lit_rlhf.runner import print_memory_plan
 
@@ -42,7 +50,9 @@ def main(cfg: DictConfig) -> float | None:
     except ConfigError as err:
         # a user mistake: say which key and what is allowed, without a traceback
         sys.exit(f"Configuration error: {err}")
-    except (DataError, ModelLoadError, RewardFunctionError, NonFiniteTrainingError) as err:
+    except Exception as err:
+        if not is_user_error(err):
+            raise
         sys.exit(f"Error: {err}")
 
 

@@ -67,7 +67,7 @@ def _dataset_cached(name: str) -> bool:
 
 def _model_problem(path: str, key: str) -> str | None:
     """Why the model at ``path`` (set by ``key``) cannot be loaded here, or None."""
-    from lit_rlhf.modules.base import check_model_path
+    from lit_rlhf.models.spec import check_model_path
 
     if path.startswith("pkg://"):
         return None

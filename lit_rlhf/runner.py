@@ -3,9 +3,10 @@
 ``train.py`` is only the Hydra entry point around :func:`run`; tests call :func:`run` with a
 config composed from ``conf/`` (tests/conftest.py).
 
-Order matters: every user-facing config (model, algo, data) is validated into its dataclass
-first, so a typo or an out-of-range value fails in milliseconds, before a tokenizer, a dataset
-or a model is built.
+Order matters: a job's missing inputs and its stage config (algo) are checked before torch and
+Lightning are imported (:func:`check_before_imports`: train.py answers in about a second), then every
+user-facing config (model, algo, data, trainer) is validated into its dataclass, so a typo or an
+out-of-range value fails before a tokenizer, a dataset or a model is built.
 """
 
 from __future__ import annotations
@@ -275,8 +276,29 @@ def resume_path(trainer: Any, ckpt_path: str | None) -> str | None:
     return newest
 
 
+def check_before_imports(cfg: DictConfig) -> None:
+    """What a stage job's config can fail on before torch, transformers and Lightning are imported
+    (~9 s of CPU in a fresh process; train.py then answers in about a second): every input it lacks
+    here, in one message (lit_rlhf/preflight.py), then the stage's config (``algo.*``) into its
+    dataclass. lit_rlhf's stages are known by name (launch/schemas.py); a stage of the user's own is
+    imported for its data section, and its config is checked by :func:`plan`, which checks the
+    stage's config again (cheap) with the model, data and trainer configs."""
+    if cfg.get("algo") is None:
+        return
+    from lit_rlhf.launch.schemas import STAGE_DATA_KINDS, STAGE_SCHEMAS, schema_class
+    from lit_rlhf.preflight import check_inputs
+
+    target = str(cfg.algo.get("_target_", "")) if isinstance(cfg.algo, DictConfig) else ""
+    if target not in STAGE_SCHEMAS:
+        check_inputs(cfg, getattr(get_class(cfg.algo, "algo"), "data_kind", ""))
+        return
+    check_inputs(cfg, STAGE_DATA_KINDS[target])
+    build_config(schema_class(STAGE_SCHEMAS[target]), cfg.algo, "algo")
+
+
 def run(cfg: DictConfig) -> dict[str, float]:
     """Run one job; returns the final ``trainer.callback_metrics`` as floats."""
+    check_before_imports(cfg)
     from lit_rlhf.runtime.checkpoint_io import check_checkpoint_path
     from lit_rlhf.utils.instantiate import finish_loggers, loggable_config
 
@@ -286,10 +308,6 @@ def run(cfg: DictConfig) -> dict[str, float]:
         hf_logging.disable_progress_bar()
     except ImportError:  # pragma: no cover
         pass
-    if cfg.get("algo") is not None:  # every missing weight, reward and data source in one message
-        from lit_rlhf.preflight import check_inputs
-
-        check_inputs(cfg, getattr(get_class(cfg.algo, "algo"), "data_kind", ""))
     p = plan(cfg)
     if p.pipeline_cls is not None:
         return p.pipeline_cls(p.pipeline).run(cfg)

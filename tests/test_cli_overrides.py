@@ -154,30 +154,37 @@ def test_what_hydra_judges_is_left_to_hydra(argv, then, tmp_path):
 
 
 def test_stage_schemas_name_each_stage_modules_own_config():
-    """The light map train.py's key check names configs by (launch/schemas.py: STAGE_SCHEMAS) is each
-    stage module's ``config_class``, and covers every stage the conf/algo presets build."""
+    """The light maps train.py's checks name configs and data sections by (launch/schemas.py:
+    STAGE_SCHEMAS, STAGE_DATA_KINDS) are each stage module's ``config_class`` and ``data_kind``, and
+    cover every stage the conf/algo presets build."""
     import importlib
 
     from omegaconf import OmegaConf
 
-    from lit_rlhf.launch.schemas import STAGE_SCHEMAS, schema_class
+    from lit_rlhf.launch.schemas import STAGE_DATA_KINDS, STAGE_SCHEMAS, schema_class
 
+    assert STAGE_DATA_KINDS.keys() == STAGE_SCHEMAS.keys()
     for target, name in STAGE_SCHEMAS.items():
         module, cls = target.rsplit(".", 1)
-        assert getattr(importlib.import_module(module), cls).config_class is schema_class(name)
+        stage = getattr(importlib.import_module(module), cls)
+        assert stage.config_class is schema_class(name) and stage.data_kind == STAGE_DATA_KINDS[target], target
     targets = {str(OmegaConf.load(p).get("_target_")) for p in (CONF / "algo").glob("*.yaml")} - {"None"}
     assert targets and targets <= STAGE_SCHEMAS.keys()
 
 
 def test_key_checks_and_printed_configs_import_neither_torch_nor_lightning(tmp_path):
-    """train.py's unknown-key error and ``--cfg job`` come from the typed configs alone: neither
-    imports torch, Lightning or transformers (so they answer in about a second, not after ~7 s
-    of imports), as ``python -X importtime`` shows."""
+    """train.py's unknown-key errors (an override Hydra refuses, and a ``+key`` it accepts that the
+    stage's config does not have), a job's missing inputs and ``--cfg job`` come from the typed configs
+    alone: none imports torch, Lightning or transformers (so they answer in about a second, not after
+    ~9 s of imports), as ``python -X importtime`` shows (runner.check_before_imports)."""
     import subprocess
     import sys
 
     heavy = ("torch", "lightning", "transformers")
     for args, expect in ((["algo=sft", "algo.lrr=0.1"], "unknown key for SFTConfig"),
+                         (["algo=sft", "+algo.lrr=0.1"], "Configuration error: algo.lrr: unknown key for SFTConfig"),
+                         (["algo=dpo", "algo.beta=-1"], "Configuration error: algo.beta"),
+                         (["model=llama7b", "algo=ppo_max"], "this job cannot start; it is missing 2 input(s)"),
                          (["algo=dapo", "algo.generation.temprature=0.5"], "Did you mean 'temperature'?"),
                          (["model=llama7b", "algo=sft", "strategy=deepspeed_stage_2", "--cfg", "job"], "stage: 2")):  # fmt: skip
         out = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}",

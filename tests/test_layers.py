@@ -25,7 +25,7 @@ ALLOWED = {
     "callbacks": {"core", "modules", "report", "utils"},
     "launch": {"runner", "utils"},
     "memory_plan": {"launch", "models", "utils"},
-    "preflight": {"data", "modules", "utils"},
+    "preflight": {"data", "models", "utils"},
     "runner": {"callbacks", "core", "data", "launch", "memory_plan", "models", "modules", "preflight", "runtime", "utils"},
     "pipeline": {"core", "data", "models", "report", "rollout", "runner", "utils"},
     "reasoning_pipeline": {"data", "models", "pipeline", "rollout", "utils"},

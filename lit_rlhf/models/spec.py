@@ -8,6 +8,7 @@ Modules receive specs and build weights late, in ``configure_model()`` (docs/arc
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -153,3 +154,21 @@ class ModelSpec:
             attn_implementation=self.attn_implementation,
             lora=self.lora,
         )
+
+
+def check_model_path(path: str, key: str) -> str:
+    """A model path set by the user: a local folder must be a ``save_pretrained`` export (with a
+    config.json) or a LoRA adapter export (adapter_config.json); a missing or empty local path fails naming ``key``. Hub ids pass (``org/name``)."""
+    from lit_rlhf.utils.config import ConfigError
+
+    local = os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
+    if not local or path.startswith("pkg://"):
+        return path
+    path = os.path.expanduser(path)
+    if not os.path.isdir(path):
+        raise ConfigError(key, f"no such model folder: {path} (a save_pretrained export, e.g. <run>/sft/policy)")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
+        listing = "empty folder" if not os.listdir(path) else "found: " + ", ".join(sorted(os.listdir(path))[:5])
+        raise ConfigError(key, f"{path} is not a model export: it has no config.json ({listing}); nor is it a LoRA "
+                               "adapter export (adapter_config.json)")  # fmt: skip
+    return path

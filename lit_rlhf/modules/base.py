@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 
 from lit_rlhf.models.lora import has_lora, merged_state_dict
-from lit_rlhf.models.spec import ModelSpec
+from lit_rlhf.models.spec import ModelSpec, check_model_path
 from lit_rlhf.modules.configs import OptimConfig
 from lit_rlhf.utils.config import resolve_config, to_dict
 
@@ -342,24 +342,6 @@ class RLHFModule(pl.LightningModule):
             if module is model:
                 return f"{name}." if name else ""
         raise ValueError("the exported model is not a submodule of this LightningModule")
-
-
-def check_model_path(path: str, key: str) -> str:
-    """A model path set by the user: a local folder must be a ``save_pretrained`` export (with a
-    config.json) or a LoRA adapter export (adapter_config.json); a missing or empty local path fails naming ``key``. Hub ids pass (``org/name``)."""
-    from lit_rlhf.utils.config import ConfigError
-
-    local = os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
-    if not local or path.startswith("pkg://"):
-        return path
-    path = os.path.expanduser(path)
-    if not os.path.isdir(path):
-        raise ConfigError(key, f"no such model folder: {path} (a save_pretrained export, e.g. <run>/sft/policy)")
-    if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
-        listing = "empty folder" if not os.listdir(path) else "found: " + ", ".join(sorted(os.listdir(path))[:5])
-        raise ConfigError(key, f"{path} is not a model export: it has no config.json ({listing}); nor is it a LoRA "
-                               "adapter export (adapter_config.json)")  # fmt: skip
-    return path
 
 
 def policy_spec(policy_path: str | None, spec: ModelSpec) -> ModelSpec:
