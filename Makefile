@@ -26,14 +26,18 @@ demo: $(STAMP)
 
 # two workers (pytest-xdist); the files whose module fixtures share runs between tests are each kept
 # on one worker (xdist_group), every other test goes to whichever worker is free. The suite is
-# mostly single-threaded Python and process start-up (README, "Development")
+# mostly single-threaded Python and process start-up (README, "Development"). It writes bytecode
+# caches (__pycache__, git-ignored) even where the environment sets PYTHONDONTWRITEBYTECODE (the
+# development sandbox does): else each of its ~30 processes recompiles lit_rlhf and each worker
+# re-rewrites every test module (~5 s of collection per worker)
 PYTEST_WORKERS ?= 2
+PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
+	$(PYTEST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
+	$(PYTEST) -m "not slow"
 
 clean:
 	rm -rf $(VENV) logs outputs multirun .pytest_cache
