@@ -1,5 +1,5 @@
 """train.py's first answers to a newcomer (issue #27): --help points somewhere, --cfg job shows
-the chosen stage only, --plan writes nothing, a trainer.* typo answers as fast as an algo.* one,
+the chosen stage only, --plan writes nothing (tests/test_memory_plan.py), a trainer.* typo answers as fast as an algo.* one,
 a secret under a group says where secrets go, and each console event is printed once."""
 
 import inspect
@@ -47,14 +47,6 @@ def test_stage_choices_drop_the_pipeline_and_plan_only_runs_in_place():
         assert without_unused_pipeline(unchanged) == unchanged
     assert "hydra.run.dir=." in plan_only_overrides(["algo=sft"])
     assert "hydra.run.dir=." not in plan_only_overrides(["algo=sft", "hydra.run.dir=/tmp/x"])
-
-
-@pytest.mark.slow
-def test_plan_without_a_run_directory_creates_none(tmp_path):
-    out = cli("experiment=sft_synthetic_tiny", f"paths.log_dir={tmp_path / 'logs'}", "--plan", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "Memory plan" in out.stdout
-    assert sorted(os.listdir(tmp_path)) == []  # it left logs/sft/runs/<time>/ behind, empty
 
 
 def test_trainer_arguments_read_from_lightnings_source_match_its_signature():

@@ -3,6 +3,7 @@ parameter counts, DeepSpeed's model-state estimators, and the tensors of a real 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -152,10 +153,22 @@ def test_a_gpu_launch_that_cannot_fit_is_refused_before_loading():
 
 
 @pytest.mark.slow
-def test_train_py_plan_prints_the_table_and_exits():
+def test_train_py_plan_prints_the_table_exits_and_writes_nothing(tmp_path):
+    """``train.py … --plan``: the table, exit code 2 when the job does not fit (for scripts), and no run
+    directory left behind (it used to leave an empty logs/<stage>/runs/<time>/)."""
     out = subprocess.run([sys.executable, str(ROOT / "train.py"), "experiment=ppo_max_llama7b_a100x8",
-                          "algo.reward_path=/ckpt/rm", "strategy=deepspeed_stage_2", "--plan"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+                          "algo.reward_path=/ckpt/rm", "strategy=deepspeed_stage_2", f"paths.log_dir={tmp_path / 'logs'}",
+                          "--plan"], cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 2, out.stderr[-2000:]  # does not fit: a non-zero exit for scripts
     assert "| actor | trained | 6.74B |" in out.stdout and "DOES NOT FIT" in out.stdout
     assert "strategy=deepspeed_stage_2_offload" in out.stdout
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_plan_that_fits_or_has_no_gpu_to_check_is_not_a_failure(capsys):
+    """``--plan`` exits 0 unless the plan says the job does not fit (train.py: print_memory_plan is False
+    only then); a CPU job has no GPU memory to check."""
+    from lit_rlhf.runner import print_memory_plan
+
+    assert print_memory_plan(compose(["experiment=sft_synthetic_tiny"])) is None
+    assert "Memory plan" in capsys.readouterr().out
