@@ -222,18 +222,31 @@ def _saved_reasoning_policy(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_ppo_max_cli_on_the_embedded_task(tmp_path, saved_models):
+def test_ppo_max_cli_on_the_embedded_task_with_secrets_reaching_no_file(tmp_path, saved_models):
     """`python train.py experiment=ppo_max_synthetic_tiny algo.policy_path=… algo.reward_path=…` runs on
-    saved models (the tiny experiment: the algo=ppo_max preset samples 256 tokens for 7B)."""
+    saved models (the tiny experiment: the algo=ppo_max preset samples 256 tokens for 7B), logging to W&B
+    with secrets passed as overrides: a secret is masked in .hydra/*.yaml, the logged config and the
+    command line W&B records, and its value appears in no file of the run directory (checkpoints,
+    samples, the stability CSV and binary W&B files included)."""
+    secret = "sk-DO-NOT-LEAK-7f3a9"
+    run_dir = tmp_path / "ppo"
     out = cli("experiment=ppo_max_synthetic_tiny", f"algo.policy_path={saved_models[0]}",
               f"algo.reward_path={saved_models[1]}", "trainer.max_steps=12", "trainer.log_every_n_steps=1",
               "validate_before_fit=false", "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=1",
-              "optimized_metric=null",
-              "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'ppo'}")  # fmt: skip
+              "optimized_metric=null", f"+wandb_api_key={secret}", f"+hf_token={secret}", "logger=wandb",
+              "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}")  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = read_metrics(tmp_path / "ppo" / "csv" / "metrics.csv")
+    rows = read_metrics(run_dir / "csv" / "metrics.csv")  # kept beside W&B for stability.png
     assert any(r.get("policy/loss") for r in rows) and any(r.get("critic/loss") for r in rows)
-    assert (tmp_path / "ppo" / "actor" / "model.safetensors").exists()
+    assert (run_dir / "actor" / "model.safetensors").exists()
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert any(p.name == "overrides.yaml" for p in files) and any(p.suffix == ".wandb" for p in files)
+    assert any(p.suffix == ".ckpt" for p in files)
+    leaks = [str(p.relative_to(run_dir)) for p in files if secret.encode() in p.read_bytes()]
+    assert leaks == [], leaks
+    assert "+wandb_api_key=***" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    saved = OmegaConf.load(run_dir / ".hydra" / "config.yaml")  # ordinary keys that mention tokens keep their values
+    assert saved.hf_token == "***" and saved.model.tokenizer == "synthetic"
 
 
 @pytest.mark.slow
@@ -244,22 +257,3 @@ def test_sft_quality_small_budget(trained_sft):
     floor = metrics["val/perplexity_floor"]
     assert 7.0 < floor < 9.0  # the true language's perplexity on these held-out tokens
     assert metrics["val/perplexity_ratio"] <= 1.3, metrics
-
-
-@pytest.mark.slow
-@pytest.mark.integration
-def test_secrets_on_the_command_line_reach_no_file(tmp_path):
-    """A secret passed as an override is masked in .hydra/*.yaml, the logged config and the command
-    line W&B records: its value appears in no file of the run directory (binary W&B files included)."""
-    secret = "sk-DO-NOT-LEAK-7f3a9"
-    out = cli("experiment=sft_synthetic_tiny", f"+wandb_api_key={secret}", f"+hf_token={secret}", "logger=wandb",
-              "trainer.max_steps=2", "trainer.enable_progress_bar=false", "data.sft.n_train=64", "data.sft.n_val=16",
-              f"hydra.run.dir={tmp_path}")  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    files = [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert any(p.name == "overrides.yaml" for p in files) and any(p.suffix == ".wandb" for p in files)
-    leaks = [str(p.relative_to(tmp_path)) for p in files if secret.encode() in p.read_bytes()]
-    assert leaks == [], leaks
-    assert "+wandb_api_key=***" in (tmp_path / ".hydra" / "overrides.yaml").read_text()
-    saved = OmegaConf.load(tmp_path / ".hydra" / "config.yaml")  # ordinary keys that mention tokens keep their values
-    assert saved.hf_token == "***" and saved.model.tokenizer == "synthetic"
