@@ -38,10 +38,6 @@ def hub_reachable() -> bool:
         return False
 
 
-def _is_local(path: str) -> bool:
-    return os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
-
-
 def _model_cached(repo: str) -> bool:
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -67,11 +63,11 @@ def _dataset_cached(name: str) -> bool:
 
 def _model_problem(path: str, key: str) -> str | None:
     """Why the model at ``path`` (set by ``key``) cannot be loaded here, or None."""
-    from lit_rlhf.models.spec import check_model_path
+    from lit_rlhf.models.spec import check_model_path, is_local_path
 
     if path.startswith("pkg://"):
         return None
-    if _is_local(path):
+    if is_local_path(path):
         try:
             check_model_path(path, key)
         except ConfigError as err:

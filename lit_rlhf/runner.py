@@ -292,8 +292,9 @@ def check_before_imports(cfg: DictConfig) -> None:
     if target not in STAGE_SCHEMAS:
         check_inputs(cfg, getattr(get_class(cfg.algo, "algo"), "data_kind", ""))
         return
-    check_inputs(cfg, STAGE_DATA_KINDS[target])
-    build_config(schema_class(STAGE_SCHEMAS[target]), cfg.algo, "algo")
+    schema = STAGE_SCHEMAS[target]
+    check_inputs(cfg, STAGE_DATA_KINDS[schema])
+    build_config(schema_class(schema), cfg.algo, "algo")
 
 
 def run(cfg: DictConfig) -> dict[str, float]:

@@ -163,11 +163,11 @@ def test_stage_schemas_name_each_stage_modules_own_config():
 
     from lit_rlhf.launch.schemas import STAGE_DATA_KINDS, STAGE_SCHEMAS, schema_class
 
-    assert STAGE_DATA_KINDS.keys() == STAGE_SCHEMAS.keys()
+    assert STAGE_DATA_KINDS.keys() == set(STAGE_SCHEMAS.values())
     for target, name in STAGE_SCHEMAS.items():
         module, cls = target.rsplit(".", 1)
         stage = getattr(importlib.import_module(module), cls)
-        assert stage.config_class is schema_class(name) and stage.data_kind == STAGE_DATA_KINDS[target], target
+        assert stage.config_class is schema_class(name) and stage.data_kind == STAGE_DATA_KINDS[name], target
     targets = {str(OmegaConf.load(p).get("_target_")) for p in (CONF / "algo").glob("*.yaml")} - {"None"}
     assert targets and targets <= STAGE_SCHEMAS.keys()
 

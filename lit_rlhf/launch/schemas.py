@@ -51,15 +51,9 @@ STAGE_SCHEMAS = {
     "lit_rlhf.modules.dpo.DPOModule": "dpo",
     "lit_rlhf.modules.grpo.GRPOModule": "grpo",
 }
-# and the data section each reads (its ``data_kind``): runner.check_before_imports lists a job's missing
-# inputs and checks its algo.* values before torch and Lightning are imported
-STAGE_DATA_KINDS = {
-    "lit_rlhf.modules.sft.SFTModule": "sft",
-    "lit_rlhf.modules.reward_model.RewardModelModule": "preference",
-    "lit_rlhf.modules.ppo.PPOModule": "prompt",
-    "lit_rlhf.modules.dpo.DPOModule": "preference",
-    "lit_rlhf.modules.grpo.GRPOModule": "prompt",
-}
+# and, by schema, the data section each reads (its ``data_kind``): runner.check_before_imports lists a job's
+# missing inputs and checks its algo.* values before torch and Lightning are imported
+STAGE_DATA_KINDS = {"sft": "sft", "rm": "preference", "ppo": "prompt", "dpo": "preference", "grpo": "prompt"}
 _registered = False
 
 

@@ -156,13 +156,17 @@ class ModelSpec:
         )
 
 
+def is_local_path(path: str) -> bool:
+    """A path the user means as a local folder (absolute, ``./…``, ``~/…`` or existing), not a hub id."""
+    return os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
+
+
 def check_model_path(path: str, key: str) -> str:
     """A model path set by the user: a local folder must be a ``save_pretrained`` export (with a
     config.json) or a LoRA adapter export (adapter_config.json); a missing or empty local path fails naming ``key``. Hub ids pass (``org/name``)."""
     from lit_rlhf.utils.config import ConfigError
 
-    local = os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
-    if not local or path.startswith("pkg://"):
+    if not is_local_path(path) or path.startswith("pkg://"):
         return path
     path = os.path.expanduser(path)
     if not os.path.isdir(path):
