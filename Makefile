@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 CONSTRAINTS := requirements/constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench cartpole clean
+.PHONY: install demo test test-fast lint format bench cartpole clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,15 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow"
+
+# ruff (pinned in the dev extra) owns formatting and linting: `make format` rewrites, `make lint` checks
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 clean:
 	rm -rf $(VENV) logs outputs multirun .pytest_cache

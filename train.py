@@ -11,27 +11,33 @@ from pathlib import Path
 # conf/paths/default.yaml resolves every path from the repository root
 os.environ.setdefault("LIT_RLHF_ROOT", str(Path(__file__).resolve().parent))
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+import hydra
+from omegaconf import DictConfig
 
 PLAN_ONLY = False  # `--plan`: print the memory plan of the composed job and exit (lit_rlhf/memory_plan.py)
 
 # the errors reported in one line without a traceback, by the module that defines each: a module is only
 # in sys.modules once the job got that far, so a job that fails its first checks never imports torch
-USER_ERRORS = {"lit_rlhf.data.io": "DataError", "lit_rlhf.models.builders": "ModelLoadError",
-               "lit_rlhf.rollout.score": "RewardFunctionError", "lit_rlhf.modules.health": "NonFiniteTrainingError"}
+USER_ERRORS = {
+    "lit_rlhf.data.io": "DataError",
+    "lit_rlhf.models.builders": "ModelLoadError",
+    "lit_rlhf.rollout.score": "RewardFunctionError",
+    "lit_rlhf.modules.health": "NonFiniteTrainingError",
+}
 
 
 def is_user_error(err: BaseException) -> bool:
-    return any(isinstance(err, getattr(sys.modules[module], name)) for module, name in USER_ERRORS.items()
-               if module in sys.modules)  # fmt: skip
+    return any(
+        isinstance(err, getattr(sys.modules[module], name))
+        for module, name in USER_ERRORS.items()
+        if module in sys.modules
+    )
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     from lit_rlhf.runner import check_before_imports, metric_value, run  # torch, Lightning: imported by the job
     from lit_rlhf.utils.config import ConfigError
-
     from lit_rlhf.utils.console import one_line_per_event
     from lit_rlhf.utils.secrets import mask_override, restore_secrets
 
@@ -58,8 +64,8 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     from lit_rlhf.launch.cli import check_overrides, plan_only_overrides, without_unused_pipeline
-    from lit_rlhf.utils.config import ConfigError
     from lit_rlhf.launch.schemas import register
+    from lit_rlhf.utils.config import ConfigError
 
     register()  # the typed configs' defaults as Hydra schemas (conf/algo/*.yaml start from them)
     if "--plan" in sys.argv[1:]:

@@ -33,7 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SHAPE = dict(hidden=768, layers=12, heads=12, inter=2048, batch=32, prompt_len=16, new_tokens=128, iterations=6, warmup=2)
+SHAPE = dict(
+    hidden=768, layers=12, heads=12, inter=2048, batch=32, prompt_len=16, new_tokens=128, iterations=6, warmup=2
+)
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
 VARIANTS = ["zero2", "zero3", "fsdp", "lora", "vllm"]
 
@@ -46,10 +48,18 @@ def build(folder: Path) -> None:
     from lit_rlhf.models.reward import RewardModel
 
     tok = build_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=SHAPE["hidden"], num_hidden_layers=SHAPE["layers"],
-                      num_attention_heads=SHAPE["heads"], intermediate_size=SHAPE["inter"], max_position_embeddings=512,
-                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      tie_word_embeddings=False)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=SHAPE["hidden"],
+        num_hidden_layers=SHAPE["layers"],
+        num_attention_heads=SHAPE["heads"],
+        intermediate_size=SHAPE["inter"],
+        max_position_embeddings=512,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(folder / "policy")
     tok.save_pretrained(folder / "policy")
@@ -71,34 +81,60 @@ def run_variant(variant: str, folder: Path) -> dict:
     from lit_rlhf.utils.config import build_config
 
     s = SHAPE
-    cfg = build_config(PPOConfig, dict(policy_path=str(folder / "policy"), reward_path=str(folder / "rm"), export_dir=None,
-                                       rollout_batch_size=s["batch"], minibatch_size=s["batch"] // 4, lr=1e-5,
-                                       critic_lr=1e-5, score_norm="normalize", kl_coef=0.05, critic_warmup_steps=0,
-                                       generation={"max_new_tokens": s["new_tokens"], "top_p": 1.0, "top_k": 0,
-                                                   "engine": "vllm" if variant == "vllm" else "hf",
-                                                   "vllm": {"gpu_memory_utilization": 0.3}}),
-                       "algo")  # fmt: skip
+    cfg = build_config(
+        PPOConfig,
+        dict(
+            policy_path=str(folder / "policy"),
+            reward_path=str(folder / "rm"),
+            export_dir=None,
+            rollout_batch_size=s["batch"],
+            minibatch_size=s["batch"] // 4,
+            lr=1e-5,
+            critic_lr=1e-5,
+            score_norm="normalize",
+            kl_coef=0.05,
+            critic_warmup_steps=0,
+            generation={
+                "max_new_tokens": s["new_tokens"],
+                "top_p": 1.0,
+                "top_k": 0,
+                "engine": "vllm" if variant == "vllm" else "hf",
+                "vllm": {"gpu_memory_utilization": 0.3},
+            },
+        ),
+        "algo",
+    )
     lora = LoraSpec(enabled=variant == "lora", r=16, alpha=32.0)
     dtype = "float32" if variant == "fsdp" else "bfloat16"  # FSDP's mixed precision keeps fp32 weights
     spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=str(folder / "policy"), dtype=dtype, lora=lora))
     tok = build_tokenizer(spec)
     module = PPOModule(cfg, model=spec, tokenizer=tok)
-    data = PromptDataModule(n_train=s["batch"] * 20, n_val=0, batch_size=s["batch"],
-                            max_prompt_length=s["prompt_len"]).connect(tok)  # fmt: skip
+    data = PromptDataModule(
+        n_train=s["batch"] * 20, n_val=0, batch_size=s["batch"], max_prompt_length=s["prompt_len"]
+    ).connect(tok)
     if variant in ("zero2", "zero3", "vllm"):
         from lit_rlhf.runtime.strategies import RLHFDeepSpeedStrategy
 
         stage = 2 if variant == "vllm" else int(variant[-1])
-        strategy: object = RLHFDeepSpeedStrategy(config={"zero_optimization": {"stage": stage}, "bf16": {"enabled": True},
-                                                         "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
-                                                         "train_micro_batch_size_per_gpu": s["batch"] // 4})  # fmt: skip
+        strategy: object = RLHFDeepSpeedStrategy(
+            config={
+                "zero_optimization": {"stage": stage},
+                "bf16": {"enabled": True},
+                "gradient_clipping": 1.0,
+                "zero_allow_untested_optimizer": True,
+                "train_micro_batch_size_per_gpu": s["batch"] // 4,
+            }
+        )
         precision = "bf16-mixed"
         trainer_strategy = f"deepspeed_stage_{stage}"
     elif variant == "fsdp":
         from lit_rlhf.runtime.strategies import RLHFFSDPStrategy
 
-        strategy = RLHFFSDPStrategy(wrap_layers=["transformers.models.llama.modeling_llama.LlamaDecoderLayer"],
-                                    sharding_strategy="FULL_SHARD", state_dict_type="full")  # fmt: skip
+        strategy = RLHFFSDPStrategy(
+            wrap_layers=["transformers.models.llama.modeling_llama.LlamaDecoderLayer"],
+            sharding_strategy="FULL_SHARD",
+            state_dict_type="full",
+        )
         precision, trainer_strategy = "bf16-mixed", "fsdp"
     else:
         strategy, precision, trainer_strategy = "auto", "bf16-mixed", "auto"
@@ -117,17 +153,29 @@ def run_variant(variant: str, folder: Path) -> dict:
 
     probe = Probe()
     torch.cuda.reset_peak_memory_stats()
-    trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision=precision, max_steps=s["iterations"] * 4,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[probe],
-                         limit_val_batches=0, num_sanity_val_steps=0)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        strategy=strategy,
+        precision=precision,
+        max_steps=s["iterations"] * 4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[probe],
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     torch.cuda.synchronize()
     start = time.perf_counter()
     trainer.fit(module, data)
     peak = torch.cuda.max_memory_allocated()
     stamps = [start] + probe.stamps
-    steps = [b - a for a, b in zip(stamps, stamps[1:])][s["warmup"]:]
+    steps = [b - a for a, b in zip(stamps, stamps[1:])][s["warmup"] :]
     step_s = statistics.median(steps)
-    rollout_tok_s = statistics.median(t / r for t, r in zip(probe.tokens[s["warmup"]:], probe.rollout_s[s["warmup"]:]))
+    rollout_tok_s = statistics.median(
+        t / r for t, r in zip(probe.tokens[s["warmup"] :], probe.rollout_s[s["warmup"] :])
+    )
 
     # bare generate of the same (trained) policy: the ceiling of the rollout's sampling
     actor = module.actor.eval()
@@ -142,8 +190,15 @@ def run_variant(variant: str, folder: Path) -> dict:
         for _ in range(3):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = actor.generate(input_ids=ids, attention_mask=mask, max_new_tokens=s["new_tokens"], do_sample=True,
-                                 top_k=0, top_p=1.0, pad_token_id=tok.pad_token_id)  # fmt: skip
+            out = actor.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=s["new_tokens"],
+                do_sample=True,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=tok.pad_token_id,
+            )
             torch.cuda.synchronize()
             rates.append(ids.shape[0] * (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))
             if bare_tok_s is not None:
@@ -157,16 +212,32 @@ def run_variant(variant: str, folder: Path) -> dict:
     peak_flops = next((v for k, v in PEAK_BF16.items() if k in name), None)
 
     job = type("Job", (), {"model": spec, "algo": cfg, "data": data.config, "algo_cls": PPOModule})()
-    plan_cfg = OmegaConf.create({"trainer": {"devices": 1, "num_nodes": 1, "precision": precision},
-                                 "strategy": {"_target_": "lit_rlhf.runtime.strategies.RLHFDeepSpeedStrategy",
-                                              "config": {"zero_optimization": {"stage": int(trainer_strategy[-1])}}}
-                                 if trainer_strategy.startswith("deepspeed") else
-                                 {"_target_": "lit_rlhf.runtime.strategies.RLHFFSDPStrategy"} if trainer_strategy == "fsdp"
-                                 else "auto"})  # fmt: skip
+    plan_cfg = OmegaConf.create(
+        {
+            "trainer": {"devices": 1, "num_nodes": 1, "precision": precision},
+            "strategy": {
+                "_target_": "lit_rlhf.runtime.strategies.RLHFDeepSpeedStrategy",
+                "config": {"zero_optimization": {"stage": int(trainer_strategy[-1])}},
+            }
+            if trainer_strategy.startswith("deepspeed")
+            else {"_target_": "lit_rlhf.runtime.strategies.RLHFFSDPStrategy"}
+            if trainer_strategy == "fsdp"
+            else "auto",
+        }
+    )
     plan = estimate(plan_cfg, job, gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 2**30)
-    return {"variant": variant, "gpu": name, "policy_params": p, "step_s": step_s, "rollout_tokens_per_s": rollout_tok_s,
-            "bare_generate_tokens_per_s": bare_tok_s, "peak_gib": peak / 2**30, "plan_gib": plan.peak / 2**30,
-            "tflops": flops / step_s / 1e12, "mfu": (flops / step_s / peak_flops) if peak_flops else None}  # fmt: skip
+    return {
+        "variant": variant,
+        "gpu": name,
+        "policy_params": p,
+        "step_s": step_s,
+        "rollout_tokens_per_s": rollout_tok_s,
+        "bare_generate_tokens_per_s": bare_tok_s,
+        "peak_gib": peak / 2**30,
+        "plan_gib": plan.peak / 2**30,
+        "tflops": flops / step_s / 1e12,
+        "mfu": (flops / step_s / peak_flops) if peak_flops else None,
+    }
 
 
 def standalone_vllm(actor, ids, mask, folder: Path) -> float:
@@ -184,8 +255,13 @@ def standalone_vllm(actor, ids, mask, folder: Path) -> float:
     gc.collect()
     torch.cuda.empty_cache()
     actor.save_pretrained(folder / "trained")
-    llm = LLM(model=str(folder / "trained"), dtype="bfloat16", gpu_memory_utilization=0.3, skip_tokenizer_init=True,
-              generation_config="vllm")  # fmt: skip
+    llm = LLM(
+        model=str(folder / "trained"),
+        dtype="bfloat16",
+        gpu_memory_utilization=0.3,
+        skip_tokenizer_init=True,
+        generation_config="vllm",
+    )
     rows = [TokensPrompt(prompt_token_ids=r[m.bool()].tolist()) for r, m in zip(ids.cpu(), mask.cpu())]
     params = SamplingParams(temperature=1.0, max_tokens=SHAPE["new_tokens"], detokenize=False)
     rates = []
@@ -201,8 +277,13 @@ def main() -> None:
     ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--models", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_check.md"))
-    ap.add_argument("--variants", nargs="*", choices=VARIANTS, default=VARIANTS,
-                    help="run only these (vllm: needs the CUDA `vllm` package)")
+    ap.add_argument(
+        "--variants",
+        nargs="*",
+        choices=VARIANTS,
+        default=VARIANTS,
+        help="run only these (vllm: needs the CUDA `vllm` package)",
+    )
     args = ap.parse_args()
     if args.variant:
         print(json.dumps(run_variant(args.variant, Path(args.models))))
@@ -216,24 +297,33 @@ def main() -> None:
         build(Path(tmp))
         for variant in args.variants:
             env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
-            proc = subprocess.run([sys.executable, __file__, "--variant", variant, "--models", tmp], env=env,
-                                  capture_output=True, text=True, timeout=420)  # fmt: skip
+            proc = subprocess.run(
+                [sys.executable, __file__, "--variant", variant, "--models", tmp],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=420,
+            )
             if proc.returncode != 0:
                 results.append({"variant": variant, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]})
             else:
                 results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(results[-1], flush=True)
-    lines = ["| variant | GPU | step s | rollout tok/s | bare generate (vllm: standalone vLLM) tok/s | peak GiB | plan GiB "
-             "| TFLOP/s | MFU |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| variant | GPU | step s | rollout tok/s | bare generate (vllm: standalone vLLM) tok/s | peak GiB | plan GiB "
+        "| TFLOP/s | MFU |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['variant']} | error: {r['error']} | | | | | | | |")
             continue
         mfu = "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        lines.append(f"| {r['variant']} | {r['gpu']} | {r['step_s']:.3f} | {r['rollout_tokens_per_s']:.0f} | "
-                     f"{r['bare_generate_tokens_per_s']:.0f} | {r['peak_gib']:.2f} | {r['plan_gib']:.2f} | "
-                     f"{r['tflops']:.1f} | {mfu} |")  # fmt: skip
+        lines.append(
+            f"| {r['variant']} | {r['gpu']} | {r['step_s']:.3f} | {r['rollout_tokens_per_s']:.0f} | "
+            f"{r['bare_generate_tokens_per_s']:.0f} | {r['peak_gib']:.2f} | {r['plan_gib']:.2f} | "
+            f"{r['tflops']:.1f} | {mfu} |"
+        )
     table = "\n".join(lines)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(table + "\n")

@@ -5,7 +5,8 @@
 
 Setting: a tiny Llama (hidden 256, 4 layers, 4 heads, intermediate 512), fp32, 2 threads,
 16 prompts x 64 new tokens, 1 PPO epoch over 1 minibatch. Every case runs in its own subprocess
-(so its peak RSS is its own; ``--smoke`` runs them in one process) and reports the median seconds of its timed steps after warm-up.
+(so its peak RSS is its own; ``--smoke`` runs them in one process) and reports the median seconds
+of its timed steps after warm-up.
 Both sides sample with temperature 0.7 and no top-k/top-p/repetition penalty (TRL's sampler).
 Ratios come from one run (these machines are noisy), never from absolute times; ``grpo_paired``
 runs lit_rlhf's and TRL's GRPO in one process with their steps alternating, so that each ratio
@@ -42,9 +43,18 @@ def run_case(name: str, models: Path, smoke: bool) -> dict:
             return {**CASES[name](models, shapes(True)), "rss_mb": peak_rss_mb()}
         except Exception as err:  # reported like a failed child process
             return {"error": f"{type(err).__name__}: {err}"}
-    env = dict(os.environ, OMP_NUM_THREADS="2", MKL_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), WANDB_MODE="disabled")  # fmt: skip
-    cmd = [sys.executable, str(Path(__file__)), "--case", name, "--models", str(models)] + (["--smoke"] if smoke else [])
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="2",
+        MKL_NUM_THREADS="2",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=str(ROOT),
+        WANDB_MODE="disabled",
+    )
+    cmd = [sys.executable, str(Path(__file__)), "--case", name, "--models", str(models)] + (
+        ["--smoke"] if smoke else []
+    )
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
@@ -55,12 +65,29 @@ PAIRS = [  # (ratio name, ours, TRL's, throughput key): lit_rlhf over TRL, highe
     ("PPO samples/s, lit_rlhf / TRL", "ppo_ours", "ppo_trl", "samples_per_s", "≥ 1.5"),
     ("RM pairs/s, lit_rlhf / TRL", "rm_ours", "rm_trl", "pairs_per_s", "≥ 1.0"),
     ("DPO pairs/s, lit_rlhf / TRL (live reference)", "dpo_ours", "dpo_trl", "pairs_per_s", "≥ 1.0"),
-    ("DPO pairs/s, lit_rlhf / TRL (precomputed reference)", "dpo_ours_precomputed", "dpo_trl_precomputed", "pairs_per_s",
-     "≥ 1.0"),
-    ("GRPO samples/s, lit_rlhf / TRL (separate processes; the target is the paired row's)", "grpo_ours", "grpo_trl",
-     "samples_per_s", ""),
-]  # fmt: skip
-UNITS = {"ppo": "samples_per_s", "ppomem": "samples_per_s", "rm": "pairs_per_s", "dpo": "pairs_per_s", "grpo": "samples_per_s", "generate": "tokens_per_s"}
+    (
+        "DPO pairs/s, lit_rlhf / TRL (precomputed reference)",
+        "dpo_ours_precomputed",
+        "dpo_trl_precomputed",
+        "pairs_per_s",
+        "≥ 1.0",
+    ),
+    (
+        "GRPO samples/s, lit_rlhf / TRL (separate processes; the target is the paired row's)",
+        "grpo_ours",
+        "grpo_trl",
+        "samples_per_s",
+        "",
+    ),
+]
+UNITS = {
+    "ppo": "samples_per_s",
+    "ppomem": "samples_per_s",
+    "rm": "pairs_per_s",
+    "dpo": "pairs_per_s",
+    "grpo": "samples_per_s",
+    "generate": "tokens_per_s",
+}
 
 
 def _ratio(r: dict, ours: str, theirs: str, unit: str) -> tuple[float | None, list[float]]:
@@ -82,9 +109,11 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"torch threads 2; tiny Llama {s['hidden']}x{s['layers']} ({r.get('params', '?')} params), fp32, "
         f"{s['batch']} prompts x {s['new_tokens']} new tokens; median of {s['steps']} steps after {s['warmup']} warm-up"
-        + (" — SMOKE (tiny shapes, not a measurement)" if smoke else ""), "",
-        "| case | s / step | throughput | peak RSS (MB) |", "|---|---|---|---|",
-    ]  # fmt: skip
+        + (" — SMOKE (tiny shapes, not a measurement)" if smoke else ""),
+        "",
+        "| case | s / step | throughput | peak RSS (MB) |",
+        "|---|---|---|---|",
+    ]
     for name in r:
         c = r[name]
         if not isinstance(c, dict) or name in ("floor", "sync_engine"):
@@ -93,28 +122,41 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
         if "error" in c or unit not in c:
             lines.append(f"| {name} | {c.get('error', 'skipped')} | | |")
             continue
-        lines.append(f"| {name} | {fmt(c['step_s'])} | {fmt(c[unit], '{:.1f}')} {unit.replace('_per_s', '/s')} | "
-                     f"{fmt(c.get('rss_mb'), '{:.0f}')} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {fmt(c['step_s'])} | {fmt(c[unit], '{:.1f}')} {unit.replace('_per_s', '/s')} | "
+            f"{fmt(c.get('rss_mb'), '{:.0f}')} |"
+        )
     derived: dict = {}
     if "floor_s" in floor:
-        lines += ["", f"Naive floor: generate {floor['generate_s']:.3f} s + four scoring forwards "
-                  f"{floor['score_forwards_s']:.3f} s + actor & critic train fwd/bwd {floor['train_fwd_bwd_s']:.3f} s "
-                  f"= {floor['floor_s']:.3f} s"]  # fmt: skip
+        lines += [
+            "",
+            f"Naive floor: generate {floor['generate_s']:.3f} s + four scoring forwards "
+            f"{floor['score_forwards_s']:.3f} s + actor & critic train fwd/bwd {floor['train_fwd_bwd_s']:.3f} s "
+            f"= {floor['floor_s']:.3f} s",
+        ]
     if "rollout_s" in r.get("grpo_ours", {}):
         g = r["grpo_ours"]
-        lines += ["", f"GRPO step, lit_rlhf: rollout (generation, reference, reward, and the fused first training forward) "
-                  f"{g['rollout_s']:.3f} s + the rest of the update "
-                  f"{g['update_s']:.3f} s"]  # fmt: skip
+        lines += [
+            "",
+            f"GRPO step, lit_rlhf: rollout (generation, reference, reward, and the fused first training forward) "
+            f"{g['rollout_s']:.3f} s + the rest of the update "
+            f"{g['update_s']:.3f} s",
+        ]
     full, lora = r.get("ppomem_full", {}), r.get("ppomem_lora", {})
     if "rss_mb" in full and "rss_mb" in lora and "error" not in full and "error" not in lora:
-        lines += ["", f"PPO memory (ppomem_*: {full['policy_params'] / 1e6:.0f}M-parameter policy, 4 models, fp32; "
-                  f"process RSS before the models {full['base_mb']:.0f} MB): full fine-tuning {full['rss_mb']:.0f} MB "
-                  f"peak, LoRA r=16 {lora['rss_mb']:.0f} MB peak ({lora['trainable'] / 1e6:.2f}M trainable parameters "
-                  f"in actor and critic, against {full['trainable'] / 1e6:.0f}M)"]  # fmt: skip
+        lines += [
+            "",
+            f"PPO memory (ppomem_*: {full['policy_params'] / 1e6:.0f}M-parameter policy, 4 models, fp32; "
+            f"process RSS before the models {full['base_mb']:.0f} MB): full fine-tuning {full['rss_mb']:.0f} MB "
+            f"peak, LoRA r=16 {lora['rss_mb']:.0f} MB peak ({lora['trainable'] / 1e6:.2f}M trainable parameters "
+            f"in actor and critic, against {full['trainable'] / 1e6:.0f}M)",
+        ]
     lines += ["", "| ratio | value | target |", "|---|---|---|"]
     if "rss_mb" in full and "rss_mb" in lora and "error" not in full and "error" not in lora:
         derived["ppo_lora_rss_over_full"] = lora["rss_mb"] / full["rss_mb"]
-        lines.append(f"| PPO step peak RSS, LoRA / full fine-tuning | {derived['ppo_lora_rss_over_full']:.2f} | ≤ 0.60 |")
+        lines.append(
+            f"| PPO step peak RSS, LoRA / full fine-tuning | {derived['ppo_lora_rss_over_full']:.2f} | ≤ 0.60 |"
+        )
     if "step_s" in ours and "floor_s" in floor:
         derived["ppo_step_over_naive_floor"] = ours["step_s"] / floor["floor_s"]
         lines.append(f"| lit_rlhf PPO step / naive floor | {derived['ppo_step_over_naive_floor']:.2f} | ≤ 1.10 |")
@@ -128,27 +170,36 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
         rounds = paired.get("ratio_rounds") or [paired["ratio"]]
         derived["grpo_paired_over_trl"], derived["grpo_paired_over_trl_by_round"] = statistics.median(rounds), rounds
         by_round = f"; by round: {', '.join(f'{x:.2f}' for x in rounds)}" if len(rounds) > 1 else ""
-        lines.append(f"| GRPO samples/s, lit_rlhf / TRL, one process, steps alternating (median of each round's "
-                     f"{paired['pairs']} step pairs{by_round}; per-pair quartiles in the round of median step time "
-                     f"{paired['ratio_q1']:.2f}–{paired['ratio_q3']:.2f}) | {derived['grpo_paired_over_trl']:.2f} | ≥ 1.3 |")
+        lines.append(
+            f"| GRPO samples/s, lit_rlhf / TRL, one process, steps alternating (median of each round's "
+            f"{paired['pairs']} step pairs{by_round}; per-pair quartiles in the round of median step time "
+            f"{paired['ratio_q1']:.2f}–{paired['ratio_q3']:.2f}) | {derived['grpo_paired_over_trl']:.2f} | ≥ 1.3 |"
+        )
     else:
         lines.append("| GRPO samples/s, lit_rlhf / TRL, one process, steps alternating | — | ≥ 1.3 |")
     value, rounds = _ratio(r, "generate_ours", "generate_bare", "tokens_per_s")
     lines.append(f"| generation tokens/s, lit_rlhf / bare generate | {fmt(value, '{:.2f}')} | |")
     # the vLLM engine on CPU: reported, no target (vLLM's CPU path is not what it is for)
-    for label, a, b, unit in (("generation tokens/s, vllm engine / hf engine", "generate_vllm", "generate_ours", "tokens_per_s"),
-                              ("generation tokens/s, vllm engine / bare generate", "generate_vllm", "generate_bare",
-                               "tokens_per_s"),
-                              ("PPO-max samples/s, vllm engine / hf engine", "ppo_vllm", "ppo_ours", "samples_per_s")):  # fmt: skip
+    for label, a, b, unit in (
+        ("generation tokens/s, vllm engine / hf engine", "generate_vllm", "generate_ours", "tokens_per_s"),
+        ("generation tokens/s, vllm engine / bare generate", "generate_vllm", "generate_bare", "tokens_per_s"),
+        ("PPO-max samples/s, vllm engine / hf engine", "ppo_vllm", "ppo_ours", "samples_per_s"),
+    ):
         value, _ = _ratio(r, a, b, unit)
         derived[f"{a}_over_{b}"] = value
         lines.append(f"| {label} (CPU) | {fmt(value, '{:.2f}')} | reported |")
     sync = r.get("sync_engine", {})
     if "bench_sync_s" in sync:
-        lines += ["", f"vLLM engine weight sync (all parameters pushed, prefix cache reset; median): "
-                  f"{sync['bench_sync_s'] * 1e3:.1f} ms for the bench policy ({sync['bench_params'] / 1e6:.1f}M parameters)"
-                  + (f", {sync['big_sync_s'] * 1e3:.0f} ms for a {sync['big_params'] / 1e6:.0f}M-parameter Llama"
-                     if "big_sync_s" in sync else "")]  # fmt: skip
+        lines += [
+            "",
+            f"vLLM engine weight sync (all parameters pushed, prefix cache reset; median): "
+            f"{sync['bench_sync_s'] * 1e3:.1f} ms for the bench policy ({sync['bench_params'] / 1e6:.1f}M parameters)"
+            + (
+                f", {sync['big_sync_s'] * 1e3:.0f} ms for a {sync['big_params'] / 1e6:.0f}M-parameter Llama"
+                if "big_sync_s" in sync
+                else ""
+            ),
+        ]
     for name, a, b in (("PPO", "ppo_ours", "ppo_trl"), ("GRPO", "grpo_ours", "grpo_trl")):
         if "rss_mb" in r.get(a, {}) and "rss_mb" in r.get(b, {}):
             derived[f"{a}_rss_over_trl"] = r[a]["rss_mb"] / r[b]["rss_mb"]
@@ -163,9 +214,13 @@ def main() -> None:
     ap.add_argument("--models", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--cases", nargs="*", choices=list(CASES), help="run only these cases")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="run the case list this many times, interleaved (A B A B), and keep each case's median "
-                         "round: noise on a shared VM hits one process at a time, not one case")  # fmt: skip
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="run the case list this many times, interleaved (A B A B), and keep each case's median "
+        "round: noise on a shared VM hits one process at a time, not one case",
+    )
     ap.add_argument("--summarize", metavar="JSON", help="only rebuild the tables from a results file")
     args = ap.parse_args()
     s = shapes(args.smoke)

@@ -74,8 +74,10 @@ def train(args: Args) -> dict:
 
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
-    envs = gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(args.num_envs)],
-                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)  # fmt: skip
+    envs = gym.vector.SyncVectorEnv(
+        [lambda: gym.make("CartPole-v1") for _ in range(args.num_envs)],
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    )
     agent = Agent(envs.single_observation_space.shape[0], envs.single_action_space.n)
     opt = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
     E, T = args.num_envs, args.num_steps
@@ -101,10 +103,12 @@ def train(args: Args) -> dict:
                 ep_return[i] = 0.0
             obs, step = torch.as_tensor(nxt, dtype=torch.float32), step + E
             if len(returns) >= args.window:
-                curve.append((step, float(np.mean(returns[-args.window:]))))
+                curve.append((step, float(np.mean(returns[-args.window :]))))
         with torch.no_grad():  # ---- advantages: the same GAE as for language, with episode ends
             next_value = agent.act(obs)[3]
-            adv, ret = gae(rew_buf, val_buf, torch.ones(E, T), args.gamma, args.lam, dones=done_buf, next_value=next_value)
+            adv, ret = gae(
+                rew_buf, val_buf, torch.ones(E, T), args.gamma, args.lam, dones=done_buf, next_value=next_value
+            )
         b_obs, b_act, b_logp = obs_buf.reshape(E * T, -1), act_buf.reshape(-1), logp_buf.reshape(-1)
         b_adv, b_ret, b_val = adv.reshape(-1), ret.reshape(-1), val_buf.reshape(-1)
         size = E * T // args.num_minibatches
@@ -122,8 +126,14 @@ def train(args: Args) -> dict:
                 opt.step()
     envs.close()
     reached = next((s for s, r in curve if r >= args.solved), None)
-    return {"seed": args.seed, "curve": curve, "steps_to_solved": reached, "final_mean": curve[-1][1] if curve else 0.0,
-            "best_mean": max((r for _, r in curve), default=0.0), "episodes": len(returns)}  # fmt: skip
+    return {
+        "seed": args.seed,
+        "curve": curve,
+        "steps_to_solved": reached,
+        "final_mean": curve[-1][1] if curve else 0.0,
+        "best_mean": max((r for _, r in curve), default=0.0),
+        "episodes": len(returns),
+    }
 
 
 def plot(results: list[dict], out: Path, solved: float) -> None:
@@ -137,8 +147,11 @@ def plot(results: list[dict], out: Path, solved: float) -> None:
         xs, ys = zip(*r["curve"]) if r["curve"] else ([], [])
         ax.plot(xs, ys, label=f"seed {r['seed']}")
     ax.axhline(solved, color="k", linestyle="--", linewidth=0.8, label=f"solved ({solved:g})")
-    ax.set(xlabel="environment steps", ylabel="mean return of the last 20 episodes",
-           title="PPO-clip on CartPole-v1 with lit_rlhf.core")  # fmt: skip
+    ax.set(
+        xlabel="environment steps",
+        ylabel="mean return of the last 20 episodes",
+        title="PPO-clip on CartPole-v1 with lit_rlhf.core",
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -147,11 +160,16 @@ def plot(results: list[dict], out: Path, solved: float) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4], help="one training run per seed")
-    ap.add_argument("--total-steps", type=int, default=Args.total_steps,
-                    help="environment steps per seed, over all vectorized environments")  # fmt: skip
+    ap.add_argument(
+        "--total-steps",
+        type=int,
+        default=Args.total_steps,
+        help="environment steps per seed, over all vectorized environments",
+    )
     ap.add_argument("--out", default="logs/cartpole", help="folder for cartpole.png and results.json")
     return ap
 
@@ -167,13 +185,17 @@ def main(argv: list[str] | None = None) -> None:
         r = train(Args(seed=seed, total_steps=a.total_steps))
         r["seconds"] = round(time.perf_counter() - t0, 1)
         results.append(r)
-        print(f"seed {seed}: reached {Args.solved:g} at {r['steps_to_solved']} steps; best {r['best_mean']:.1f}, "
-              f"final {r['final_mean']:.1f} ({r['episodes']} episodes, {r['seconds']} s)", flush=True)  # fmt: skip
+        print(
+            f"seed {seed}: reached {Args.solved:g} at {r['steps_to_solved']} steps; best {r['best_mean']:.1f}, "
+            f"final {r['final_mean']:.1f} ({r['episodes']} episodes, {r['seconds']} s)",
+            flush=True,
+        )
     plot(results, out / "cartpole.png", Args.solved)
     solved = sum(r["steps_to_solved"] is not None for r in results)
     ran = {k: v for k, v in asdict(Args(total_steps=a.total_steps)).items() if k != "seed"} | {"seeds": a.seeds}
     (out / "results.json").write_text(json.dumps({"args": ran, "results": results}, indent=1))
-    print(f"{solved} of {len(results)} seeds reached {Args.solved:g} within {a.total_steps} steps; curve: {out / 'cartpole.png'}")
+    curve = out / "cartpole.png"
+    print(f"{solved} of {len(results)} seeds reached {Args.solved:g} within {a.total_steps} steps; curve: {curve}")
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ nothing (it is the actor with its adapters off). Activations are the estimate of
 al. 2022 (arXiv:2205.05198) with fused attention: 34·s·b·h bytes per layer and micro-batch
 (2·s·b·h with gradient checkpointing, plus one layer recomputed), plus fp32 logits and their
 gradient (8·s·b·V). Under ZeRO-3 and FSDP the rollout gathers the trained models whole (bf16
-under ZeRO-3, full precision under FSDP1) on top of the KV cache. These are estimates: the plan keeps ``memory_plan.reserve_gb`` free for the
-CUDA context and allocator fragmentation.
+under ZeRO-3, full precision under FSDP1) on top of the KV cache. These are estimates: the plan keeps
+``memory_plan.reserve_gb`` free for the CUDA context and allocator fragmentation.
 
 With the vLLM rollout engine (``algo.generation.engine=vllm``) the KV cache row is the engine's:
 it takes ``algo.generation.vllm.gpu_memory_utilization`` of the card (its weights, KV cache and
@@ -43,8 +43,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lit_rlhf.models.arch import arch_of
 from lit_rlhf.launch.strategy import strategy_kind
+from lit_rlhf.models.arch import arch_of
 from lit_rlhf.utils.config import ConfigError, build_config, check
 
 GIB = 1024**3
@@ -75,15 +75,19 @@ class Setup:
         return 4 if self.mixed or self.weight_bytes == 4 else self.weight_bytes
 
     def describe(self) -> str:
-        s = {"ddp": "DDP", "fsdp": "FSDP full shard", "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3"}[self.strategy]
+        s = {"ddp": "DDP", "fsdp": "FSDP full shard", "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3"}[
+            self.strategy
+        ]
         if self.offload_optimizer:
             s += " + optimizer offload"
         if self.offload_params:
             s += " + parameter offload"
         lora = f"LoRA r={self.lora.r}" if self.lora.enabled else "full fine-tuning"
-        return (f"{s}, {self.devices} GPU{'s' if self.devices > 1 else ''}, "
-                f"{'mixed precision' if self.mixed else 'fp32'}, {lora}, gradient checkpointing "
-                f"{'on' if self.checkpointing else 'off'}")  # fmt: skip
+        return (
+            f"{s}, {self.devices} GPU{'s' if self.devices > 1 else ''}, "
+            f"{'mixed precision' if self.mixed else 'fp32'}, {lora}, gradient checkpointing "
+            f"{'on' if self.checkpointing else 'off'}"
+        )
 
 
 def trained_bytes(p: int, s: Setup, largest: int) -> tuple[float, float, float]:
@@ -151,21 +155,31 @@ class MemoryPlan:
 
     def render(self) -> str:
         g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
-        lines = [f"Memory plan (estimate, per GPU): {self.title}", f"  {self.setup.describe()}", "",
-                 "| model | role | parameters | trainable | weights | gradients | optimizer | total |",
-                 "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines = [
+            f"Memory plan (estimate, per GPU): {self.title}",
+            f"  {self.setup.describe()}",
+            "",
+            "| model | role | parameters | trainable | weights | gradients | optimizer | total |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in self.rows:
-            lines.append(f"| {r.name} | {r.role} | {_count(r.params)} | {_count(r.trainable)} | {g(r.weights)} | "
-                         f"{g(r.grads)} | {g(r.optimizer)} | {g(r.total)} |")  # fmt: skip
+            lines.append(
+                f"| {r.name} | {r.role} | {_count(r.params)} | {_count(r.trainable)} | {g(r.weights)} | "
+                f"{g(r.grads)} | {g(r.optimizer)} | {g(r.total)} |"
+            )
         kv = "vLLM engine" if self.setup.engine else "KV cache"
-        lines += [f"| activations | {self.activation_note} | | | | | | {g(self.activations)} |",
-                  f"| {kv} | {self.kv_note} | | | | | | {g(self.kv_cache)} |"]  # fmt: skip
+        lines += [
+            f"| activations | {self.activation_note} | | | | | | {g(self.activations)} |",
+            f"| {kv} | {self.kv_note} | | | | | | {g(self.kv_cache)} |",
+        ]
         rollout = kv
         if self.setup.engine and not self.engine_sleeps:
             rollout = f"{kv}; the awake engine also beside the activations"
         if self.rollout_gather:
-            lines.append(f"| rollout gather | trained weights gathered whole while sampling | | | | | | "
-                         f"{g(self.rollout_gather)} |")  # fmt: skip
+            lines.append(
+                f"| rollout gather | trained weights gathered whole while sampling | | | | | | "
+                f"{g(self.rollout_gather)} |"
+            )
             rollout = "KV cache + rollout gather"
         lines.append(f"| **peak** | model states + max(activations, {rollout}) | | | | | | **{g(self.peak)}** |")
         lines.append("")
@@ -174,8 +188,10 @@ class MemoryPlan:
         else:
             usable = self.gpu_memory_gb - self.reserve_gb
             verdict = "FITS" if self.fits else "DOES NOT FIT"
-            lines.append(f"{verdict}: {self.peak / GIB:.1f} GiB of {usable:.1f} GiB usable per GPU "
-                         f"({self.gpu_memory_gb:g} GiB - {self.reserve_gb:g} GiB reserve).")  # fmt: skip
+            lines.append(
+                f"{verdict}: {self.peak / GIB:.1f} GiB of {usable:.1f} GiB usable per GPU "
+                f"({self.gpu_memory_gb:g} GiB - {self.reserve_gb:g} GiB reserve)."
+            )
             if not self.fits:
                 if self.alternatives:
                     lines.append("Switches that would make it fit:")
@@ -219,11 +235,21 @@ def setup_from(cfg: Any, job: Any) -> Setup:
         micro = getattr(data, "batch_size", None) or 8
         if getattr(job.algo_cls, "data_kind", "") == "preference":
             micro *= 2  # chosen and rejected stacked
-    return Setup(strategy=strategy, offload_optimizer=opt_off, offload_params=par_off, devices=devices,
-                 mixed="bf16" in precision or "16" in precision,
-                 weight_bytes={"float32": 4, "auto": 2}.get(spec.dtype, 2), lora=spec.lora,
-                 checkpointing=spec.gradient_checkpointing, micro_batch=int(micro), seq_len=int(seq),
-                 gen_batch=int(gen_batch), gen_len=int(gen_len), engine=engine)  # fmt: skip
+    return Setup(
+        strategy=strategy,
+        offload_optimizer=opt_off,
+        offload_params=par_off,
+        devices=devices,
+        mixed="bf16" in precision or "16" in precision,
+        weight_bytes={"float32": 4, "auto": 2}.get(spec.dtype, 2),
+        lora=spec.lora,
+        checkpointing=spec.gradient_checkpointing,
+        micro_batch=int(micro),
+        seq_len=int(seq),
+        gen_batch=int(gen_batch),
+        gen_len=int(gen_len),
+        engine=engine,
+    )
 
 
 def estimate(cfg: Any, job: Any, setup: Setup | None = None, gpu_memory_gb: float | None = None) -> MemoryPlan:
@@ -250,10 +276,10 @@ def estimate(cfg: Any, job: Any, setup: Setup | None = None, gpu_memory_gb: floa
             rows.append(Row(name, "frozen", p, 0, float(s.weight_bytes * p), 0.0, 0.0))
             continue
         if s.lora.enabled:
-            adapters = arch.lora_params(s.lora.r, list(s.lora.target_modules)) + (arch.hidden if name != "policy" and
-                                                                                  name != "actor" else 0)  # fmt: skip
-            w, gr, opt = trained_bytes(adapters, replace(s, strategy="ddp" if s.strategy == "fsdp" else s.strategy),
-                                       0)  # fmt: skip
+            adapters = arch.lora_params(s.lora.r, list(s.lora.target_modules)) + (
+                arch.hidden if name != "policy" and name != "actor" else 0
+            )
+            w, gr, opt = trained_bytes(adapters, replace(s, strategy="ddp" if s.strategy == "fsdp" else s.strategy), 0)
             rows.append(Row(name, "trained (LoRA)", p + adapters, adapters, s.weight_bytes * p + w, gr, opt))
             continue
         w, gr, opt = trained_bytes(p, s, arch.largest_layer_params())
@@ -273,11 +299,21 @@ def estimate(cfg: Any, job: Any, setup: Setup | None = None, gpu_memory_gb: floa
     kv_note = f"generation, {s.gen_batch} x {t} tokens" if s.gen_batch else "no generation"
     if s.engine is not None:
         kv, kv_note = engine_bytes(s, a, notes, gpu_memory_gb)
-    title = f"{spec.name_or_path or 'tiny Llama (model.tiny)'} ({_count(a.params())} parameters), {job.algo_cls.__name__}"
-    return MemoryPlan(title=title, setup=s, rows=rows, activations=float(acts),
-                      activation_note=f"{trained_models} trained model(s), micro-batch {b} x {t} tokens",
-                      kv_cache=float(kv), rollout_gather=gather, kv_note=kv_note, notes=notes,
-                      engine_sleeps=bool(s.engine is not None and s.engine.sleep))  # fmt: skip
+    title = (
+        f"{spec.name_or_path or 'tiny Llama (model.tiny)'} ({_count(a.params())} parameters), {job.algo_cls.__name__}"
+    )
+    return MemoryPlan(
+        title=title,
+        setup=s,
+        rows=rows,
+        activations=float(acts),
+        activation_note=f"{trained_models} trained model(s), micro-batch {b} x {t} tokens",
+        kv_cache=float(kv),
+        rollout_gather=gather,
+        kv_note=kv_note,
+        notes=notes,
+        engine_sleeps=bool(s.engine is not None and s.engine.sleep),
+    )
 
 
 def engine_bytes(s: Setup, a: Any, notes: list[str], gpu_memory_gb: float | None = None) -> tuple[float, str]:
@@ -291,14 +327,18 @@ def engine_bytes(s: Setup, a: Any, notes: list[str], gpu_memory_gb: float | None
         return weights + e.kv_cache_gib * GIB, f"vLLM: weights + kv_cache_gib={e.kv_cache_gib:g}{sleep}"
     gpu = gpu_memory_gb
     if gpu is None:
-        notes.append("the vLLM engine is counted as its weights + this rollout's KV cache: with a GPU size "
-                     "(memory_plan.gpu_memory_gb) it is gpu_memory_utilization of the card")  # fmt: skip
+        notes.append(
+            "the vLLM engine is counted as its weights + this rollout's KV cache: with a GPU size "
+            "(memory_plan.gpu_memory_gb) it is gpu_memory_utilization of the card"
+        )
         return weights + kv, f"vLLM: weights + {s.gen_batch} x {s.seq_len} tokens of KV{sleep}"
     share = e.gpu_memory_utilization * gpu * GIB
     if share < weights + kv:
-        notes.append(f"algo.generation.vllm.gpu_memory_utilization={e.gpu_memory_utilization:g} gives the engine "
-                     f"{share / GIB:.1f} GiB, less than its weights + one rollout's KV cache "
-                     f"({(weights + kv) / GIB:.1f} GiB): vLLM would refuse to start or queue requests")  # fmt: skip
+        notes.append(
+            f"algo.generation.vllm.gpu_memory_utilization={e.gpu_memory_utilization:g} gives the engine "
+            f"{share / GIB:.1f} GiB, less than its weights + one rollout's KV cache "
+            f"({(weights + kv) / GIB:.1f} GiB): vLLM would refuse to start or queue requests"
+        )
     return share, f"vLLM: gpu_memory_utilization={e.gpu_memory_utilization:g} of {gpu:g} GiB{sleep}"
 
 
@@ -331,7 +371,9 @@ def plan_for(cfg: Any, job: Any, gpu_memory_gb: float | None = None, reserve_gb:
                 plan.alternatives.append((label, peak))
         if base.micro_batch > 1:
             for micro in (base.micro_batch // 2, 1):
-                alt = replace(base, micro_batch=micro, gen_batch=min(base.gen_batch, max(micro, 1) * 4) if base.gen_batch else 0)
+                alt = replace(
+                    base, micro_batch=micro, gen_batch=min(base.gen_batch, max(micro, 1) * 4) if base.gen_batch else 0
+                )
                 peak = estimate(cfg, job, alt, gpu_memory_gb).peak
                 if peak <= usable:
                     plan.alternatives.append((f"micro-batch {micro} (algo.minibatch_size / data batch_size)", peak))
@@ -355,8 +397,9 @@ class PlanSettings:
         check(gpu is None or math.isfinite(gpu), "gpu_memory_gb", f"must be a finite number of GiB, got {gpu}")
         check(math.isfinite(self.reserve_gb), "reserve_gb", f"must be a finite number of GiB, got {self.reserve_gb}")
         if gpu is not None:
-            check(self.reserve_gb < gpu, "reserve_gb",
-                  f"must be less than gpu_memory_gb={gpu:g}, got {self.reserve_gb:g}")  # fmt: skip
+            check(
+                self.reserve_gb < gpu, "reserve_gb", f"must be less than gpu_memory_gb={gpu:g}, got {self.reserve_gb:g}"
+            )
 
 
 def plan_settings(cfg: Any) -> PlanSettings:

@@ -34,6 +34,7 @@ from lit_rlhf.utils.config import check
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class PipelineConfig:
     """Named stages (each an ordinary train.py job) run in order; ``{<stage>}`` in an override
@@ -42,8 +43,8 @@ class PipelineConfig:
     stages: list[str] = field(default_factory=list)
     """Stages to run, in order (a later stage reads earlier stages' exports); each is a key of ``jobs``."""
     jobs: dict[str, list[str]] = field(default_factory=dict)
-    """Stage name → the overrides composing it (e.g. ``[experiment=dpo_synthetic_tiny, algo.policy_path={sft}/policy]``);
-    a job may be defined and not run (``stages`` chooses)."""
+    """Stage name → the overrides composing it (e.g. ``[experiment=dpo_synthetic_tiny,
+    algo.policy_path={sft}/policy]``); a job may be defined and not run (``stages`` chooses)."""
     common: list[str] = field(default_factory=list)
     """Overrides for every stage (command-line overrides other than algo.*/pipeline.*/hydra.* are added too)."""
     reuse: bool = True
@@ -53,8 +54,11 @@ class PipelineConfig:
     def validate(self) -> None:
         check(bool(self.stages), "stages", "is empty: name the stages to run (keys of pipeline.jobs)")
         unknown = [s for s in self.stages if s not in self.jobs]
-        check(not unknown, "stages", f"{unknown} have no job (pipeline.jobs.<stage>: its overrides); jobs: "
-                                     f"{list(self.jobs)}")  # fmt: skip
+        check(
+            not unknown,
+            "stages",
+            f"{unknown} have no job (pipeline.jobs.<stage>: its overrides); jobs: {list(self.jobs)}",
+        )
         odd = [s for s in self.jobs if not s.isidentifier()]
         check(not odd, "jobs", f"stage names must be identifiers (they name folders and {{stage}} placeholders): {odd}")
 
@@ -83,7 +87,9 @@ class DemoConfig(PipelineConfig):
         super().validate()
         for key in ("baseline", "eval_stage"):
             check(getattr(self, key) in self.jobs, key, f"{getattr(self, key)!r} is not a job ({list(self.jobs)})")
-        check(self.proxy is None or self.proxy in self.jobs, "proxy", f"{self.proxy!r} is not a job ({list(self.jobs)})")
+        check(
+            self.proxy is None or self.proxy in self.jobs, "proxy", f"{self.proxy!r} is not a job ({list(self.jobs)})"
+        )
 
 
 class StagePipeline:
@@ -139,7 +145,9 @@ class StagePipeline:
         for stage in self.config.stages:
             overrides = self.stage_overrides(stage, run_dir, _cli_overrides())
             export = self.export_of(stage, run_dir, cfg)
-            log.info("stage %s — rerun it alone with: python train.py %s", stage, " ".join(_quote(o) for o in overrides))
+            log.info(
+                "stage %s — rerun it alone with: python train.py %s", stage, " ".join(_quote(o) for o in overrides)
+            )
             if self.config.reuse and export and os.path.isdir(export):
                 log.info("stage %s: %s exists, reusing it (pipeline.reuse=false to retrain)", stage, export)
                 continue
@@ -196,8 +204,9 @@ class DemoPipeline(StagePipeline):
         labels = {c.baseline: self.label(c.baseline), **{s: self.label(s) for s in compared}}
         policies = {labels[c.baseline]: sft, **{labels[s]: path for s, path in compared.items()}}
         gen, template, max_prompt_length = self.rollout_settings(run_dir, cfg)
-        results = evaluate_policies(policies, sft, rm or "", task, prompts, c.eval_batch_size, gen, template,
-                                    max_prompt_length)  # fmt: skip
+        results = evaluate_policies(
+            policies, sft, rm or "", task, prompts, c.eval_batch_size, gen, template, max_prompt_length
+        )
         curves = {stage: training_curve(os.path.join(run_dir, stage)) for stage in compared}
         checks = self.checks(results, curves, labels)
         flat = {f"eval/{name}/{k}": v for name, res in results.items() for k, v in res.items()}
@@ -210,8 +219,12 @@ class DemoPipeline(StagePipeline):
             json.dump({"policies": results, "curves": curves, "checks": checks, "config": asdict(c)}, fh, indent=2)
         rl = [s for s in compared if curves[s].get("gold")]  # RL stages: a validation curve of gold reward
         if rl:
-            png = render([os.path.join(run_dir, s) for s in rl], os.path.join(run_dir, "stability.png"),
-                         [labels[s] for s in rl], title="embedded task: " + " vs ".join(labels[s] for s in rl))  # fmt: skip
+            png = render(
+                [os.path.join(run_dir, s) for s in rl],
+                os.path.join(run_dir, "stability.png"),
+                [labels[s] for s in rl],
+                title="embedded task: " + " vs ".join(labels[s] for s in rl),
+            )
             log.info("stability panels: %s", png)
         log.info("summary: %s", os.path.join(run_dir, "summary.md"))
         return {"results": results, "checks": checks, "flat": flat}
@@ -227,8 +240,9 @@ class DemoPipeline(StagePipeline):
         prompt = stage_cfg.data.prompt
         return gen, str(prompt.template), int(prompt.max_prompt_length)
 
-    def checks(self, results: dict[str, dict[str, float]], curves: dict[str, dict[str, Any]],
-               labels: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+    def checks(
+        self, results: dict[str, dict[str, float]], curves: dict[str, dict[str, Any]], labels: dict[str, str]
+    ) -> dict[str, Any]:
         """The demo's claims, from the evaluation and the RL stages' validation curves: each trained
         policy's gold gain (in the baseline's σ) and whether its KL is bounded; for each RL stage,
         whether the gold reward fell from its peak while the proxy rose (over-optimization); PPO
@@ -240,15 +254,23 @@ class DemoPipeline(StagePipeline):
             if stage == self.config.baseline:
                 continue
             if sft and res:
-                out[f"{stage}_gold_gain_in_sft_sigma"] = (res["gold_mean"] - sft["gold_mean"]) / max(sft["gold_std"], 1e-9)
+                out[f"{stage}_gold_gain_in_sft_sigma"] = (res["gold_mean"] - sft["gold_mean"]) / max(
+                    sft["gold_std"], 1e-9
+                )
                 out[f"{stage}_kl_bounded"] = res["kl_to_sft"] < self.config.kl_bound
             curve = curves.get(stage) or {}
             gold, proxy = curve.get("gold", []), curve.get("proxy", [])
             if len(gold) >= 2 and len(proxy) >= 2:
                 peak = max(range(len(gold)), key=lambda i: gold[i])
-                out.update({f"{stage}_gold_peak": gold[peak], f"{stage}_gold_final": gold[-1],
-                            f"{stage}_proxy_at_gold_peak": proxy[peak], f"{stage}_proxy_final": proxy[-1],
-                            f"{stage}_overoptimized": gold[-1] < gold[peak] and proxy[-1] > proxy[peak]})  # fmt: skip
+                out.update(
+                    {
+                        f"{stage}_gold_peak": gold[peak],
+                        f"{stage}_gold_final": gold[-1],
+                        f"{stage}_proxy_at_gold_peak": proxy[peak],
+                        f"{stage}_proxy_final": proxy[-1],
+                        f"{stage}_overoptimized": gold[-1] < gold[peak] and proxy[-1] > proxy[peak],
+                    }
+                )
         if "ppo_max_gold_gain_in_sft_sigma" in out:
             out["ppo_max_raises_gold_by_1_sigma"] = out["ppo_max_gold_gain_in_sft_sigma"] >= 1.0
         ppo, pmax = results.get(labels.get("ppo", "")), results.get(labels.get("ppo_max", ""))
@@ -256,7 +278,8 @@ class DemoPipeline(StagePipeline):
             # the drift that comes with it: KL far beyond PPO-max's bound, length away from SFT's
             out["ppo_kl_drift"] = ppo["kl_to_sft"] > self.config.kl_bound
             out["ppo_length_drift"] = abs(ppo["response_length"] - sft["response_length"]) > abs(
-                pmax["response_length"] - sft["response_length"])
+                pmax["response_length"] - sft["response_length"]
+            )
         return out
 
 
@@ -283,8 +306,12 @@ def training_curve(stage_dir: str) -> dict[str, list[float]]:
         return {}
     s = read_series(path)
     out = {"steps": s.get("val/score_mean", ([], []))[0]}
-    for key, name in (("val/score_mean", "proxy"), ("val/gold_score_mean", "gold"), ("val/kl", "kl"),
-                      ("val/response_length", "length")):  # fmt: skip
+    for key, name in (
+        ("val/score_mean", "proxy"),
+        ("val/gold_score_mean", "gold"),
+        ("val/kl", "kl"),
+        ("val/response_length", "length"),
+    ):
         out[name] = s.get(key, ([], []))[1]
     return out
 
@@ -306,9 +333,16 @@ def _without_grad(fn: Any) -> Any:
 
 @_without_grad
 def evaluate_policies(
-    policies: dict[str, str], sft_path: str, rm_path: str, task: Any, prompts: list[str], batch_size: int,
-    gen: Any = None, template: str = "plain", max_prompt_length: int = 16,
-) -> dict[str, dict[str, float]]:  # fmt: skip
+    policies: dict[str, str],
+    sft_path: str,
+    rm_path: str,
+    task: Any,
+    prompts: list[str],
+    batch_size: int,
+    gen: Any = None,
+    template: str = "plain",
+    max_prompt_length: int = 16,
+) -> dict[str, dict[str, float]]:
     """Sample every policy on the same held-out prompts (the RL stages' generation settings,
     template and prompt length; ``gen`` None = the tiny experiments' sampling) through the one
     rollout path (:func:`~lit_rlhf.rollout.collect.generate_and_score`) and measure the gold
@@ -343,8 +377,9 @@ def evaluate_policies(
         gold, proxy, kl, nll, tokens, lengths, ended = [], [], [], 0.0, 0, [], []
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
-            batch = collate_prompts([(encode_prompt(tok, p, max_prompt_length, chat)[0], p) for p in chunk],
-                                    tok.pad_token_id)  # fmt: skip
+            batch = collate_prompts(
+                [(encode_prompt(tok, p, max_prompt_length, chat)[0], p) for p in chunk], tok.pad_token_id
+            )
             r = generate_and_score(policy, batch, tok, gen, reference=sft, scorer=scorer, engine=engine)
             gold += [task.gold_reward(p, t, e) for p, t, e in zip(chunk, r.responses_text, r.ended.tolist())]
             proxy += r.scores.tolist() if r.scores is not None else []
@@ -366,42 +401,54 @@ def evaluate_policies(
     return results
 
 
-def format_table(results: dict[str, dict[str, float]], checks: dict[str, Any], labels: dict[str, str],
-                 baseline: str = "sft") -> str:  # fmt: skip
+def format_table(
+    results: dict[str, dict[str, float]], checks: dict[str, Any], labels: dict[str, str], baseline: str = "sft"
+) -> str:
     """The markdown table printed at the end of the demo (and saved as summary.md), with its notes;
     ``labels``: stage → row name (the baseline's row first)."""
-    cols = [("gold reward", "gold_mean", "{:+.3f}"), ("(std)", "gold_std", "{:.3f}"),
-            ("proxy (RM) reward", "proxy_mean", "{:+.3f}"), ("KL to SFT", "kl_to_sft", "{:.2f}"),
-            ("perplexity", "perplexity", "{:.2f}"), ("length", "response_length", "{:.1f}"),
-            ("truncated", "truncation_rate", "{:.0%}")]  # fmt: skip
+    cols = [
+        ("gold reward", "gold_mean", "{:+.3f}"),
+        ("(std)", "gold_std", "{:.3f}"),
+        ("proxy (RM) reward", "proxy_mean", "{:+.3f}"),
+        ("KL to SFT", "kl_to_sft", "{:.2f}"),
+        ("perplexity", "perplexity", "{:.2f}"),
+        ("length", "response_length", "{:.1f}"),
+        ("truncated", "truncation_rate", "{:.0%}"),
+    ]
     lines = ["| policy | " + " | ".join(c for c, _, _ in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, res in results.items():
         lines.append(f"| {name} | " + " | ".join(fmt.format(res[k]) for _, k, fmt in cols) + " |")
     return "\n".join(lines + [""] + [f"- {n}" for n in _notes(results, checks, labels, baseline)])
 
 
-def _notes(results: dict[str, dict[str, float]], checks: dict[str, Any], labels: dict[str, str],
-           baseline: str) -> list[str]:  # fmt: skip
+def _notes(
+    results: dict[str, dict[str, float]], checks: dict[str, Any], labels: dict[str, str], baseline: str
+) -> list[str]:
     notes = []
     base = labels[baseline]
     for stage, label in labels.items():
         if f"{stage}_gold_gain_in_sft_sigma" not in checks or stage in ("ppo", baseline):
             continue
-        line = (f"{label} vs {base}: gold {checks[f'{stage}_gold_gain_in_sft_sigma']:+.2f} {base} σ; KL to {base} "
-                f"{results[label]['kl_to_sft']:.2f} ({'bounded' if checks[f'{stage}_kl_bounded'] else 'NOT bounded'})")  # fmt: skip
+        line = (
+            f"{label} vs {base}: gold {checks[f'{stage}_gold_gain_in_sft_sigma']:+.2f} {base} σ; KL to {base} "
+            f"{results[label]['kl_to_sft']:.2f} ({'bounded' if checks[f'{stage}_kl_bounded'] else 'NOT bounded'})"
+        )
         if stage != "ppo_max":
             line += f", length {results[base]['response_length']:.1f} → {results[label]['response_length']:.1f}"
         if f"{stage}_overoptimized" in checks and stage != "ppo_max":
-            line += (f"; during training gold peaked at {checks[f'{stage}_gold_peak']:+.3f} and ended at "
-                     f"{checks[f'{stage}_gold_final']:+.3f}: "
-                     f"{'over-optimization' if checks[f'{stage}_overoptimized'] else 'no over-optimization'}")  # fmt: skip
+            line += (
+                f"; during training gold peaked at {checks[f'{stage}_gold_peak']:+.3f} and ended at "
+                f"{checks[f'{stage}_gold_final']:+.3f}: "
+                f"{'over-optimization' if checks[f'{stage}_overoptimized'] else 'no over-optimization'}"
+            )
         notes.append(line)
     ppo = labels.get("ppo", "ppo")
     if "ppo_overoptimized" in checks:
         notes.append(
             f"{ppo} during training: gold peaked at {checks['ppo_gold_peak']:+.3f} and ended at "
             f"{checks['ppo_gold_final']:+.3f} while the proxy went {checks['ppo_proxy_at_gold_peak']:+.2f} → "
-            f"{checks['ppo_proxy_final']:+.2f}: {'over-optimization' if checks['ppo_overoptimized'] else 'no over-optimization'}"
+            f"{checks['ppo_proxy_final']:+.2f}: "
+            f"{'over-optimization' if checks['ppo_overoptimized'] else 'no over-optimization'}"
         )
     if "ppo_kl_drift" in checks:
         p, sft = results[ppo], results[base]

@@ -29,7 +29,9 @@ def hub_reachable() -> bool:
     ``HF_HUB_OFFLINE=1``. Checked once per process."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return False
-    proxy = next((os.environ[k] for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy") if os.environ.get(k)), None)
+    proxy = next(
+        (os.environ[k] for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy") if os.environ.get(k)), None
+    )
     url = urlparse(proxy or os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     try:
         socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=3).close()
@@ -43,21 +45,24 @@ def _model_cached(repo: str) -> bool:
         from huggingface_hub import try_to_load_from_cache
 
         return isinstance(try_to_load_from_cache(repo, "config.json"), str)
-    except Exception:  # noqa: BLE001 - not a valid repo id: the loader will say so
+    except Exception:
         return False
 
 
 def _dataset_cached(name: str) -> bool:
     """A hub dataset already in the local caches (the hub's, or ``datasets``' own)."""
-    folder = os.path.join(os.environ.get("HF_DATASETS_CACHE") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "datasets"), name.replace("/", "___"))  # fmt: skip
+    folder = os.path.join(
+        os.environ.get("HF_DATASETS_CACHE")
+        or os.path.join(os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "datasets"),
+        name.replace("/", "___"),
+    )
     if os.path.isdir(folder):
         return True
     try:
         from huggingface_hub import scan_cache_dir
 
         return any(r.repo_id == name and r.repo_type == "dataset" for r in scan_cache_dir().repos)
-    except Exception:  # noqa: BLE001 - no hub cache yet
+    except Exception:
         return False
 
 
@@ -75,9 +80,11 @@ def _model_problem(path: str, key: str) -> str | None:
         return None
     if _model_cached(path) or hub_reachable():
         return None
-    return (f"{key}={path}: not a local folder, the Hugging Face hub cannot be reached (offline) and it is not in "
-            f"the local cache: download it where there is network (`huggingface-cli download {path} --local-dir "
-            f"/path/to/{path.rsplit('/', 1)[-1]}`) and set {key}=/path/to/{path.rsplit('/', 1)[-1]}")  # fmt: skip
+    return (
+        f"{key}={path}: not a local folder, the Hugging Face hub cannot be reached (offline) and it is not in "
+        f"the local cache: download it where there is network (`huggingface-cli download {path} --local-dir "
+        f"/path/to/{path.rsplit('/', 1)[-1]}`) and set {key}=/path/to/{path.rsplit('/', 1)[-1]}"
+    )
 
 
 def _data_problem(section: Any, key: str) -> str | None:
@@ -97,17 +104,21 @@ def _data_problem(section: Any, key: str) -> str | None:
         return f"{key}.source={source}: no such file{also}"
     if os.path.isdir(source) or _dataset_cached(source) or hub_reachable():
         return None
-    return (f"{key}.source={source}: not a local file or folder, and the Hugging Face hub cannot be reached "
-            "(offline): save it locally (datasets' save_to_disk, or a .jsonl) and point at it")  # fmt: skip
+    return (
+        f"{key}.source={source}: not a local file or folder, and the Hugging Face hub cannot be reached "
+        "(offline): save it locally (datasets' save_to_disk, or a .jsonl) and point at it"
+    )
 
 
 def missing_inputs(cfg: Any, data_kind: str) -> list[str]:
     """One line per input the stage job ``cfg`` (reading ``data.<data_kind>``) lacks here."""
     algo, out = cfg.algo, []
     if "reward_path" in algo and not any(algo.get(k) for k in _REWARD_KEYS):
-        out.append("algo.reward_path: no reward: a reward model folder (algo=rm writes <run>/reward_model), or a "
-                   "reward function (algo.reward_fn / algo.reward_fns); set exactly one of algo.reward_path, "
-                   "algo.reward_fn and algo.reward_fns")  # fmt: skip
+        out.append(
+            "algo.reward_path: no reward: a reward model folder (algo=rm writes <run>/reward_model), or a "
+            "reward function (algo.reward_fn / algo.reward_fns); set exactly one of algo.reward_path, "
+            "algo.reward_fn and algo.reward_fns"
+        )
     for key in _MODEL_KEYS:
         if algo.get(key):
             out.append(_model_problem(str(algo[key]), f"algo.{key}"))

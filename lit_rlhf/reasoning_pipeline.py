@@ -63,7 +63,9 @@ class ReasoningPipeline(StagePipeline):
 
         c = self.config
         stage_cfg = self.stage_config(c.eval_stage, run_dir, cfg)
-        task = ReasoningTask(build_config(ReasoningTaskConfig, stage_cfg.data.prompt.reasoning, "data.prompt.reasoning"))
+        task = ReasoningTask(
+            build_config(ReasoningTaskConfig, stage_cfg.data.prompt.reasoning, "data.prompt.reasoning")
+        )
         gen = build_config(GenerationConfig, stage_cfg.algo.generation, "algo.generation")
         policies = {}
         for stage in c.stages:
@@ -71,14 +73,28 @@ class ReasoningPipeline(StagePipeline):
             if export and os.path.isdir(export):
                 policies[self.label(stage)] = export
         if self.label(c.baseline) not in policies:
-            raise FileNotFoundError(f"pipeline.baseline={c.baseline}: no policy at "
-                                    f"{self.export_of(c.baseline, run_dir, cfg)} (run that stage first)")  # fmt: skip
+            raise FileNotFoundError(
+                f"pipeline.baseline={c.baseline}: no policy at "
+                f"{self.export_of(c.baseline, run_dir, cfg)} (run that stage first)"
+            )
         problems = task.qa_records(c.eval_problems, "test")
-        results = evaluate_reasoning(policies, task, problems, c.eval_batch_size, gen, str(stage_cfg.data.prompt.template),
-                                     int(stage_cfg.data.prompt.max_prompt_length), c.pass_k)  # fmt: skip
+        results = evaluate_reasoning(
+            policies,
+            task,
+            problems,
+            c.eval_batch_size,
+            gen,
+            str(stage_cfg.data.prompt.template),
+            int(stage_cfg.data.prompt.max_prompt_length),
+            c.pass_k,
+        )
         base = results[self.label(c.baseline)]
-        checks = {f"{stage}_greedy_gain_points": 100 * (results[self.label(stage)]["greedy_accuracy"] - base["greedy_accuracy"])
-                  for stage in c.stages if stage != c.baseline and self.label(stage) in results}  # fmt: skip
+        checks = {
+            f"{stage}_greedy_gain_points": 100
+            * (results[self.label(stage)]["greedy_accuracy"] - base["greedy_accuracy"])
+            for stage in c.stages
+            if stage != c.baseline and self.label(stage) in results
+        }
         flat = {f"eval/{name}/{k}": v for name, res in results.items() for k, v in res.items()}
         table = format_accuracy_table(results, self.label(c.baseline), c.pass_k, len(problems))
         print("\n" + table + "\n", flush=True)
@@ -91,8 +107,16 @@ class ReasoningPipeline(StagePipeline):
 
 
 @_without_grad
-def evaluate_reasoning(policies: dict[str, str], task: Any, problems: list[dict[str, str]], batch_size: int,
-                       gen: Any, template: str, max_prompt_length: int, k: int) -> dict[str, dict[str, float]]:  # fmt: skip
+def evaluate_reasoning(
+    policies: dict[str, str],
+    task: Any,
+    problems: list[dict[str, str]],
+    batch_size: int,
+    gen: Any,
+    template: str,
+    max_prompt_length: int,
+    k: int,
+) -> dict[str, dict[str, float]]:
     """Every policy on the same held-out problems through the one rollout path
     (:func:`~lit_rlhf.rollout.evaluate.evaluate_verifiable`), scored by the task's exact checker
     (:func:`~lit_rlhf.data.reasoning.answer_reward_fn`: the answer line equals the problem's
@@ -120,25 +144,41 @@ def evaluate_reasoning(policies: dict[str, str], task: Any, problems: list[dict[
         parts = []
         for start in range(0, len(problems), batch_size):
             chunk = problems[start : start + batch_size]
-            items = [(encode_prompt(tok, r["prompt"], max_prompt_length, chat)[0], r["prompt"],
-                      {"answer": r["answer"]}) for r in chunk]  # fmt: skip
-            parts.append(evaluate_verifiable(policy, collate_prompts(items, tok.pad_token_id), tok, gen, scorer, k,
-                                             engine=engine))  # fmt: skip
-        ev = type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in ("greedy_correct", "greedy_length",
-                                                                                    "sample_correct")))  # fmt: skip
+            items = [
+                (encode_prompt(tok, r["prompt"], max_prompt_length, chat)[0], r["prompt"], {"answer": r["answer"]})
+                for r in chunk
+            ]
+            parts.append(
+                evaluate_verifiable(
+                    policy, collate_prompts(items, tok.pad_token_id), tok, gen, scorer, k, engine=engine
+                )
+            )
+        ev = type(parts[0])(
+            *(torch.cat([getattr(p, f) for p in parts]) for f in ("greedy_correct", "greedy_length", "sample_correct"))
+        )
         results[name] = ev.metrics()
     return results
 
 
 def format_accuracy_table(results: dict[str, dict[str, float]], baseline: str, k: int, n: int) -> str:
     """The reasoning pipeline's markdown table (summary.md): accuracy in %, gains over the baseline in points."""
-    cols = [("greedy accuracy", "greedy_accuracy")] + ([(f"pass@{k}", f"pass@{k}"), (f"mean@{k}", f"mean@{k}")] if k else [])
+    cols = [("greedy accuracy", "greedy_accuracy")] + (
+        [(f"pass@{k}", f"pass@{k}"), (f"mean@{k}", f"mean@{k}")] if k else []
+    )
     lines = ["| policy | " + " | ".join(c for c, _ in cols) + " | length (greedy) |", "|---" * (len(cols) + 2) + "|"]
     base = results[baseline]
     for name, res in results.items():
-        cells = [f"{100 * res[key]:.1f}%" + ("" if name == baseline else f" ({100 * (res[key] - base[key]):+.1f})")
-                 for _, key in cols]  # fmt: skip
+        cells = [
+            f"{100 * res[key]:.1f}%" + ("" if name == baseline else f" ({100 * (res[key] - base[key]):+.1f})")
+            for _, key in cols
+        ]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {res['greedy_length']:.1f} |")
-    return "\n".join(lines + ["", f"- {n} held-out problems (the task's test split, never trained on); in brackets: "
-                                   f"points over {baseline}; pass@{k} and mean@{k} from {k} samples per problem "
-                                   "at the RL stages' sampling settings"])
+    return "\n".join(
+        lines
+        + [
+            "",
+            f"- {n} held-out problems (the task's test split, never trained on); in brackets: "
+            f"points over {baseline}; pass@{k} and mean@{k} from {k} samples per problem "
+            "at the RL stages' sampling settings",
+        ]
+    )

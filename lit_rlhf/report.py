@@ -19,7 +19,7 @@ import glob
 import json
 import math
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def find_metrics_csv(run_dir: str) -> str | None:
@@ -35,8 +35,10 @@ def missing_csv_message(run_dir: str) -> str:
     """What the report needs, in one line, for a run directory it cannot draw."""
     if not os.path.isdir(run_dir):
         return f"{run_dir}: not a directory (give a run directory: logs/<stage>/runs/<time>)"
-    return (f"{run_dir}: no metrics.csv (the report reads <run>/csv/metrics.csv, which RL runs of train.py "
-            "keep beside any logger; an older run with logger=wandb alone has none: see its W&B dashboard)")  # fmt: skip
+    return (
+        f"{run_dir}: no metrics.csv (the report reads <run>/csv/metrics.csv, which RL runs of train.py "
+        "keep beside any logger; an older run with logger=wandb alone has none: see its W&B dashboard)"
+    )
 
 
 def read_series(path: str) -> dict[str, tuple[list[float], list[float]]]:
@@ -79,11 +81,11 @@ def _line(ax, series, key, color, label, **kw) -> bool:
 def _curve_panels(axes, series: dict, color: str, label: str) -> None:
     """One run's curves on the five line panels."""
     ax = axes[0, 0]
-    if _line(ax, series, "reward/score_mean", color, f"{label} train"):
-        if "reward/score_q05" in series and "reward/score_q95" in series:
-            xs, lo = series["reward/score_q05"]
-            _, hi = series["reward/score_q95"]
-            ax.fill_between(xs, lo, hi, color=color, alpha=0.15, linewidth=0)
+    drawn = _line(ax, series, "reward/score_mean", color, f"{label} train")
+    if drawn and "reward/score_q05" in series and "reward/score_q95" in series:
+        xs, lo = series["reward/score_q05"]
+        _, hi = series["reward/score_q95"]
+        ax.fill_between(xs, lo, hi, color=color, alpha=0.15, linewidth=0)
     if "val/score_mean" in series:
         ax.plot(*series["val/score_mean"], "o--", color=color, label=f"{label} val", markersize=4)
     if "val/gold_score_mean" in series:  # a validation-only gold reward (embedded task)
@@ -115,8 +117,9 @@ def _histogram_panel(ax, runs: list, labels: Sequence[str]) -> None:
         if scores:
             images.append(np.stack([np.histogram(np.clip(row, lo, hi), bins=bins)[0] for _, row in scores], 1))
     grid = np.concatenate(images, 1) if len(images) > 1 else images[0]
-    ax.imshow(grid, aspect="auto", origin="lower", cmap="magma", extent=[0, grid.shape[1], lo, hi],
-              interpolation="nearest")  # fmt: skip
+    ax.imshow(
+        grid, aspect="auto", origin="lower", cmap="magma", extent=[0, grid.shape[1], lo, hi], interpolation="nearest"
+    )
     offset = 0
     for (_, scores), label in zip(runs, labels):
         if scores:
@@ -127,10 +130,13 @@ def _histogram_panel(ax, runs: list, labels: Sequence[str]) -> None:
 
 
 PANEL_TITLES = [
-    ("reward: train (band 5-95%), val, val gold", "score"), ("KL(policy || reference)", "nats / response"),
-    ("perplexity of responses", "perplexity"), ("response length", "tokens"),
-    ("reward histogram over time", "score"), ("policy entropy / clip fraction", ""),
-]  # fmt: skip
+    ("reward: train (band 5-95%), val, val gold", "score"),
+    ("KL(policy || reference)", "nats / response"),
+    ("perplexity of responses", "perplexity"),
+    ("response length", "tokens"),
+    ("reward histogram over time", "score"),
+    ("policy entropy / clip fraction", ""),
+]
 
 
 def render(run_dirs: Sequence[str], out: str, labels: Sequence[str] | None = None, title: str | None = None) -> str:

@@ -61,8 +61,9 @@ def model_node(node: Any, policy_path: str | None = None) -> Any:
         node.tiny, node.train_tokenizer = None, None
         if node.get("tokenizer") == "synthetic":
             node.tokenizer = None
-    log.info("model.name_or_path=%s is set: the tiny config's model.tiny (and its tokenizer) are not used",
-             node.name_or_path)  # fmt: skip
+    log.info(
+        "model.name_or_path=%s is set: the tiny config's model.tiny (and its tokenizer) are not used", node.name_or_path
+    )
     return node
 
 
@@ -120,8 +121,10 @@ def check_memory_plan(cfg: DictConfig, job: Plan) -> None:
         log.warning("memory plan skipped: %s", err)
         return
     if p is not None and p.fits is False:
-        raise ConfigError("memory_plan", "this job does not fit the GPU memory (set memory_plan.enforce=false to "
-                                         "launch anyway):\n" + p.render())  # fmt: skip
+        raise ConfigError(
+            "memory_plan",
+            "this job does not fit the GPU memory (set memory_plan.enforce=false to launch anyway):\n" + p.render(),
+        )
 
 
 def plan(cfg: DictConfig) -> Plan:
@@ -137,11 +140,15 @@ def plan(cfg: DictConfig) -> Plan:
         check_call_arguments(pl.Trainer.__init__, cfg.trainer, "trainer")
     if cfg.get("algo") is None:
         if cfg.get("pipeline") is None:
-            raise ConfigError("algo", "choose a stage (algo=sft, rm, ppo, …: the files in conf/algo) or a "
-                                      "pipeline (pipeline=demo, what `python train.py` runs by default)")  # fmt: skip
+            raise ConfigError(
+                "algo",
+                "choose a stage (algo=sft, rm, ppo, …: the files in conf/algo) or a "
+                "pipeline (pipeline=demo, what `python train.py` runs by default)",
+            )
         pipeline_cls = get_class(cfg.pipeline, "pipeline")
-        return Plan(model, pipeline_cls=pipeline_cls, pipeline=build_config(pipeline_cls.config_class, cfg.pipeline,
-                                                                              "pipeline"))  # fmt: skip
+        return Plan(
+            model, pipeline_cls=pipeline_cls, pipeline=build_config(pipeline_cls.config_class, cfg.pipeline, "pipeline")
+        )
     algo_cls = get_class(cfg.algo, "algo")
     if not (isinstance(algo_cls, type) and issubclass(algo_cls, RLHFModule)):
         raise ConfigError("algo._target_", f"{cfg.algo._target_} is not a lit_rlhf stage (an RLHFModule subclass)")
@@ -161,10 +168,13 @@ def plan(cfg: DictConfig) -> Plan:
     from lit_rlhf.launch.strategy import strategy_kind
 
     if model.lora.enabled and strategy_kind(cfg)[0] == "fsdp":
-        raise ConfigError("strategy", "model.lora.enabled=true with strategy=fsdp is not supported (the RL stages' "
-                                      "LoRA reference, the actor with its adapters off, would call the actor's "
-                                      "modules around the FSDP units that gather their weights; the other stages "
-                                      "are untested there); use strategy=deepspeed_stage_2/3, or auto/ddp")  # fmt: skip
+        raise ConfigError(
+            "strategy",
+            "model.lora.enabled=true with strategy=fsdp is not supported (the RL stages' "
+            "LoRA reference, the actor with its adapters off, would call the actor's "
+            "modules around the FSDP units that gather their weights; the other stages "
+            "are untested there); use strategy=deepspeed_stage_2/3, or auto/ddp",
+        )
     return Plan(model, algo_cls, algo, data_cls, data)
 
 
@@ -246,8 +256,10 @@ def with_stability_csv(loggers: list[Any], callbacks: list[Any], algo_cls: type,
 
     save_dir = trainer_cfg.get("default_root_dir") or os.getcwd()  # the run directory StabilityReport reads
     if rank_zero_only.rank == 0:
-        log.info("stability.png reads a CSV log: keeping %s beside the configured logger(s)",
-                 os.path.join(save_dir, "csv", "metrics.csv"))  # fmt: skip
+        log.info(
+            "stability.png reads a CSV log: keeping %s beside the configured logger(s)",
+            os.path.join(save_dir, "csv", "metrics.csv"),
+        )
     return [*loggers, CSVLogger(save_dir=save_dir, name="csv", version="")]
 
 
@@ -266,9 +278,11 @@ def resume_path(trainer: Any, ckpt_path: str | None) -> str | None:
     folders = sorted({str(c.dirpath) for c in callbacks if c.dirpath}) or ["(no ModelCheckpoint folder)"]
     if not found:
         if trainer.is_global_zero:
-            log.info("ckpt_path=last: %s holds no checkpoint yet: this run starts from step 0 (to resume an earlier "
-                     "run: hydra.run.dir=<its run dir> ckpt_path=last, or ckpt_path=<its checkpoints/last.ckpt>)",
-                     ", ".join(folders))  # fmt: skip
+            log.info(
+                "ckpt_path=last: %s holds no checkpoint yet: this run starts from step 0 (to resume an earlier "
+                "run: hydra.run.dir=<its run dir> ckpt_path=last, or ckpt_path=<its checkpoints/last.ckpt>)",
+                ", ".join(folders),
+            )
         return None
     newest = max(found, key=os.path.getmtime)
     if trainer.is_global_zero:
@@ -368,8 +382,12 @@ def _validate_for_metric(trainer: Any, module: Any, datamodule: Any, name: str |
     if not is_overridden("validation_step", module):
         return False
     if trainer.is_global_zero:
-        log.info("optimized_metric %s was not logged during the fit (no validation ran before the budget ended, "
-                 "trainer.max_steps=%s): running a final validation", name, trainer.max_steps)  # fmt: skip
+        log.info(
+            "optimized_metric %s was not logged during the fit (no validation ran before the budget ended, "
+            "trainer.max_steps=%s): running a final validation",
+            name,
+            trainer.max_steps,
+        )
     trainer.validate(module, datamodule=datamodule, verbose=False)
     return True
 
@@ -388,7 +406,10 @@ def metric_value(metrics: dict[str, float], name: str | None) -> float | None:
     if name is None:
         return None
     if name not in metrics:
-        log.error("optimized_metric: '%s' was not logged by this run (the sweeper gets NaN); logged: %s", name,
-                  ", ".join(sorted(metrics)) or "none")  # fmt: skip
+        log.error(
+            "optimized_metric: '%s' was not logged by this run (the sweeper gets NaN); logged: %s",
+            name,
+            ", ".join(sorted(metrics)) or "none",
+        )
         return float("nan")
     return metrics[name]

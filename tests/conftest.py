@@ -39,8 +39,9 @@ def pytest_collection_modifyitems(config, items):
     from _pytest.nodeid import coerce_node_id
 
     for item in items:
-        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                         for m in item.iter_markers("xdist_group")})  # fmt: skip
+        groups = sorted(
+            {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+        )
         suffix = "@" + "_".join(groups)
         if groups and not item.nodeid.endswith(suffix):
             item._id = coerce_node_id(item.nodeid + suffix)
@@ -158,9 +159,21 @@ def trained_sft(tmp_path_factory):
     def build(out):
         from lit_rlhf.runner import run
 
-        metrics = run(compose(["trainer.accelerator=cpu", "logger=none", "callbacks=none", "trainer.enable_progress_bar=false",
-                               "data.sft.n_train=8000", "data.sft.n_val=1000", "data.batch_size=32", "trainer.max_epochs=2"],
-                              out))  # fmt: skip
+        metrics = run(
+            compose(
+                [
+                    "trainer.accelerator=cpu",
+                    "logger=none",
+                    "callbacks=none",
+                    "trainer.enable_progress_bar=false",
+                    "data.sft.n_train=8000",
+                    "data.sft.n_val=1000",
+                    "data.batch_size=32",
+                    "trainer.max_epochs=2",
+                ],
+                out,
+            )
+        )
         return {"policy": str(out / "policy"), "metrics": metrics}
 
     result = built_once(tmp_path_factory, "trained_sft", build)

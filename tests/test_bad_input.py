@@ -24,29 +24,39 @@ def test_invalid_utf8_names_file_and_line(tmp_path):
 
 
 def test_truncated_gzip_names_the_file_and_the_last_good_line(tmp_path):
-    full = gzip.compress(b"".join(json.dumps({"prompt": f"p{i}", "response": "r" * 50}).encode() + b"\n"
-                                  for i in range(200)))  # fmt: skip
+    full = gzip.compress(
+        b"".join(json.dumps({"prompt": f"p{i}", "response": "r" * 50}).encode() + b"\n" for i in range(200))
+    )
     bad = tmp_path / "pairs.jsonl.gz"
     bad.write_bytes(full[: len(full) // 2])
     with pytest.raises(DataError, match=rf"{bad}: unreadable after line \d+ \(EOFError.*truncated"):
         list(iter_rows(str(bad)))
 
 
-@pytest.mark.parametrize("override, message", [
-    ("trainer.max_steps=abc", r"trainer.max_steps: expected an integer, got 'abc'"),
-    ("trainer.precision=bf17", r"trainer.precision: expected .*'bf16-mixed'.*got 'bf17'"),
-    ("+trainer.max_stpes=3", r"trainer.max_stpes: unknown argument of Trainer.__init__. Did you mean 'max_steps'\?"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.max_steps=abc", r"trainer.max_steps: expected an integer, got 'abc'"),
+        ("trainer.precision=bf17", r"trainer.precision: expected .*'bf16-mixed'.*got 'bf17'"),
+        (
+            "+trainer.max_stpes=3",
+            r"trainer.max_stpes: unknown argument of Trainer.__init__. Did you mean 'max_steps'\?",
+        ),
+    ],
+)
 def test_trainer_values_are_checked_by_key(override, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
         plan(compose([override], tmp_path))
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, r"ckpt_path: no such checkpoint file: .*missing.ckpt"),
-    (b"", r"ckpt_path: .*bad.ckpt is not a complete checkpoint \(not a torch archive"),
-    (b"PK\x03\x04 not really a zip", r"ckpt_path: .*bad.ckpt is not a complete checkpoint"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, r"ckpt_path: no such checkpoint file: .*missing.ckpt"),
+        (b"", r"ckpt_path: .*bad.ckpt is not a complete checkpoint \(not a torch archive"),
+        (b"PK\x03\x04 not really a zip", r"ckpt_path: .*bad.ckpt is not a complete checkpoint"),
+    ],
+)
 def test_a_bad_ckpt_path_is_named_before_anything_is_built(content, message, tmp_path, monkeypatch):
     import lit_rlhf.runner as runner
 
@@ -79,10 +89,20 @@ def test_a_bad_policy_path_names_the_algo_key(kind, tmp_path, saved_models):
         path.mkdir()
     if kind == "not_a_model":
         (path / "notes.txt").write_text("hello")
-    cfg = compose(["experiment=ppo_synthetic_tiny", f"algo.policy_path={path}", f"algo.reward_path={saved_models[1]}",
-                   *CPU_FAST[:4]], tmp_path)  # fmt: skip
-    message = {"missing": "no such model folder", "empty": "has no config.json \\(empty folder\\)",
-               "not_a_model": "has no config.json \\(found: notes.txt\\)"}[kind]  # fmt: skip
+    cfg = compose(
+        [
+            "experiment=ppo_synthetic_tiny",
+            f"algo.policy_path={path}",
+            f"algo.reward_path={saved_models[1]}",
+            *CPU_FAST[:4],
+        ],
+        tmp_path,
+    )
+    message = {
+        "missing": "no such model folder",
+        "empty": "has no config.json \\(empty folder\\)",
+        "not_a_model": "has no config.json \\(found: notes.txt\\)",
+    }[kind]
     with pytest.raises(ConfigError, match=rf"algo.policy_path: .*{message}"):
         build(cfg)
 
@@ -100,7 +120,9 @@ def test_blank_and_duplicated_prompts_are_counted(tmp_path, tokenizer, caplog):
     assert "2 empty or blank skipped; 1 duplicates kept" in caplog.text
     (tmp_path / "blank.jsonl").write_text(json.dumps({"prompt": " "}) + "\n")
     with pytest.raises(DataError, match="no usable prompts \\(1 read, all empty or blank\\)"):
-        PromptDataModule(source=str(tmp_path / "blank.jsonl"), batch_size=2, format="prompt").connect(tokenizer).setup("fit")
+        PromptDataModule(source=str(tmp_path / "blank.jsonl"), batch_size=2, format="prompt").connect(tokenizer).setup(
+            "fit"
+        )
 
 
 def test_a_minibatch_larger_than_the_rollout_is_reported(saved_models, tokenizer, caplog):
@@ -116,34 +138,52 @@ def test_callable_arguments_missing_from_the_yaml_are_accepted_and_typos_refused
     from tests.conftest import ROOT
 
     argv = ["algo=sft", "callbacks.model_checkpoint.every_n_train_steps=5", "trainer.gradient_clip_algorithm=norm"]
-    assert check_overrides(argv, ROOT / "conf") == ["algo=sft", "++callbacks.model_checkpoint.every_n_train_steps=5",
-                                                    "++trainer.gradient_clip_algorithm=norm"]  # fmt: skip
+    assert check_overrides(argv, ROOT / "conf") == [
+        "algo=sft",
+        "++callbacks.model_checkpoint.every_n_train_steps=5",
+        "++trainer.gradient_clip_algorithm=norm",
+    ]
     with pytest.raises(ConfigError, match=r"every_n_train_stepz: unknown key. Did you mean 'every_n_train_steps'\?"):
         check_overrides(["algo=sft", "callbacks.model_checkpoint.every_n_train_stepz=5"], ROOT / "conf")
 
 
-@pytest.mark.parametrize("override, message", [
-    ("algo.reward_fns=[{_target_:lit_rlhf.data.synthetic.gold_reward_fn,weight:heavy}]",
-     r"algo.reward_fns\[0\].weight: must be a finite number, got 'heavy'"),
-    ("algo.reward_fns=[{_target_:lit_rlhf.data.synthetic.gold_reward_fn},{_target_:lit_rlhf.data.synthetic.gold_rewrd_fn}]",
-     r"algo.reward_fns\[1\]._target_: cannot import 'lit_rlhf.data.synthetic.gold_rewrd_fn'"),
-    ("algo.reward_fns=[{_target_:lit_rlhf.data.synthetic.gold_reward_fn,name:a},{_target_:lit_rlhf.data.synthetic.gold_reward_fn,name:a}]",
-     r"algo.reward_fns\[1\].name: 'a' already names reward_fns\[0\]"),
-    ("model.lora.enabled=true model.lora.target_modules=[]", r"model.lora.target_modules: must name at least one module"),
-    ("model.lora.enabled=true model.lora.r=0", r"model.lora.r: must be >= 1, got 0"),
-    ("model.lora.dropout=1.5", r"model.lora.dropout: must be >= 0.0 and < 1.0, got 1.5"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "algo.reward_fns=[{_target_:lit_rlhf.data.synthetic.gold_reward_fn,weight:heavy}]",
+            r"algo.reward_fns\[0\].weight: must be a finite number, got 'heavy'",
+        ),
+        (
+            "algo.reward_fns=[{_target_:lit_rlhf.data.synthetic.gold_reward_fn},{_target_:lit_rlhf.data.synthetic.gold_rewrd_fn}]",
+            r"algo.reward_fns\[1\]._target_: cannot import 'lit_rlhf.data.synthetic.gold_rewrd_fn'",
+        ),
+        (
+            "algo.reward_fns=[{_target_:lit_rlhf.data.synthetic.gold_reward_fn,name:a},{_target_:lit_rlhf.data.synthetic.gold_reward_fn,name:a}]",
+            r"algo.reward_fns\[1\].name: 'a' already names reward_fns\[0\]",
+        ),
+        (
+            "model.lora.enabled=true model.lora.target_modules=[]",
+            r"model.lora.target_modules: must name at least one module",
+        ),
+        ("model.lora.enabled=true model.lora.r=0", r"model.lora.r: must be >= 1, got 0"),
+        ("model.lora.dropout=1.5", r"model.lora.dropout: must be >= 0.0 and < 1.0, got 1.5"),
+    ],
+)
 def test_list_entries_and_lora_values_fail_in_the_plan_naming_the_key(override, message, tmp_path):
     cfg = compose(["experiment=grpo_synthetic_tiny", *override.split()], tmp_path)
     with pytest.raises(ConfigError, match=message):
         plan(cfg)
 
 
-@pytest.mark.parametrize("targets, message", [
-    ("[nope_proj]", r"peft: Target modules \{'nope_proj'\} not found in the base model"),
-    ("[norm]", r"peft: Target module LlamaRMSNorm\(.*\) is not supported"),  # peft's multi-line message, one line
-    ("[embed_tokens]", r"model.embed_tokens is a Embedding: only nn.Linear layers can be adapted"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "targets, message",
+    [
+        ("[nope_proj]", r"peft: Target modules \{'nope_proj'\} not found in the base model"),
+        ("[norm]", r"peft: Target module LlamaRMSNorm\(.*\) is not supported"),  # peft's multi-line message, one line
+        ("[embed_tokens]", r"model.embed_tokens is a Embedding: only nn.Linear layers can be adapted"),
+    ],
+)
 def test_a_target_module_peft_refuses_is_a_config_error_naming_the_key(targets, message, tmp_path):
     """The model is needed to know its module names: the stage builds it, peft refuses, and the
     user gets one line naming model.lora.target_modules instead of peft's traceback."""
@@ -154,18 +194,30 @@ def test_a_target_module_peft_refuses_is_a_config_error_naming_the_key(targets, 
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("value, message", [
-    ("-1", r"memory_plan.gpu_memory_gb: must be > 0, got -1.0"),
-    ("0", r"memory_plan.gpu_memory_gb: must be > 0, got 0.0"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("-1", r"memory_plan.gpu_memory_gb: must be > 0, got -1.0"),
+        ("0", r"memory_plan.gpu_memory_gb: must be > 0, got 0.0"),
+    ],
+)
 def test_a_gpu_memory_that_is_not_a_plan_names_the_key(value, message, tmp_path):
     """A negative or zero GPU memory used to plan against -1 GiB (a refusal that blamed the job) or,
     for 0, to mean "not set"."""
     from lit_rlhf.memory_plan import plan_settings
     from lit_rlhf.runner import memory_plan
 
-    cfg = compose(["model=llama7b", "algo=ppo_max", "algo.reward_path=/ckpt/rm", "trainer.accelerator=gpu",
-                   "trainer.devices=1", f"memory_plan.gpu_memory_gb={value}"], tmp_path)  # fmt: skip
+    cfg = compose(
+        [
+            "model=llama7b",
+            "algo=ppo_max",
+            "algo.reward_path=/ckpt/rm",
+            "trainer.accelerator=gpu",
+            "trainer.devices=1",
+            f"memory_plan.gpu_memory_gb={value}",
+        ],
+        tmp_path,
+    )
     with pytest.raises(ConfigError, match=message):
         plan_settings(cfg)
     with pytest.raises(ConfigError, match=message):
@@ -175,8 +227,17 @@ def test_a_gpu_memory_that_is_not_a_plan_names_the_key(value, message, tmp_path)
 def test_a_bad_memory_plan_value_is_refused_by_the_plan_and_by_a_gpu_launch(tmp_path):
     from lit_rlhf.runner import check_memory_plan
 
-    cfg = compose(["model=llama7b", "algo=ppo_max", "algo.reward_path=/ckpt/rm", "trainer.accelerator=gpu",
-                   "trainer.devices=1", "memory_plan.gpu_memory_gb=-1"], tmp_path)  # fmt: skip
+    cfg = compose(
+        [
+            "model=llama7b",
+            "algo=ppo_max",
+            "algo.reward_path=/ckpt/rm",
+            "trainer.accelerator=gpu",
+            "trainer.devices=1",
+            "memory_plan.gpu_memory_gb=-1",
+        ],
+        tmp_path,
+    )
     with pytest.raises(ConfigError, match="memory_plan.gpu_memory_gb: must be > 0"):
         check_memory_plan(cfg, plan(cfg))  # a GPU launch
     cpu = compose(["memory_plan.reserve_gb=-1"], tmp_path)

@@ -10,9 +10,9 @@ import pytest
 
 from tests.conftest import ROOT
 
-
 # module-scoped fixtures (runs shared by several tests): one pytest worker runs the whole file
 pytestmark = pytest.mark.xdist_group("bench")
+
 
 @pytest.fixture(scope="module")
 def bench():
@@ -40,13 +40,32 @@ def test_summary_ratios_are_computed_from_the_measurements(bench):
         "rm_ours": {"step_s": 0.1, "pairs_per_s": 160.0, "rounds": [0.1]},  # no rm_trl: no ratio
         "grpo_ours": {"step_s": 0.4, "samples_per_s": 40.0, "rss_mb": 700.0, "rollout_s": 0.3, "update_s": 0.1},
         "grpo_trl": {"step_s": 0.8, "samples_per_s": 20.0, "rss_mb": 560.0},
-        "grpo_paired": {"step_s": 0.7, "samples_per_s": 22.0, "ratio": 1.5, "ratio_rounds": [1.5, 1.2, 1.7],
-                        "ratio_q1": 1.4, "ratio_q3": 1.6, "pairs": 16},
-        "ppomem_full": {"step_s": 2.0, "samples_per_s": 4.0, "rss_mb": 3000.0, "base_mb": 400.0, "trainable": 2e8,
-                        "policy_params": 1e8},
-        "ppomem_lora": {"step_s": 2.0, "samples_per_s": 4.0, "rss_mb": 1500.0, "base_mb": 400.0, "trainable": 2e6,
-                        "policy_params": 1e8},
-    }  # fmt: skip
+        "grpo_paired": {
+            "step_s": 0.7,
+            "samples_per_s": 22.0,
+            "ratio": 1.5,
+            "ratio_rounds": [1.5, 1.2, 1.7],
+            "ratio_q1": 1.4,
+            "ratio_q3": 1.6,
+            "pairs": 16,
+        },
+        "ppomem_full": {
+            "step_s": 2.0,
+            "samples_per_s": 4.0,
+            "rss_mb": 3000.0,
+            "base_mb": 400.0,
+            "trainable": 2e8,
+            "policy_params": 1e8,
+        },
+        "ppomem_lora": {
+            "step_s": 2.0,
+            "samples_per_s": 4.0,
+            "rss_mb": 1500.0,
+            "base_mb": 400.0,
+            "trainable": 2e6,
+            "policy_params": 1e8,
+        },
+    }
     shapes = bench.shapes(True)
     derived, table = bench.summarize(r, shapes, smoke=True)
     assert derived["ppo_step_over_naive_floor"] == pytest.approx(0.5 / 0.6)
@@ -56,11 +75,15 @@ def test_summary_ratios_are_computed_from_the_measurements(bench):
     assert (derived["rm_ours_over_trl"], derived["rm_ours_over_trl_by_round"]) == (None, [])
     assert (derived["dpo_ours_over_trl"], derived["dpo_ours_precomputed_over_trl"]) == (None, None)
     assert derived["grpo_paired_over_trl"] == pytest.approx(statistics.median([1.5, 1.2, 1.7]))
-    assert derived["ppo_ours_rss_over_trl"] == pytest.approx(0.9) and derived["grpo_ours_rss_over_trl"] == pytest.approx(1.25)
+    assert derived["ppo_ours_rss_over_trl"] == pytest.approx(0.9) and derived[
+        "grpo_ours_rss_over_trl"
+    ] == pytest.approx(1.25)
     assert derived["ppo_lora_rss_over_full"] == pytest.approx(0.5)
     for value in (0.5 / 0.6, 3.2, 2.0, 0.9, 1.25, 0.5, 1.5):  # the table shows each computed ratio
         assert f"{value:.2f}" in table
-    derived, _ = bench.summarize({k: v for k, v in r.items() if k not in ("floor", "grpo_paired", "ppo_trl")}, shapes, True)
+    derived, _ = bench.summarize(
+        {k: v for k, v in r.items() if k not in ("floor", "grpo_paired", "ppo_trl")}, shapes, True
+    )
     assert "ppo_step_over_naive_floor" not in derived and "grpo_paired_over_trl" not in derived
     assert derived["ppo_ours_over_trl"] is None and "ppo_ours_rss_over_trl" not in derived
 
@@ -70,8 +93,13 @@ def test_summary_ratios_are_computed_from_the_measurements(bench):
 def test_bench_smoke(tmp_path, bench):
     """Every case that needs no TRL runs and reports self-consistent measurements; the saved ratios
     are those of its own results."""
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900, cwd=ROOT)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     saved = json.loads((tmp_path / "latest.json").read_text())
     r, s = saved["results"], saved["shapes"]
@@ -87,13 +115,18 @@ def test_bench_smoke(tmp_path, bench):
             unit = bench.UNITS[case.split("_")[0]]
             per_step = s["batch"] * s["new_tokens"] if unit == "tokens_per_s" else s["batch"]
             assert r[case]["step_s"] > 0 and r[case][unit] == pytest.approx(per_step / r[case]["step_s"]), case
-    assert r["ppo_ours"]["fused_first_forward"] is True  # 1 epoch over 1 minibatch: the rollout's forward is the update's
+    assert (
+        r["ppo_ours"]["fused_first_forward"] is True
+    )  # 1 epoch over 1 minibatch: the rollout's forward is the update's
     assert r["ppo_vllm"]["fused_first_forward"] is True and r["generate_vllm"]["engine_start_s"] > 0
     assert r["sync_engine"]["bench_params"] == saved["results"]["params"] and r["sync_engine"]["bench_sync_s"] > 0
-    assert saved["ratios"]["ppo_vllm_over_ppo_ours"] == pytest.approx(r["ppo_vllm"]["samples_per_s"]
-                                                                      / r["ppo_ours"]["samples_per_s"])
+    assert saved["ratios"]["ppo_vllm_over_ppo_ours"] == pytest.approx(
+        r["ppo_vllm"]["samples_per_s"] / r["ppo_ours"]["samples_per_s"]
+    )
     grpo = r["grpo_ours"]
-    assert 0 < grpo["rollout_s"] < grpo["step_s"] and grpo["update_s"] == pytest.approx(grpo["step_s"] - grpo["rollout_s"])
+    assert 0 < grpo["rollout_s"] < grpo["step_s"] and grpo["update_s"] == pytest.approx(
+        grpo["step_s"] - grpo["rollout_s"]
+    )
     full, lora = r["ppomem_full"], r["ppomem_lora"]
     assert lora["trainable"] < full["trainable"] and lora["policy_params"] == full["policy_params"]
     assert saved["ratios"] == bench.summarize(r, s, True)[0]
@@ -130,8 +163,18 @@ def test_alternation_runs_one_loop_at_a_time_and_times_each_cycle(bench):
     other.start()
     loop("trl", 6, 0.1, 0.05)  # two more steps than "ours": they run without waiting
     other.join()
-    assert log == [("ours", 0), ("trl", 0), ("ours", 1), ("trl", 1), ("ours", 2), ("trl", 2), ("ours", 3),
-                   ("trl", 3), ("trl", 4), ("trl", 5)]  # fmt: skip
+    assert log == [
+        ("ours", 0),
+        ("trl", 0),
+        ("ours", 1),
+        ("trl", 1),
+        ("ours", 2),
+        ("trl", 2),
+        ("ours", 3),
+        ("trl", 3),
+        ("trl", 4),
+        ("trl", 5),
+    ]
     ours, theirs = alt.cycles["ours"], alt.cycles["trl"]
     assert len(ours) == 3 and len(theirs) == 5  # a loop's last cycle (into its teardown) is not recorded
     assert all(0.02 <= c < 0.5 for c in ours) and all(0.05 <= c < 0.5 for c in theirs)  # its own work, not the other's

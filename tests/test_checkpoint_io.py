@@ -3,7 +3,7 @@
 import os
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +21,13 @@ def test_a_kill_during_a_save_never_destroys_the_last_checkpoint(tmp_path):
     for d in (ckpt.parent, tmpdir, snapshots):
         d.mkdir()
     env = dict(os.environ, TMPDIR=str(tmpdir), PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "save_loop.py"), str(ckpt), str(snapshots),
-                           "3", "0"], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "helpers" / "save_loop.py"), str(ckpt), str(snapshots), "3", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = []
     for k in range(3):
@@ -75,15 +80,15 @@ def test_atomic_folder_keeps_the_previous_save_when_writing_fails(tmp_path):
     from lit_rlhf.utils.io import atomic_folder
 
     dest = tmp_path / "policy"
-    atomic_folder(str(dest), lambda d: (open(os.path.join(d, "w"), "w").write("one")))
+    atomic_folder(str(dest), lambda d: Path(d, "w").write_text("one"))
     assert (dest / "w").read_text() == "one"
 
     def broken(folder):
-        open(os.path.join(folder, "w"), "w").write("half")
+        Path(folder, "w").write_text("half")
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
         atomic_folder(str(dest), broken)
     assert (dest / "w").read_text() == "one" and sorted(p.name for p in tmp_path.iterdir()) == ["policy"]
-    atomic_folder(str(dest), lambda d: (open(os.path.join(d, "w"), "w").write("two")))
+    atomic_folder(str(dest), lambda d: Path(d, "w").write_text("two"))
     assert (dest / "w").read_text() == "two" and sorted(p.name for p in tmp_path.iterdir()) == ["policy"]

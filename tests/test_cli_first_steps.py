@@ -1,6 +1,7 @@
 """train.py's first answers to a newcomer (issue #27): --help points somewhere, --cfg job shows
-the chosen stage only, --plan writes nothing (tests/test_memory_plan.py), a trainer.* typo answers as fast as an algo.* one,
-a secret under a group says where secrets go, and each console event is printed once."""
+the chosen stage only, --plan writes nothing (tests/test_memory_plan.py), a trainer.* typo
+answers as fast as an algo.* one, a secret under a group says where secrets go, and each console
+event is printed once."""
 
 import inspect
 import logging
@@ -19,14 +20,22 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", LIT_RLHF_ROOT=s
 
 
 def cli(*args, cwd=ROOT, python=(sys.executable,)):
-    return subprocess.run([*python, str(ROOT / "train.py"), *args], cwd=cwd, env=ENV, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    return subprocess.run(
+        [*python, str(ROOT / "train.py"), *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_help_points_to_the_first_commands_not_to_the_whole_config():
     out = cli("--help")
     assert out.returncode == 0, out.stderr
-    for pointer in ("--plan", "experiment=sft_synthetic_tiny", "the demo", "docs/configs.md", "--cfg job", "ckpt_path=last"):
+    for pointer in (
+        "--plan",
+        "experiment=sft_synthetic_tiny",
+        "the demo",
+        "docs/configs.md",
+        "--cfg job",
+        "ckpt_path=last",
+    ):
         assert pointer in out.stdout, pointer
     assert "== Config ==" not in out.stdout and "is powered by Hydra" not in out.stdout
     assert len(out.stdout.splitlines()) < 40  # Hydra's default printed the ~300-line composed config
@@ -42,7 +51,12 @@ def test_cfg_job_of_a_stage_has_no_pipeline_node():
 
 def test_stage_choices_drop_the_pipeline_and_plan_only_runs_in_place():
     assert without_unused_pipeline(["algo=sft", "--cfg", "job"]) == ["algo=sft", "~pipeline", "--cfg", "job"]
-    assert without_unused_pipeline(["-m", "experiment=a,b", "seed=1"]) == ["-m", "experiment=a,b", "~pipeline", "seed=1"]
+    assert without_unused_pipeline(["-m", "experiment=a,b", "seed=1"]) == [
+        "-m",
+        "experiment=a,b",
+        "~pipeline",
+        "seed=1",
+    ]
     for unchanged in (["seed=3"], ["algo=null"], ["algo=sft", "pipeline=demo"], ["--help", "algo=sft"]):
         assert without_unused_pipeline(unchanged) == unchanged
     assert "hydra.run.dir=." in plan_only_overrides(["algo=sft"])
@@ -60,12 +74,15 @@ def test_trainer_arguments_read_from_lightnings_source_match_its_signature():
 def test_a_trainer_key_is_judged_without_importing_lightning():
     """An unknown trainer.* key used to import Lightning for Trainer's signature (~7 s); an unlisted
     valid one still gets its ``++``. Measured with ``-X importtime`` in a fresh interpreter."""
-    code = ("from lit_rlhf.launch.cli import check_overrides as c; from lit_rlhf.utils.config import ConfigError; "
-            "from lit_rlhf.launch.schemas import register; register()\n"
-            "print(c(['algo=sft', 'trainer.overfit_batches=1'], 'conf'))\n"
-            "try: c(['algo=sft', 'trainer.max_stepz=1'], 'conf')\nexcept ConfigError as e: print(e)")  # fmt: skip
-    out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=ROOT, env=ENV, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+    code = (
+        "from lit_rlhf.launch.cli import check_overrides as c; from lit_rlhf.utils.config import ConfigError; "
+        "from lit_rlhf.launch.schemas import register; register()\n"
+        "print(c(['algo=sft', 'trainer.overfit_batches=1'], 'conf'))\n"
+        "try: c(['algo=sft', 'trainer.max_stepz=1'], 'conf')\nexcept ConfigError as e: print(e)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120
+    )
     assert "['algo=sft', '++trainer.overfit_batches=1']" in out.stdout, out.stderr[-2000:]
     assert "trainer.max_stepz: unknown key. Did you mean 'max_steps'?" in out.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
@@ -75,8 +92,11 @@ def test_a_trainer_key_is_judged_without_importing_lightning():
 def test_a_secret_under_a_typed_group_says_to_put_it_at_the_top_level():
     from lit_rlhf.runner import plan
 
-    with pytest.raises(ConfigError, match=r"algo.api_key: unknown key for SFTConfig. A secret goes at the top level: "
-                                          r"\+api_key=…"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"algo.api_key: unknown key for SFTConfig. A secret goes at the top level: "
+        r"\+api_key=…",
+    ):
         plan(compose(["algo=sft", "+algo.api_key=abc"]))
     with pytest.raises(ConfigError, match=r"A secret goes at the top level: \+hf_token=…"):
         check_overrides(["algo=sft", "algo.hf_token=abc"], ROOT / "conf")
@@ -100,8 +120,9 @@ def test_known_ads_and_harmless_warnings_are_dropped_where_emitted_and_lightning
         warnings.simplefilter("default")
         one_line_per_event()  # (catch_warnings reset the filters)
         for module in ("lightning.pytorch.utilities._pytree", "my_code"):
-            warnings.warn_explicit("`isinstance(treespec, LeafSpec)` is deprecated, use …", FutureWarning, "x.py", 1,
-                                   module=module)  # fmt: skip
+            warnings.warn_explicit(
+                "`isinstance(treespec, LeafSpec)` is deprecated, use …", FutureWarning, "x.py", 1, module=module
+            )
     assert [str(w.message)[:9] for w in caught] == ["`isinstan"]  # only the one raised outside Lightning's helper
 
 
@@ -114,8 +135,9 @@ def test_the_wandb_logger_leaves_out_the_setting_wandb_warns_about_on_every_run(
     assert "anonymous" not in logger._wandb_init and logger._wandb_init["project"] == "p"
 
 
-@pytest.mark.parametrize("algo, missing", [("ppo_max", ["algo.reward_path", "model.name_or_path"]),
-                                           ("dpo", ["model.name_or_path"])])  # fmt: skip
+@pytest.mark.parametrize(
+    "algo, missing", [("ppo_max", ["algo.reward_path", "model.name_or_path"]), ("dpo", ["model.name_or_path"])]
+)
 def test_the_headline_command_offline_stops_with_one_message(algo, missing):
     """`python train.py model=llama7b algo=…` with no network: one message listing every missing
     input (no traceback, no minute of hub retries)."""
@@ -123,7 +145,9 @@ def test_the_headline_command_offline_stops_with_one_message(algo, missing):
     assert out.returncode == 1
     assert "Traceback" not in out.stderr and out.stderr.count("Configuration error") == 1, out.stderr
     assert f"this job cannot start; it is missing {len(missing)} input(s)" in out.stderr
-    listed = [line.split(":")[0].split("=")[0].strip("- ") for line in out.stderr.splitlines() if line.startswith("  - ")]
+    listed = [
+        line.split(":")[0].split("=")[0].strip("- ") for line in out.stderr.splitlines() if line.startswith("  - ")
+    ]
     assert listed == missing, out.stderr
 
 
@@ -133,16 +157,29 @@ def test_preflight_lists_every_missing_input(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hub_reachable.cache_clear()
     try:
-        cfg = compose(["model=llama7b", "algo=ppo_max", f"algo.policy_path={tmp_path}/sft",
-                       "algo.reward_path=some-org/rm-7b", f"data.prompt.source={tmp_path}/prompts.jsonl"], tmp_path)  # fmt: skip
+        cfg = compose(
+            [
+                "model=llama7b",
+                "algo=ppo_max",
+                f"algo.policy_path={tmp_path}/sft",
+                "algo.reward_path=some-org/rm-7b",
+                f"data.prompt.source={tmp_path}/prompts.jsonl",
+            ],
+            tmp_path,
+        )
         lines = missing_inputs(cfg, "prompt")
-        ok = compose(["model=llama7b", "algo=ppo_max", "algo.reward_fn={_target_: lit_rlhf.rewards.exact_match}"], tmp_path)
+        ok = compose(
+            ["model=llama7b", "algo=ppo_max", "algo.reward_fn={_target_: lit_rlhf.rewards.exact_match}"], tmp_path
+        )
         ok.model.name_or_path = str(tmp_path)  # a folder without config.json: named too
         assert [line.split(":")[0] for line in missing_inputs(ok, "prompt")] == ["model.name_or_path"]
     finally:
         hub_reachable.cache_clear()
-    assert [line.split(":")[0] for line in lines] == ["algo.policy_path", "algo.reward_path=some-org/rm-7b",
-                                                       f"data.prompt.source={tmp_path}/prompts.jsonl"]  # fmt: skip
+    assert [line.split(":")[0] for line in lines] == [
+        "algo.policy_path",
+        "algo.reward_path=some-org/rm-7b",
+        f"data.prompt.source={tmp_path}/prompts.jsonl",
+    ]
     assert "no such model folder" in lines[0] and "hub cannot be reached" in lines[1] and "no such file" in lines[2]
     # the shipped HH-RLHF file is found, tiny models and embedded tasks need nothing
     assert missing_inputs(compose(["experiment=sft_synthetic_tiny"], tmp_path), "sft") == []

@@ -17,14 +17,19 @@ def error(*argv):
     return str(info.value)
 
 
-SECTIONS = {"model": "model", "data.sft": "sft_data", "data.preference": "preference_data", "data.prompt": "prompt_data"}
+SECTIONS = {
+    "model": "model",
+    "data.sft": "sft_data",
+    "data.preference": "preference_data",
+    "data.prompt": "prompt_data",
+}
 
 
 def typed_values(overrides: list[str], tmp_path) -> dict[str, object]:
     """Every field of the typed configs a command line composes to (algo, model, data sections),
     flattened to dotted keys: what the stage would be built with."""
-    from lit_rlhf.utils.config import build_config, to_dict
     from lit_rlhf.launch.schemas import STAGE_SCHEMAS, schema_class
+    from lit_rlhf.utils.config import build_config, to_dict
     from tests.conftest import compose
 
     cfg = compose(overrides, tmp_path)
@@ -62,19 +67,29 @@ def test_known_keys_pass_and_set_their_fields(tmp_path):
     """Keys a preset YAML does not list exist through the schemas: no '+' needed, for algo, data and
     model keys alike, and each reaches its typed field (with a stage chosen directly, by an
     experiment, and with a data file)."""
-    assert_overrides_reach_the_typed_configs(["algo=sft"], {"algo.lr": 1e-3, "model.revision": "main",
-                                                            "data.sft.max_samples": 10}, tmp_path)  # fmt: skip
+    assert_overrides_reach_the_typed_configs(
+        ["algo=sft"], {"algo.lr": 1e-3, "model.revision": "main", "data.sft.max_samples": 10}, tmp_path
+    )
     # the experiment picks ppo_max (with the RL stage's required paths)
-    assert_overrides_reach_the_typed_configs(["experiment=ppo_max_synthetic_tiny", "algo.policy_path=/m/sft", "algo.reward_path=/m/rm"],
-                                             {"algo.kl_coef": 0.1, "algo.ppo_epochs": 2, "algo.generation.top_k": 5}, tmp_path)  # fmt: skip
-    assert_overrides_reach_the_typed_configs(["algo=rm"], {"data.preference.margin_field": "rating",
-                                                           "data.preference.val_fraction": 0.1}, tmp_path)  # fmt: skip
-    assert_overrides_reach_the_typed_configs(["data=sft_file", "data.sft.source=x.jsonl", "algo=sft"],
-                                             {"data.sft.prompt_field": "question"}, tmp_path)  # fmt: skip
-    for argv in (["algo=sft", "algo.lr=1e-3", "trainer.max_steps=5", "seed=3", "--cfg", "job"],
-                 ["-m", "algo=sft,rm", "algo.lr=1e-3,3e-3"]):  # both stages have lr  # fmt: skip
+    assert_overrides_reach_the_typed_configs(
+        ["experiment=ppo_max_synthetic_tiny", "algo.policy_path=/m/sft", "algo.reward_path=/m/rm"],
+        {"algo.kl_coef": 0.1, "algo.ppo_epochs": 2, "algo.generation.top_k": 5},
+        tmp_path,
+    )
+    assert_overrides_reach_the_typed_configs(
+        ["algo=rm"], {"data.preference.margin_field": "rating", "data.preference.val_fraction": 0.1}, tmp_path
+    )
+    assert_overrides_reach_the_typed_configs(
+        ["data=sft_file", "data.sft.source=x.jsonl", "algo=sft"], {"data.sft.prompt_field": "question"}, tmp_path
+    )
+    for argv in (
+        ["algo=sft", "algo.lr=1e-3", "trainer.max_steps=5", "seed=3", "--cfg", "job"],
+        ["-m", "algo=sft,rm", "algo.lr=1e-3,3e-3"],
+    ):  # both stages have lr
         assert check_overrides(list(argv), CONF) == argv
-    assert error("algo=ppo", "algo.ppo_epoch=2").startswith("algo.ppo_epoch: unknown key for PPOConfig. Did you mean 'ppo_epochs'?")
+    assert error("algo=ppo", "algo.ppo_epoch=2").startswith(
+        "algo.ppo_epoch: unknown key for PPOConfig. Did you mean 'ppo_epochs'?"
+    )
 
 
 def test_hydra_flags_and_their_values_are_not_overrides():
@@ -82,7 +97,9 @@ def test_hydra_flags_and_their_values_are_not_overrides():
     would not parse and nothing would be checked): the overrides around the flags are still checked."""
     argv = ["--config-name", "train", "-cn", "train", "algo=sft", "algo.lr=1e-3", "--cfg", "job"]
     assert check_overrides(list(argv), CONF) == argv
-    assert error("--cfg", "job", "-cn", "train", "algo=sft", "algo.lrr=1").startswith("algo.lrr: unknown key for SFTConfig")
+    assert error("--cfg", "job", "-cn", "train", "algo=sft", "algo.lrr=1").startswith(
+        "algo.lrr: unknown key for SFTConfig"
+    )
     # --info (like --help) runs no job: nothing is checked, not even an unknown key
     assert check_overrides(["algo=sft", "algo.lrr=1", "--info"], CONF) == ["algo=sft", "algo.lrr=1", "--info"]
 
@@ -105,7 +122,9 @@ def test_every_value_of_a_swept_choice_is_checked():
 
 def test_unknown_keys_outside_algo():
     assert error("algo=sft", "sed=3").startswith("sed: unknown key. Did you mean 'seed'?")
-    assert error("algo=sft", "trainer.max_stepz=3").startswith("trainer.max_stepz: unknown key. Did you mean 'max_steps'?")
+    assert error("algo=sft", "trainer.max_stepz=3").startswith(
+        "trainer.max_stepz: unknown key. Did you mean 'max_steps'?"
+    )
     argv = ["algo=sft", "trainer.max_steps.x=3"]  # below a leaf value: Hydra judges
     assert check_overrides(list(argv), CONF) == argv
 
@@ -121,8 +140,8 @@ def _hydra_refuses(pattern):
 
 
 def _typed_config_refuses_extra(argv, tmp_path):  # '+' adds the key; the typed config judges it when the job starts
-    from lit_rlhf.utils.config import build_config
     from lit_rlhf.launch.schemas import schema_class
+    from lit_rlhf.utils.config import build_config
     from tests.conftest import compose
 
     cfg = compose(argv, tmp_path)
@@ -137,14 +156,24 @@ def _deleted(argv, tmp_path):
     assert "max_steps" not in compose(argv, tmp_path).trainer
 
 
-@pytest.mark.parametrize("argv, then", [
-    (["algo=sft", "+algo.extra=1"], _typed_config_refuses_extra),             # adding on purpose
-    (["algo=sft", "~trainer.max_steps"], _deleted),                            # deletions
-    (["algo=sft", "hydra.run.dir=/tmp/x"], None),                              # Hydra's own keys
-    (["algo=nosuchalgo", "algo.lr=1"], _hydra_refuses(r"(?s)nosuchalgo.*Available options")),  # Hydra lists the options
-    (["algo=sft", "algo.lr=[unclosed"], _hydra_refuses(r"no viable alternative at input '\[unclosed'")),  # a parse error
-    (["--help"], None),
-], ids=["plus", "delete", "hydra-key", "bad-choice", "parse-error", "help"])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, then",
+    [
+        (["algo=sft", "+algo.extra=1"], _typed_config_refuses_extra),  # adding on purpose
+        (["algo=sft", "~trainer.max_steps"], _deleted),  # deletions
+        (["algo=sft", "hydra.run.dir=/tmp/x"], None),  # Hydra's own keys
+        (
+            ["algo=nosuchalgo", "algo.lr=1"],
+            _hydra_refuses(r"(?s)nosuchalgo.*Available options"),
+        ),  # Hydra lists the options
+        (
+            ["algo=sft", "algo.lr=[unclosed"],
+            _hydra_refuses(r"no viable alternative at input '\[unclosed'"),
+        ),  # a parse error
+        (["--help"], None),
+    ],
+    ids=["plus", "delete", "hydra-key", "bad-choice", "parse-error", "help"],
+)
 def test_what_hydra_judges_is_left_to_hydra(argv, then, tmp_path):
     """The pre-check passes these through untouched (no error of its own, nothing rewritten); Hydra,
     or the typed config when the job starts, then judges them."""
@@ -181,15 +210,23 @@ def test_key_checks_and_printed_configs_import_neither_torch_nor_lightning(tmp_p
     import sys
 
     heavy = ("torch", "lightning", "transformers")
-    for args, expect in ((["algo=sft", "algo.lrr=0.1"], "unknown key for SFTConfig"),
-                         (["algo=sft", "+algo.lrr=0.1"], "Configuration error: algo.lrr: unknown key for SFTConfig"),
-                         (["algo=dpo", "algo.beta=-1"], "Configuration error: algo.beta"),
-                         (["model=llama7b", "algo=ppo_max"], "this job cannot start; it is missing 2 input(s)"),
-                         (["algo=dapo", "algo.generation.temprature=0.5"], "Did you mean 'temperature'?"),
-                         (["model=llama7b", "algo=sft", "strategy=deepspeed_stage_2", "--cfg", "job"], "stage: 2")):  # fmt: skip
-        out = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}",
-                              *args], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    for args, expect in (
+        (["algo=sft", "algo.lrr=0.1"], "unknown key for SFTConfig"),
+        (["algo=sft", "+algo.lrr=0.1"], "Configuration error: algo.lrr: unknown key for SFTConfig"),
+        (["algo=dpo", "algo.beta=-1"], "Configuration error: algo.beta"),
+        (["model=llama7b", "algo=ppo_max"], "this job cannot start; it is missing 2 input(s)"),
+        (["algo=dapo", "algo.generation.temprature=0.5"], "Did you mean 'temperature'?"),
+        (["model=llama7b", "algo=sft", "strategy=deepspeed_stage_2", "--cfg", "job"], "stage: 2"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-X", "importtime", str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         assert expect in out.stdout + out.stderr, out.stderr[-2000:]
-        imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+        imported = {
+            line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")
+        }
         assert "hydra" in imported and "lit_rlhf.launch.schemas" in imported  # the measurement sees imports
         assert not imported & set(heavy), sorted(imported & set(heavy))

@@ -21,6 +21,7 @@ def test_a_moved_internal_names_the_package_the_internal_and_the_pinned_version(
 
 def test_pins_agree_with_pyproject():
     import pathlib
+
     import tomllib
 
     deps = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
@@ -41,8 +42,15 @@ def test_lightning_combined_loader_and_last_checkpoints(tmp_path):
     from lit_rlhf.utils.compat.lightning import last_checkpoints
 
     seen, ckpt = _Seen(), ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0, callbacks=[seen, ckpt])  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[seen, ckpt],
+    )
     trainer.fit(BoringModel())
     assert len(seen.loader.flattened) == 1 and callable(seen.loader.flattened[0].__iter__)
     assert last_checkpoints(ckpt, trainer) == {str(tmp_path / "last.ckpt")}
@@ -80,7 +88,9 @@ def test_lightning_wrap_save_checkpoint_routes_the_instance_through_the_wrapper(
             calls.append(("original", path))
 
     s = Strategy()
-    wrap_save_checkpoint(s, lambda original: lambda c, p, o=None: calls.append(("wrapped", p)) or original(c, p + ".x", o))
+    wrap_save_checkpoint(
+        s, lambda original: lambda c, p, o=None: calls.append(("wrapped", p)) or original(c, p + ".x", o)
+    )
     s.save_checkpoint({}, "f")
     assert calls == [("wrapped", "f"), ("original", "f.x")] and Strategy().save_checkpoint({}, "g") is None
     assert calls[-1] == ("original", "g")  # other instances keep the class's method
@@ -151,8 +161,16 @@ def test_transformers_cache_keyword_reaches_the_model_and_comes_back():
 
     from lit_rlhf.utils.compat.transformers import cache_keyword, output_cache
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2)).eval()  # fmt: skip
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=16,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    ).eval()
     cache = DynamicCache(config=model.config)
     out = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **{cache_keyword(): cache})
     assert output_cache(out) is cache and cache.get_seq_length() == 3

@@ -17,9 +17,10 @@ def documented_fields(cls: type) -> set[str]:
             continue
         body = ast.parse(inspect.getsource(klass)).body[0].body
         for node, nxt in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                if isinstance(nxt.value.value, str) and nxt.value.value.strip():
-                    out.add(node.target.id)
+            documented = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+            text = nxt.value.value if documented else None
+            if isinstance(node, ast.AnnAssign) and isinstance(text, str) and text.strip():
+                out.add(node.target.id)
     return out
 
 
@@ -30,8 +31,17 @@ def test_every_config_field_has_a_docstring(name):
     assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
 
 
-@pytest.mark.parametrize("path", ["lit_rlhf.rollout.generate:GenerationConfig", "lit_rlhf.rollout.config:VLLMConfig", "lit_rlhf.models.spec:TinyLlamaConfig", "lit_rlhf.models.spec:LoraSpec",
-                                  "lit_rlhf.data.synthetic:TaskConfig", "lit_rlhf.data.synthetic:LanguageConfig"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "lit_rlhf.rollout.generate:GenerationConfig",
+        "lit_rlhf.rollout.config:VLLMConfig",
+        "lit_rlhf.models.spec:TinyLlamaConfig",
+        "lit_rlhf.models.spec:LoraSpec",
+        "lit_rlhf.data.synthetic:TaskConfig",
+        "lit_rlhf.data.synthetic:LanguageConfig",
+    ],
+)
 def test_nested_config_fields_have_docstrings(path):
     import importlib
 

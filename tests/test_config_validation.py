@@ -90,38 +90,77 @@ def test_k1_in_the_loss_is_refused():
 
     with pytest.raises(ConfigError, match="algo.kl_estimator: k1 in the loss has zero expected gradient"):
         build_config(PPOConfig, {"reward_path": "/rm", "kl_coef": 0.1, "kl_placement": "loss"}, "algo")
-    assert build_config(PPOConfig, {"reward_path": "/rm", "kl_coef": 0.1, "kl_placement": "loss",
-                                    "kl_estimator": "k3"}, "algo").kl_estimator == "k3"  # fmt: skip
+    assert (
+        build_config(
+            PPOConfig, {"reward_path": "/rm", "kl_coef": 0.1, "kl_placement": "loss", "kl_estimator": "k3"}, "algo"
+        ).kl_estimator
+        == "k3"
+    )
 
 
 GOLD = "lit_rlhf.data.synthetic.gold_reward_fn"
 
 
-@pytest.mark.parametrize("values, expected", [
-    ({"reward_fns": [{"_target_": GOLD}, 3]}, "algo.reward_fns[1]: expected a mapping, got 3"),
-    ({"reward_fns": [{"_target_": GOLD}, {"weight": 1.0}]}, "algo.reward_fns[1]._target_: must be the dotted path"),
-    ({"reward_fns": [{"_target_": "gold_reward_fn"}]}, "algo.reward_fns[0]._target_: must be the dotted path"),
-    ({"reward_fns": [{"_target_": 3}]}, "algo.reward_fns[0]._target_: must be the dotted path"),
-    ({"reward_fns": [{"_target_": GOLD, "weight": "heavy"}]}, "algo.reward_fns[0].weight: must be a finite number, got 'heavy'"),
-    ({"reward_fns": [{"_target_": GOLD, "weight": float("inf")}]}, "algo.reward_fns[0].weight: must be a finite number, got inf"),
-    ({"reward_fns": [{"_target_": GOLD, "weight": True}]}, "algo.reward_fns[0].weight: must be a finite number, got True"),
-    ({"reward_fns": [{"_target_": GOLD, "name": 3}]}, "algo.reward_fns[0].name: must be a non-empty string, got 3"),
-    # two components would both be logged as reward/gold_reward_fn (the default name: the factory's)
-    ({"reward_fns": [{"_target_": GOLD}, {"_target_": GOLD, "weight": 0.5}]},
-     "algo.reward_fns[1].name: 'gold_reward_fn' already names reward_fns[0]"),
-    ({"reward_fns": [{"_target_": GOLD, "name": "a"}, {"_target_": GOLD, "name": "b"}, {"_target_": GOLD, "name": "a"}]},
-     "algo.reward_fns[2].name: 'a' already names reward_fns[0]"),
-    ({"reward_fns": [{"_target_": "lit_rlhf.data.synthetic.gold_reward_fun"}]},
-     "algo.reward_fns[0]._target_: cannot import 'lit_rlhf.data.synthetic.gold_reward_fun': AttributeError"),
-    ({"reward_fns": [{"_target_": "no_such_package.fn"}]},
-     "algo.reward_fns[0]._target_: cannot import 'no_such_package.fn': ModuleNotFoundError: No module named 'no_such_package'"),
-    ({"reward_fns": [{"_target_": "math.pi"}]}, "algo.reward_fns[0]._target_: 'math.pi' is not callable"),
-    ({"reward_fns": [{"_target_": GOLD, "task_confg": {}}]},
-     "algo.reward_fns[0].task_confg: unknown argument of gold_reward_fn. Did you mean 'task_config'?"),
-    ({"reward_fn": {"_target_": GOLD, "weight": 2.0}}, "algo.reward_fn.weight: unknown argument of gold_reward_fn."),
-    ({"reward_fn": {"_target_": "lit_rlhf.nope.fn"}}, "algo.reward_fn._target_: cannot import 'lit_rlhf.nope.fn'"),
-    ({"reward_path": "/rm", "gold_reward_fn": {"task_config": {}}}, "algo.gold_reward_fn._target_: must be the dotted"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        ({"reward_fns": [{"_target_": GOLD}, 3]}, "algo.reward_fns[1]: expected a mapping, got 3"),
+        ({"reward_fns": [{"_target_": GOLD}, {"weight": 1.0}]}, "algo.reward_fns[1]._target_: must be the dotted path"),
+        ({"reward_fns": [{"_target_": "gold_reward_fn"}]}, "algo.reward_fns[0]._target_: must be the dotted path"),
+        ({"reward_fns": [{"_target_": 3}]}, "algo.reward_fns[0]._target_: must be the dotted path"),
+        (
+            {"reward_fns": [{"_target_": GOLD, "weight": "heavy"}]},
+            "algo.reward_fns[0].weight: must be a finite number, got 'heavy'",
+        ),
+        (
+            {"reward_fns": [{"_target_": GOLD, "weight": float("inf")}]},
+            "algo.reward_fns[0].weight: must be a finite number, got inf",
+        ),
+        (
+            {"reward_fns": [{"_target_": GOLD, "weight": True}]},
+            "algo.reward_fns[0].weight: must be a finite number, got True",
+        ),
+        ({"reward_fns": [{"_target_": GOLD, "name": 3}]}, "algo.reward_fns[0].name: must be a non-empty string, got 3"),
+        # two components would both be logged as reward/gold_reward_fn (the default name: the factory's)
+        (
+            {"reward_fns": [{"_target_": GOLD}, {"_target_": GOLD, "weight": 0.5}]},
+            "algo.reward_fns[1].name: 'gold_reward_fn' already names reward_fns[0]",
+        ),
+        (
+            {
+                "reward_fns": [
+                    {"_target_": GOLD, "name": "a"},
+                    {"_target_": GOLD, "name": "b"},
+                    {"_target_": GOLD, "name": "a"},
+                ]
+            },
+            "algo.reward_fns[2].name: 'a' already names reward_fns[0]",
+        ),
+        (
+            {"reward_fns": [{"_target_": "lit_rlhf.data.synthetic.gold_reward_fun"}]},
+            "algo.reward_fns[0]._target_: cannot import 'lit_rlhf.data.synthetic.gold_reward_fun': AttributeError",
+        ),
+        (
+            {"reward_fns": [{"_target_": "no_such_package.fn"}]},
+            "algo.reward_fns[0]._target_: cannot import 'no_such_package.fn': "
+            "ModuleNotFoundError: No module named 'no_such_package'",
+        ),
+        ({"reward_fns": [{"_target_": "math.pi"}]}, "algo.reward_fns[0]._target_: 'math.pi' is not callable"),
+        (
+            {"reward_fns": [{"_target_": GOLD, "task_confg": {}}]},
+            "algo.reward_fns[0].task_confg: unknown argument of gold_reward_fn. Did you mean 'task_config'?",
+        ),
+        (
+            {"reward_fn": {"_target_": GOLD, "weight": 2.0}},
+            "algo.reward_fn.weight: unknown argument of gold_reward_fn.",
+        ),
+        ({"reward_fn": {"_target_": "lit_rlhf.nope.fn"}}, "algo.reward_fn._target_: cannot import 'lit_rlhf.nope.fn'"),
+        (
+            {"reward_path": "/rm", "gold_reward_fn": {"task_config": {}}},
+            "algo.gold_reward_fn._target_: must be the dotted",
+        ),
+    ],
+)
 def test_reward_callables_are_checked_item_by_item(values, expected):
     """Each entry of algo.reward_fns (and reward_fn, gold_reward_fn) is checked before anything is
     built, its factory imported and its arguments matched to the factory's signature: Hydra's
@@ -141,23 +180,29 @@ def test_good_reward_callables_pass():
     assert build_config(GRPOConfig, {"reward_fns": fns}, "algo").reward_fns[0]["weight"] == 2
 
 
-@pytest.mark.parametrize("lora, expected", [
-    ({"r": 0}, "model.lora.r: must be >= 1, got 0"),
-    ({"r": 2.5}, "model.lora.r: expected an integer, got 2.5"),
-    ({"alpha": 0}, "model.lora.alpha: must be > 0, got 0.0"),
-    ({"alpha": float("inf")}, "model.lora.alpha: must be a finite number, got inf"),
-    ({"dropout": 1.0}, "model.lora.dropout: must be >= 0.0 and < 1.0, got 1.0"),
-    ({"dropout": -0.1}, "model.lora.dropout: must be >= 0.0 and < 1.0, got -0.1"),
-    ({"target_modules": []}, "model.lora.target_modules: must name at least one module"),
-    ({"target_modules": "q_proj"}, "model.lora.target_modules: expected a list, got 'q_proj'"),
-    ({"target_modules": ["q_proj", 3]}, "model.lora.target_modules[1]: expected a string, got 3"),
-    ({"target_modules": ["q_proj", ""]}, "model.lora.target_modules: each entry must be a non-empty module name"),
-    ({"target_modules": ["q_proj v_proj"]}, "model.lora.target_modules: each entry must be a non-empty module name"),
-    # peft would read all-linear as a module name here and adapt only q_proj
-    ({"target_modules": ["all-linear", "q_proj"]}, "model.lora.target_modules: all-linear stands alone"),
-    ({"export": "full"}, "model.lora.export: must be one of ['adapter', 'merged'], got 'full'"),
-    ({"rank": 8}, "model.lora.rank: unknown key for LoraSpec."),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "lora, expected",
+    [
+        ({"r": 0}, "model.lora.r: must be >= 1, got 0"),
+        ({"r": 2.5}, "model.lora.r: expected an integer, got 2.5"),
+        ({"alpha": 0}, "model.lora.alpha: must be > 0, got 0.0"),
+        ({"alpha": float("inf")}, "model.lora.alpha: must be a finite number, got inf"),
+        ({"dropout": 1.0}, "model.lora.dropout: must be >= 0.0 and < 1.0, got 1.0"),
+        ({"dropout": -0.1}, "model.lora.dropout: must be >= 0.0 and < 1.0, got -0.1"),
+        ({"target_modules": []}, "model.lora.target_modules: must name at least one module"),
+        ({"target_modules": "q_proj"}, "model.lora.target_modules: expected a list, got 'q_proj'"),
+        ({"target_modules": ["q_proj", 3]}, "model.lora.target_modules[1]: expected a string, got 3"),
+        ({"target_modules": ["q_proj", ""]}, "model.lora.target_modules: each entry must be a non-empty module name"),
+        (
+            {"target_modules": ["q_proj v_proj"]},
+            "model.lora.target_modules: each entry must be a non-empty module name",
+        ),
+        # peft would read all-linear as a module name here and adapt only q_proj
+        ({"target_modules": ["all-linear", "q_proj"]}, "model.lora.target_modules: all-linear stands alone"),
+        ({"export": "full"}, "model.lora.export: must be one of ['adapter', 'merged'], got 'full'"),
+        ({"rank": 8}, "model.lora.rank: unknown key for LoraSpec."),
+    ],
+)
 def test_lora_values_name_their_key(lora, expected):
     from lit_rlhf.models.spec import ModelSpec
 
@@ -166,17 +211,20 @@ def test_lora_values_name_their_key(lora, expected):
     assert str(err.value).startswith(expected), str(err.value)
 
 
-@pytest.mark.parametrize("node, expected", [
-    ({"gpu_memory_gb": 0}, "memory_plan.gpu_memory_gb: must be > 0, got 0.0"),
-    ({"gpu_memory_gb": -80}, "memory_plan.gpu_memory_gb: must be > 0, got -80.0"),
-    ({"gpu_memory_gb": float("inf")}, "memory_plan.gpu_memory_gb: must be a finite number of GiB, got inf"),
-    ({"gpu_memory_gb": "80GB"}, "memory_plan.gpu_memory_gb: expected a number, got '80GB'"),
-    ({"gpu_memory_gb": 16, "reserve_gb": 16}, "memory_plan.reserve_gb: must be less than gpu_memory_gb=16, got 16"),
-    ({"reserve_gb": -1}, "memory_plan.reserve_gb: must be >= 0, got -1.0"),
-    ({"enforce": "no"}, "memory_plan.enforce: expected true or false, got 'no'"),
-    ({"gpu_mem_gb": 80}, "memory_plan.gpu_mem_gb: unknown key for PlanSettings. Did you mean 'gpu_memory_gb'?"),
-    (80, "memory_plan: must be a mapping (gpu_memory_gb, reserve_gb, enforce), got 80"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "node, expected",
+    [
+        ({"gpu_memory_gb": 0}, "memory_plan.gpu_memory_gb: must be > 0, got 0.0"),
+        ({"gpu_memory_gb": -80}, "memory_plan.gpu_memory_gb: must be > 0, got -80.0"),
+        ({"gpu_memory_gb": float("inf")}, "memory_plan.gpu_memory_gb: must be a finite number of GiB, got inf"),
+        ({"gpu_memory_gb": "80GB"}, "memory_plan.gpu_memory_gb: expected a number, got '80GB'"),
+        ({"gpu_memory_gb": 16, "reserve_gb": 16}, "memory_plan.reserve_gb: must be less than gpu_memory_gb=16, got 16"),
+        ({"reserve_gb": -1}, "memory_plan.reserve_gb: must be >= 0, got -1.0"),
+        ({"enforce": "no"}, "memory_plan.enforce: expected true or false, got 'no'"),
+        ({"gpu_mem_gb": 80}, "memory_plan.gpu_mem_gb: unknown key for PlanSettings. Did you mean 'gpu_memory_gb'?"),
+        (80, "memory_plan: must be a mapping (gpu_memory_gb, reserve_gb, enforce), got 80"),
+    ],
+)
 def test_memory_plan_values_name_their_key(node, expected):
     from lit_rlhf.memory_plan import gpu_memory_gb, plan_settings
 

@@ -12,8 +12,19 @@ from lit_rlhf.utils.instantiate import instantiate_callbacks, instantiate_logger
 from tests.conftest import ROOT, compose
 
 CONF = ROOT / "conf"
-GROUPS = ["model", "algo", "pipeline", "data", "strategy", "trainer", "logger", "callbacks", "experiment",
-          "hparams_search", "debug"]  # fmt: skip
+GROUPS = [
+    "model",
+    "algo",
+    "pipeline",
+    "data",
+    "strategy",
+    "trainer",
+    "logger",
+    "callbacks",
+    "experiment",
+    "hparams_search",
+    "debug",
+]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 RM = ["algo.reward_path=/models/rm"]
 # options that need user-supplied values: the first key is `???` (visibly missing) in the config,
@@ -24,21 +35,44 @@ NEEDS_USER_VALUE = {
     ("model", "hf"): ["model.name_or_path=/models/qwen-instruct"],
     ("data", "qa_file"): ["data.prompt.source=x.jsonl", "algo=grpo", "algo.policy_path=/models/sft", *RM],
     **{("algo", a): ["algo.policy_path=/models/sft", *RM] for a in ("ppo", "ppo_max", "ppo_moss_release")},
-    **{("experiment", e): ["algo.policy_path=/models/sft", *RM] for e in ("ppo_synthetic_tiny", "ppo_max_synthetic_tiny")},
+    **{
+        ("experiment", e): ["algo.policy_path=/models/sft", *RM]
+        for e in ("ppo_synthetic_tiny", "ppo_max_synthetic_tiny")
+    },
     **{("experiment", e): RM for e in ("ppo_max_llama7b_a100x8", "ppo_max_llama7b_lora_1gpu")},  # policy: model=llama7b
     **{("algo", a): ["algo.policy_path=/models/sft"] for a in ("dpo", "ipo", "cdpo", "simpo", "orpo", "kto")},
-    **{("experiment", e): ["algo.policy_path=/models/sft"] for e in ("dpo_synthetic_tiny", "dpo_hh_tiny", "dpo_hh_chat_tiny", "simpo_synthetic_tiny",
-                                                                     "orpo_synthetic_tiny", "kto_synthetic_tiny")},
-    **{("algo", a): ["algo.policy_path=/models/sft", *RM] for a in ("grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp",
-                                                                      "reinforce_pp_baseline", "remax")},
-    **{("experiment", e): ["algo.policy_path=/models/sft", *RM] for e in ("grpo_synthetic_tiny", "dapo_synthetic_tiny",
-                                                                          "reinforce_pp_synthetic_tiny", "remax_synthetic_tiny",
-                                                                          "reinforce_pp_baseline_synthetic_tiny")},
-    **{("experiment", e): ["algo.policy_path=/models/sft"] for e in ("grpo_reasoning_tiny", "dapo_reasoning_tiny",
-                                                                     "dr_grpo_reasoning_tiny")},
+    **{
+        ("experiment", e): ["algo.policy_path=/models/sft"]
+        for e in (
+            "dpo_synthetic_tiny",
+            "dpo_hh_tiny",
+            "dpo_hh_chat_tiny",
+            "simpo_synthetic_tiny",
+            "orpo_synthetic_tiny",
+            "kto_synthetic_tiny",
+        )
+    },
+    **{
+        ("algo", a): ["algo.policy_path=/models/sft", *RM]
+        for a in ("grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax")
+    },
+    **{
+        ("experiment", e): ["algo.policy_path=/models/sft", *RM]
+        for e in (
+            "grpo_synthetic_tiny",
+            "dapo_synthetic_tiny",
+            "reinforce_pp_synthetic_tiny",
+            "remax_synthetic_tiny",
+            "reinforce_pp_baseline_synthetic_tiny",
+        )
+    },
+    **{
+        ("experiment", e): ["algo.policy_path=/models/sft"]
+        for e in ("grpo_reasoning_tiny", "dapo_reasoning_tiny", "dr_grpo_reasoning_tiny")
+    },
     ("experiment", "rm_hh_tiny"): ["model.name_or_path=/models/sft"],
     ("experiment", "rm_hh_chat_tiny"): ["model.name_or_path=/models/sft"],
-}  # fmt: skip
+}
 # an algo that can consume each data kind (data options without an `sft` section use these)
 ALGO_FOR_KIND = {"preference": ["algo=rm"], "prompt": ["algo=ppo", "algo.policy_path=/models/sft", *RM]}
 
@@ -55,17 +89,31 @@ def test_option_composes_and_validates(group, option, tmp_path):
         key = values[0].split("=")[0]
         parent, leaf = key.rsplit(".", 1)
         # the first value left out: its key is named (the reward of an RL stage: reward_path or reward_fn)
-        message = {"algo.reward_path": r"algo.reward_path: set exactly one of algo.reward_path",
-                   "model.name_or_path": r"model.name_or_path: set exactly one of"}.get(key, rf"{key}: is required")  # fmt: skip
+        message = {
+            "algo.reward_path": r"algo.reward_path: set exactly one of algo.reward_path",
+            "model.name_or_path": r"model.name_or_path: set exactly one of",
+        }.get(key, rf"{key}: is required")
         with pytest.raises(ConfigError, match=message):
             plan(compose([f"{group}={option}", *values[1:]], tmp_path))
         cfg = compose([f"{group}={option}", *values], tmp_path)
     p = plan(cfg)  # model, algo and data configs are typed and valid
     if p.pipeline_cls is not None:  # a pipeline: every job it runs composes into a valid stage job
-        expected = {"demo": ["sft", "rm", "ppo", "ppo_max", "dpo", "grpo", "dapo"],
-                    "zoo": ["sft", "rm", "dpo", "simpo", "orpo", "kto", "grpo", "reinforce_pp", "reinforce_pp_baseline",
-                            "remax"],
-                    "reasoning": ["sft", "grpo", "dapo", "dr_grpo"]}  # fmt: skip
+        expected = {
+            "demo": ["sft", "rm", "ppo", "ppo_max", "dpo", "grpo", "dapo"],
+            "zoo": [
+                "sft",
+                "rm",
+                "dpo",
+                "simpo",
+                "orpo",
+                "kto",
+                "grpo",
+                "reinforce_pp",
+                "reinforce_pp_baseline",
+                "remax",
+            ],
+            "reasoning": ["sft", "grpo", "dapo", "dr_grpo"],
+        }
         assert p.pipeline.stages == expected[option]
         pipe = p.pipeline_cls(p.pipeline)
         for stage in p.pipeline.stages:
@@ -81,9 +129,21 @@ def test_option_composes_and_validates(group, option, tmp_path):
         assert len(loggers) == (0 if option == "none" else 1)
     if group == "callbacks":
         callbacks = instantiate_callbacks(_resolve_auto_monitor(cfg.callbacks, p.algo_cls))
-        expected = {"none": set(), "default": {"ModelCheckpoint"},
-                    "rlhf": {"ModelCheckpoint", "KLMonitor", "PerplexityMonitor", "ResponseLengthMonitor",
-                             "RewardStatsMonitor", "SamplesTable", "CollapseAlarm", "StabilityReport", "WandbPanels"}}  # fmt: skip
+        expected = {
+            "none": set(),
+            "default": {"ModelCheckpoint"},
+            "rlhf": {
+                "ModelCheckpoint",
+                "KLMonitor",
+                "PerplexityMonitor",
+                "ResponseLengthMonitor",
+                "RewardStatsMonitor",
+                "SamplesTable",
+                "CollapseAlarm",
+                "StabilityReport",
+                "WandbPanels",
+            },
+        }
         assert {type(c).__name__ for c in callbacks} == expected[option]
         names = [type(c).__name__ for c in callbacks]
         if option == "rlhf":  # the alarm reads what the monitors logged in the same iteration
@@ -166,7 +226,9 @@ def _presets_table() -> dict[str, dict[str, object]]:
     import yaml
 
     text = (ROOT / "docs" / "algorithms.md").read_text()
-    rows = [line for line in text[text.index("## 3. Presets"):text.index("## 4.")].splitlines() if line.startswith("| ")]
+    rows = [
+        line for line in text[text.index("## 3. Presets") : text.index("## 4.")].splitlines() if line.startswith("| ")
+    ]
     presets = re.findall(r"`algo=(\w+)`", rows[0])
     split = re.compile(r"\s*[/,:()]\s*")
     words = {"new tokens": "max_new_tokens", "T": "temperature", "top-p": "top_p", "rep. penalty": "repetition_penalty"}
@@ -213,7 +275,9 @@ def test_headline_7b_command_composes_the_7b_recipe(tmp_path):
     assert type(instantiate_strategy(cfg.strategy)).__name__ == "RLHFDeepSpeedStrategy"  # a Lightning DeepSpeedStrategy
     # an SFT export instead of the base model: the same recipe, trained from that folder with the model group's settings
     p2 = plan(compose(["model=llama7b", "algo=ppo_max", "algo.policy_path=/ckpt/sft-7b", *RM], tmp_path))
-    assert p2.model.name_or_path == "/ckpt/sft-7b" and p2.algo == dataclasses.replace(p.algo, policy_path="/ckpt/sft-7b")
+    assert p2.model.name_or_path == "/ckpt/sft-7b" and p2.algo == dataclasses.replace(
+        p.algo, policy_path="/ckpt/sft-7b"
+    )
     assert (p2.model.dtype, p2.model.gradient_checkpointing) == (cfg.model.dtype, cfg.model.gradient_checkpointing)
 
 
@@ -232,7 +296,9 @@ def test_headline_commands_compose_a_real_job(algo, tmp_path):
     else:
         assert p.data.max_prompt_length == 512 and p.algo.generation.max_new_tokens == 256
     # the user's own choice still wins
-    assert compose(["model=llama7b", f"algo={algo}", "data=chat", "trainer=cpu"], tmp_path).data.prompt.template == "auto"
+    assert (
+        compose(["model=llama7b", f"algo={algo}", "data=chat", "trainer=cpu"], tmp_path).data.prompt.template == "auto"
+    )
 
 
 def _flat(node: object, prefix: str = "") -> dict[str, object]:
@@ -272,12 +338,16 @@ def test_tiny_experiments_carry_the_demo_values(experiment, tmp_path):
 
 
 def _load(group: str, name: str) -> dict:
-    return OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml"))  # Hydra's YAML parsing (1e-5 is a float)
+    return OmegaConf.to_container(
+        OmegaConf.load(CONF / group / f"{name}.yaml")
+    )  # Hydra's YAML parsing (1e-5 is a float)
 
 
 def _merge(base: dict, top: dict) -> dict:
     for key, value in top.items():
-        base[key] = _merge(dict(base[key]), value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+        base[key] = (
+            _merge(dict(base[key]), value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+        )
     return base
 
 
@@ -342,8 +412,13 @@ def test_every_typed_config_is_reached_by_the_restatement_check():
     every file of a group with typed files is either typed or an alias (a parent and no keys)."""
     from lit_rlhf.launch.schemas import SCHEMAS
 
-    used = {e.removeprefix("/schema/").partition("@")[0] for g in GROUPS for p in (CONF / g).glob("*.yaml")
-            for e in _load(g, p.stem).get("defaults", []) if isinstance(e, str) and e.startswith("/schema/")}  # fmt: skip
+    used = {
+        e.removeprefix("/schema/").partition("@")[0]
+        for g in GROUPS
+        for p in (CONF / g).glob("*.yaml")
+        for e in _load(g, p.stem).get("defaults", [])
+        if isinstance(e, str) and e.startswith("/schema/")
+    }
     assert used == set(SCHEMAS)
     for group in {g for g, _ in TYPED_FILES}:
         for path in (CONF / group).glob("*.yaml"):
@@ -378,14 +453,16 @@ def test_experiments_set_only_what_their_presets_do_not(name):
                 choices, parent_base, parent_own = compose_experiment(entry)
                 body = _merge(body, parent_own)
             elif isinstance(entry, dict):
-                (key, value), = entry.items()
+                ((key, value),) = entry.items()
                 choices[key.removeprefix("override /")] = value
         groups = {g: _group_file(g, choices[g]) for g in ("algo", "model", "data") if choices.get(g)}
         base = {g: _merge(_merge(b, own), body.get(g, {})) for g, (b, own, _) in groups.items()}
         return choices, base, node
 
     _, base, own = compose_experiment(name)
-    found = [r for g in ("algo", "model", "data") if g in own for r in _restated(own[g], base.get(g, {}), g, False, set())]
+    found = [
+        r for g in ("algo", "model", "data") if g in own for r in _restated(own[g], base.get(g, {}), g, False, set())
+    ]
     assert not found, f"experiment/{name}.yaml repeats what its presets give: {found}"
 
 
@@ -393,8 +470,8 @@ def test_experiments_set_only_what_their_presets_do_not(name):
 def test_data_sections_share_the_template_and_row_range_checks(section):
     """The checks of the data configs' common base (``DataConfig.validate``) run for every section:
     an unknown template and each row-range key that does not parse fail naming the section's key."""
-    from lit_rlhf.utils.config import build_config
     from lit_rlhf.launch.schemas import schema_class
+    from lit_rlhf.utils.config import build_config
 
     cls = schema_class(f"{section}_data")
     build_config(cls, {"train_rows": "1-10", "template": "dialogue"}, f"data.{section}")  # valid: builds
@@ -408,21 +485,31 @@ def test_data_sections_share_the_template_and_row_range_checks(section):
 
 def test_rollout_batch_is_one_key(tmp_path):
     ppo = ["algo=ppo", "algo.policy_path=/m/sft", *RM]
-    with pytest.raises(ConfigError, match=r"data.prompt.batch_size: the rollout batch of an RL stage is algo.rollout_batch_size \(32 responses, 32 prompts\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.prompt.batch_size: the rollout batch of an RL stage is "
+        r"algo.rollout_batch_size \(32 responses, 32 prompts\)",
+    ):
         plan(compose([*ppo, "data.prompt.batch_size=8"], tmp_path))
     assert plan(compose([*ppo, "algo.rollout_batch_size=8"], tmp_path)).data.batch_size == 8
 
 
 def test_rl_from_an_untrained_tiny_model_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match=r"algo.policy_path: is required here: the model group builds an untrained tiny"):
+    with pytest.raises(
+        ConfigError, match=r"algo.policy_path: is required here: the model group builds an untrained tiny"
+    ):
         plan(compose(["algo=ppo", *RM], tmp_path))
 
 
 def test_lora_under_fsdp_is_refused_before_anything_is_built(tmp_path):
     """The adapters-off reference would bypass the FSDP units: a config error naming the key."""
     with pytest.raises(ConfigError, match="strategy: model.lora.enabled=true with strategy=fsdp"):
-        plan(compose(["algo=ppo", "strategy=fsdp", "model.lora.enabled=true", "algo.policy_path=/m/sft", *RM], tmp_path))
-    plan(compose(["algo=ppo", "strategy=fsdp", "algo.policy_path=/m/sft", *RM], tmp_path))  # full fine-tuning under FSDP: fine
+        plan(
+            compose(["algo=ppo", "strategy=fsdp", "model.lora.enabled=true", "algo.policy_path=/m/sft", *RM], tmp_path)
+        )
+    plan(
+        compose(["algo=ppo", "strategy=fsdp", "algo.policy_path=/m/sft", *RM], tmp_path)
+    )  # full fine-tuning under FSDP: fine
 
 
 def test_readme_own_model_and_data_commands_compose(tmp_path):

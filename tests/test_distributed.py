@@ -33,8 +33,10 @@ def models(tmp_path_factory):
     from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
 
     out = tmp_path_factory.mktemp("models")
-    spec = ModelSpec(tiny=TinyLlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
-                     tokenizer="synthetic")  # fmt: skip
+    spec = ModelSpec(
+        tiny=TinyLlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
+        tokenizer="synthetic",
+    )
     save_tiny_models(spec, build_tokenizer(spec), out)
     return out
 
@@ -103,7 +105,12 @@ def assert_identical_and_trained(ranks, policy_dir=None, synced=()):
 # construction, last of the training runs; the vLLM engine's run after it builds its model unharmed)
 PPO_RUNS = {2: ("ddp", "deepspeed", "fsdp", "deepspeed3"), 1: ("ddp", "deepspeed3")}
 # DPO's 2-process runs: (strategy, precompute the reference, loss type)
-DPO_RUNS = [("ddp", True, "sigmoid"), ("deepspeed", False, "sigmoid"), ("fsdp", False, "sigmoid"), ("ddp", False, "kto")]
+DPO_RUNS = [
+    ("ddp", True, "sigmoid"),
+    ("deepspeed", False, "sigmoid"),
+    ("fsdp", False, "sigmoid"),
+    ("ddp", False, "kto"),
+]
 # the GRPO family's 2-process DDP runs (tests/helpers/grpo_multiproc.py's arguments); plain GRPO's is the
 # vLLM engine's run (``vllm_ranks``)
 GRPO_RUNS = {"dapo": ["--dapo"], "reinforce_pp": ["--preset", "reinforce_pp"], "remax": ["--preset", "remax"]}
@@ -129,8 +136,10 @@ def vllm_models(tmp_path_factory):
     from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
 
     out = tmp_path_factory.mktemp("vllm_models")
-    spec = ModelSpec(tiny=TinyLlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                          intermediate_size=128), tokenizer="synthetic")  # fmt: skip
+    spec = ModelSpec(
+        tiny=TinyLlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128),
+        tokenizer="synthetic",
+    )
     save_tiny_models(spec, build_tokenizer(spec), out)
     return out
 
@@ -144,20 +153,44 @@ def two_processes(models, vllm_models, tmp_path_factory):
     keys, runs = [("rm",)], [("rm_deepspeed_best", tmp_path_factory.mktemp("rm_zero2"), ["--devices", "2"])]
     for strategy, precompute, loss_type in DPO_RUNS:
         keys.append(("dpo", strategy, precompute, loss_type))
-        runs.append(("dpo_multiproc", tmp_path_factory.mktemp(f"dpo_{strategy}_{loss_type}"),
-                     ["--strategy", strategy, "--devices", "2", "--models", str(models), "--loss-type", loss_type,
-                      *(["--precompute"] if precompute else [])]))  # fmt: skip
+        runs.append(
+            (
+                "dpo_multiproc",
+                tmp_path_factory.mktemp(f"dpo_{strategy}_{loss_type}"),
+                [
+                    "--strategy",
+                    strategy,
+                    "--devices",
+                    "2",
+                    "--models",
+                    str(models),
+                    "--loss-type",
+                    loss_type,
+                    *(["--precompute"] if precompute else []),
+                ],
+            )
+        )
     for name, args in GRPO_RUNS.items():
         keys.append(("grpo", name))
-        runs.append(("grpo_multiproc", tmp_path_factory.mktemp(name),
-                     ["--strategy", "ddp", "--devices", "2", "--models", str(models), *args]))  # fmt: skip
+        runs.append(
+            (
+                "grpo_multiproc",
+                tmp_path_factory.mktemp(name),
+                ["--strategy", "ddp", "--devices", "2", "--models", str(models), *args],
+            )
+        )
     for kind in PPO_RUNS[2]:
         keys.append(("ppo", kind))
         runs.append(ppo_run(kind, 2, models, tmp_path_factory))
     if importlib.util.find_spec("vllm") is not None:  # (its test skips without it)
         keys.append(("grpo", "vllm"))
-        runs.append(("grpo_multiproc", tmp_path_factory.mktemp("vllm"),
-                     ["--strategy", "ddp", "--devices", "2", "--models", str(vllm_models), "--engine", "vllm"]))  # fmt: skip
+        runs.append(
+            (
+                "grpo_multiproc",
+                tmp_path_factory.mktemp("vllm"),
+                ["--strategy", "ddp", "--devices", "2", "--models", str(vllm_models), "--engine", "vllm"],
+            )
+        )
     return {key: (out, ranks) for key, (_, out, _), ranks in zip(keys, runs, helper_runs(runs))}
 
 
@@ -274,7 +307,7 @@ def test_fsdp_matches_the_unsharded_run_and_samples_from_whole_weights(ppo_runs,
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(ranks[0]["export_dir"]).state_dict()
-    assert exported.keys() == {k[len("actor."):] for k in ranks[0]["params"] if k.startswith("actor.")}
+    assert exported.keys() == {k[len("actor.") :] for k in ranks[0]["params"] if k.startswith("actor.")}
     for k, v in exported.items():
         torch.testing.assert_close(v, ranks[0]["params"][f"actor.{k}"], rtol=0, atol=0, msg=k)
 
@@ -337,7 +370,9 @@ def test_kto_under_ddp_takes_the_reference_point_over_both_ranks(dpo_runs, model
     for (s0, n0, z0), (s1, n1, z1) in zip(*points):
         assert z0 == z1 and z0 == pytest.approx(max(0.0, (s0 + s1) / (n0 + n1)), rel=1e-5, abs=1e-7)
     assert any(abs(s0 / n0 - s1 / n1) > 1e-3 for (s0, n0, _), (s1, n1, _) in zip(*points))  # not equal by chance
-    assert_identical_and_trained(ranks, models / "policy", ("val/loss", "val/kl", "val/rewards/chosen", "val/rewards/rejected"))
+    assert_identical_and_trained(
+        ranks, models / "policy", ("val/loss", "val/kl", "val/rewards/chosen", "val/rewards/rejected")
+    )
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,15 @@ from tests.conftest import ROOT, compose
 
 def test_slurm_launcher_takes_nodes_and_gpus_from_the_trainer():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="optional extra: pip install -e '.[slurm]'")
-    cfg = compose(["experiment=ppo_max_llama7b_a100x8", "algo.reward_path=/ckpt/rm", "hydra/launcher=slurm",
-                   "trainer.num_nodes=2", "hydra.launcher.partition=gpu"])  # fmt: skip
+    cfg = compose(
+        [
+            "experiment=ppo_max_llama7b_a100x8",
+            "algo.reward_path=/ckpt/rm",
+            "hydra/launcher=slurm",
+            "trainer.num_nodes=2",
+            "hydra.launcher.partition=gpu",
+        ]
+    )
     launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
     assert launcher["_target_"].endswith("SlurmLauncher")
     assert (launcher["nodes"], launcher["tasks_per_node"], launcher["gpus_per_node"]) == (2, 8, 8)
@@ -43,14 +50,34 @@ def test_submitit_local_multirun_with_ddp_in_each_job(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", LIT_RLHF_ROOT=str(ROOT))
     summary = tmp_path / "snapshot.json"  # written by rank 0 (tests/helpers/snapshot.py)
     out = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=submitit_local", "experiment=sft_synthetic_tiny",
-         "strategy=ddp_sim", "trainer.max_epochs=1", "data.sft.n_train=256", "data.sft.n_val=64", "data.batch_size=32",
-         "model.tiny.hidden_size=32", "model.tiny.num_hidden_layers=1", "model.tiny.num_attention_heads=2",
-         "model.tiny.intermediate_size=64", "logger=csv", "trainer.enable_progress_bar=false", "seed=2",
-         "+callbacks.snapshot._target_=tests.helpers.snapshot.Snapshot", f"+callbacks.snapshot.out={summary}",
-         f"hydra.sweep.dir={tmp_path}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "-m",
+            "hydra/launcher=submitit_local",
+            "experiment=sft_synthetic_tiny",
+            "strategy=ddp_sim",
+            "trainer.max_epochs=1",
+            "data.sft.n_train=256",
+            "data.sft.n_val=64",
+            "data.batch_size=32",
+            "model.tiny.hidden_size=32",
+            "model.tiny.num_hidden_layers=1",
+            "model.tiny.num_attention_heads=2",
+            "model.tiny.intermediate_size=64",
+            "logger=csv",
+            "trainer.enable_progress_bar=false",
+            "seed=2",
+            "+callbacks.snapshot._target_=tests.helpers.snapshot.Snapshot",
+            f"+callbacks.snapshot.out={summary}",
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     job = tmp_path / "0"
     assert OmegaConf.load(job / ".hydra" / "config.yaml").seed == 2

@@ -19,9 +19,21 @@ P7B = KNOWN["llama-2-7b"].params()
 
 
 def _setup(strategy="ddp", devices=1, **kw) -> Setup:
-    base = dict(strategy=strategy, offload_optimizer=False, offload_params=False, devices=devices, mixed=True,
-                weight_bytes=2, lora=LoraSpec(), checkpointing=True, micro_batch=1, seq_len=8, gen_batch=0, gen_len=0)
-    return Setup(**{**base, **kw})  # fmt: skip
+    base = dict(
+        strategy=strategy,
+        offload_optimizer=False,
+        offload_params=False,
+        devices=devices,
+        mixed=True,
+        weight_bytes=2,
+        lora=LoraSpec(),
+        checkpointing=True,
+        micro_batch=1,
+        seq_len=8,
+        gen_batch=0,
+        gen_len=0,
+    )
+    return Setup(**{**base, **kw})
 
 
 @pytest.mark.parametrize("name", ["llama-2-7b", "pythia-410m"])
@@ -31,13 +43,28 @@ def test_parameter_counts_match_transformers(name):
     a = KNOWN[name]
     with torch.device("meta"):
         if a.family == "llama":
-            model = LlamaForCausalLM(LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
-                                                 num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                                                 intermediate_size=a.intermediate, tie_word_embeddings=a.tied))  # fmt: skip
+            model = LlamaForCausalLM(
+                LlamaConfig(
+                    vocab_size=a.vocab,
+                    hidden_size=a.hidden,
+                    num_hidden_layers=a.layers,
+                    num_attention_heads=a.heads,
+                    num_key_value_heads=a.kv_heads,
+                    intermediate_size=a.intermediate,
+                    tie_word_embeddings=a.tied,
+                )
+            )
         else:
-            model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
-                                                     num_attention_heads=a.heads, intermediate_size=a.intermediate,
-                                                     tie_word_embeddings=False))  # fmt: skip
+            model = GPTNeoXForCausalLM(
+                GPTNeoXConfig(
+                    vocab_size=a.vocab,
+                    hidden_size=a.hidden,
+                    num_hidden_layers=a.layers,
+                    num_attention_heads=a.heads,
+                    intermediate_size=a.intermediate,
+                    tie_word_embeddings=False,
+                )
+            )
     assert a.params() == sum(p.numel() for p in model.parameters())
     if name == "llama-2-7b":
         assert a.params() == 6_738_415_616  # Llama 2's published 6.74B
@@ -55,20 +82,30 @@ def test_lora_parameter_count_matches_peft(tiny_spec, tokenizer):
     assert arch.params() == sum(p.numel() for p in build_causal_lm(tiny_spec, tokenizer).parameters())
 
 
-@pytest.mark.parametrize("stage, offload_opt, offload_params", [
-    ("zero2", False, False), ("zero2", True, False), ("zero3", False, False), ("zero3", True, False), ("zero3", True, True),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "stage, offload_opt, offload_params",
+    [
+        ("zero2", False, False),
+        ("zero2", True, False),
+        ("zero3", False, False),
+        ("zero3", True, False),
+        ("zero3", True, True),
+    ],
+)
 def test_model_states_of_7b_on_8_gpus_match_deepspeed_estimators(stage, offload_opt, offload_params):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     largest = KNOWN["llama-2-7b"].largest_layer_params()
-    ours = sum(trained_bytes(P7B, _setup(stage, 8, offload_optimizer=offload_opt, offload_params=offload_params), largest))
+    ours = sum(
+        trained_bytes(P7B, _setup(stage, 8, offload_optimizer=offload_opt, offload_params=offload_params), largest)
+    )
     if stage == "zero2":
         _, gpu = estimate_zero2_model_states_mem_needs(P7B, num_gpus_per_node=8, cpu_offload=offload_opt)
     else:
-        _, gpu, _ = estimate_zero3_model_states_mem_needs(P7B, largest, num_gpus_per_node=8, cpu_offload=offload_opt,
-                                                          cpu_offload_params=offload_params)  # fmt: skip
+        _, gpu, _ = estimate_zero3_model_states_mem_needs(
+            P7B, largest, num_gpus_per_node=8, cpu_offload=offload_opt, cpu_offload_params=offload_params
+        )
     assert ours == pytest.approx(gpu, abs=8)  # DeepSpeed rounds to whole bytes
 
 
@@ -94,8 +131,11 @@ def _plan(*overrides):
 
 
 def test_presets_fit_their_hardware_and_plain_zero2_ppo_is_refused_with_switches():
-    for exp, extra in (("ppo_max_llama7b_a100x8", ["algo.reward_path=/ckpt/rm"]),
-                       ("ppo_max_llama7b_lora_1gpu", ["algo.reward_path=/ckpt/rm"]), ("dpo_llama7b_a100x8", [])):  # fmt: skip
+    for exp, extra in (
+        ("ppo_max_llama7b_a100x8", ["algo.reward_path=/ckpt/rm"]),
+        ("ppo_max_llama7b_lora_1gpu", ["algo.reward_path=/ckpt/rm"]),
+        ("dpo_llama7b_a100x8", []),
+    ):
         p = _plan(f"experiment={exp}", *extra)
         assert p.fits is True, p.render()
     lora = _plan("experiment=ppo_max_llama7b_lora_1gpu", "algo.reward_path=/ckpt/rm")
@@ -120,8 +160,12 @@ def test_the_vllm_engine_is_counted_as_its_share_of_the_card_or_its_weights_and_
     """engine=vllm: the KV-cache row becomes the engine's — gpu_memory_utilization × the card, or the
     policy's bf16 weights + kv_cache_gib — outside the update's peak when it sleeps, inside when not."""
     gib = 2**30
-    base = ["experiment=ppo_max_llama7b_a100x8", "algo.reward_path=/ckpt/rm", "memory_plan.gpu_memory_gb=80",
-            "algo.generation.engine=vllm"]  # fmt: skip
+    base = [
+        "experiment=ppo_max_llama7b_a100x8",
+        "algo.reward_path=/ckpt/rm",
+        "memory_plan.gpu_memory_gb=80",
+        "algo.generation.engine=vllm",
+    ]
     hf = _plan(*base[:3])
     share = _plan(*base)
     assert share.kv_cache == pytest.approx(0.3 * 80 * gib) and share.engine_sleeps
@@ -140,25 +184,53 @@ def test_a_gpu_launch_that_cannot_fit_is_refused_before_loading():
     from lit_rlhf.runner import check_memory_plan, plan
     from lit_rlhf.utils.config import ConfigError
 
-    cfg = compose(["model=llama7b", "algo=ppo_max", "algo.reward_path=/ckpt/rm", "trainer.accelerator=gpu",
-                   "trainer.devices=1", "memory_plan.gpu_memory_gb=80"])  # fmt: skip
+    cfg = compose(
+        [
+            "model=llama7b",
+            "algo=ppo_max",
+            "algo.reward_path=/ckpt/rm",
+            "trainer.accelerator=gpu",
+            "trainer.devices=1",
+            "memory_plan.gpu_memory_gb=80",
+        ]
+    )
     with pytest.raises(ConfigError, match="memory_plan: this job does not fit the GPU memory"):
         check_memory_plan(cfg, plan(cfg))
-    cpu = compose(["model=llama7b", "algo=ppo_max", "algo.reward_path=/ckpt/rm", "trainer=cpu", "memory_plan.gpu_memory_gb=80"])
+    cpu = compose(
+        ["model=llama7b", "algo=ppo_max", "algo.reward_path=/ckpt/rm", "trainer=cpu", "memory_plan.gpu_memory_gb=80"]
+    )
     check_memory_plan(cpu, plan(cpu))  # CPU runs are not planned
-    unknown = compose(["model=llama7b", "model.name_or_path=some-org/unknown-7b", "algo=sft", "trainer.accelerator=gpu",
-                       "memory_plan.gpu_memory_gb=80"])  # fmt: skip
+    unknown = compose(
+        [
+            "model=llama7b",
+            "model.name_or_path=some-org/unknown-7b",
+            "algo=sft",
+            "trainer.accelerator=gpu",
+            "memory_plan.gpu_memory_gb=80",
+        ]
+    )
     check_memory_plan(unknown, plan(unknown))  # an architecture not readable offline: a warning, not a refusal
-
 
 
 @pytest.mark.slow
 def test_train_py_plan_prints_the_table_exits_and_writes_nothing(tmp_path):
     """``train.py … --plan``: the table, exit code 2 when the job does not fit (for scripts), and no run
     directory left behind (it used to leave an empty logs/<stage>/runs/<time>/)."""
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "experiment=ppo_max_llama7b_a100x8",
-                          "algo.reward_path=/ckpt/rm", "strategy=deepspeed_stage_2", f"paths.log_dir={tmp_path / 'logs'}",
-                          "--plan"], cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "experiment=ppo_max_llama7b_a100x8",
+            "algo.reward_path=/ckpt/rm",
+            "strategy=deepspeed_stage_2",
+            f"paths.log_dir={tmp_path / 'logs'}",
+            "--plan",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2, out.stderr[-2000:]  # does not fit: a non-zero exit for scripts
     assert "| actor | trained | 6.74B |" in out.stdout and "DOES NOT FIT" in out.stdout
     assert "strategy=deepspeed_stage_2_offload" in out.stdout

@@ -8,16 +8,34 @@ from omegaconf import OmegaConf, open_dict
 from lit_rlhf.runner import run
 from tests.conftest import compose
 
-TINY = ["pipeline=demo", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "logger=csv",
-        "model.tiny.hidden_size=32", "model.tiny.num_attention_heads=2", "model.tiny.intermediate_size=64"]  # fmt: skip
-BUDGET = ["data.sft.n_train=256", "data.sft.n_val=32", "trainer.max_epochs=1", "data.preference.n_train=256",
-          "data.preference.n_val=32", "data.preference.n_test=32", "data.prompt.n_val=16", "data.prompt.eval_batch_size=16"]  # fmt: skip
+TINY = [
+    "pipeline=demo",
+    "trainer.accelerator=cpu",
+    "trainer.enable_progress_bar=false",
+    "logger=csv",
+    "model.tiny.hidden_size=32",
+    "model.tiny.num_attention_heads=2",
+    "model.tiny.intermediate_size=64",
+]
+BUDGET = [
+    "data.sft.n_train=256",
+    "data.sft.n_val=32",
+    "trainer.max_epochs=1",
+    "data.preference.n_train=256",
+    "data.preference.n_val=32",
+    "data.preference.n_test=32",
+    "data.prompt.n_val=16",
+    "data.prompt.eval_batch_size=16",
+]
 
 
 def shorten(stage_overrides, steps=8):
     """The stage's own overrides, then 2 RL iterations (PPO: 4 optimizer steps each) validated after each."""
-    return [*OmegaConf.to_container(stage_overrides, resolve=False), f"trainer.max_steps={steps}",
-            "trainer.val_check_interval=1"]  # fmt: skip
+    return [
+        *OmegaConf.to_container(stage_overrides, resolve=False),
+        f"trainer.max_steps={steps}",
+        "trainer.val_check_interval=1",
+    ]
 
 
 @pytest.mark.slow
@@ -32,21 +50,44 @@ def test_shortened_demo_pipeline(tmp_path):
         jobs.grpo, jobs.dapo = shorten(jobs.grpo, steps=2), shorten(jobs.dapo, steps=2)
         cfg.pipeline.eval_prompts = 24
     metrics = run(cfg)
-    for stage, export in (("sft", "policy"), ("rm", "reward_model"), ("ppo", "actor"), ("ppo_max", "actor"),
-                          ("dpo", "policy"), ("grpo", "actor"), ("dapo", "actor")):  # fmt: skip
+    for stage, export in (
+        ("sft", "policy"),
+        ("rm", "reward_model"),
+        ("ppo", "actor"),
+        ("ppo_max", "actor"),
+        ("dpo", "policy"),
+        ("grpo", "actor"),
+        ("dapo", "actor"),
+    ):
         assert (tmp_path / stage / export).is_dir(), stage
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["policies"]) == {"SFT", "PPO (β=0)", "PPO-max", "DPO", "GRPO", "DAPO"}
     for res in summary["policies"].values():
-        assert set(res) == {"gold_mean", "gold_std", "proxy_mean", "kl_to_sft", "perplexity", "response_length",
-                            "truncation_rate"}  # fmt: skip
+        assert set(res) == {
+            "gold_mean",
+            "gold_std",
+            "proxy_mean",
+            "kl_to_sft",
+            "perplexity",
+            "response_length",
+            "truncation_rate",
+        }
     assert summary["policies"]["SFT"]["kl_to_sft"] == pytest.approx(0.0, abs=1e-5)  # the reference itself
     assert len(summary["curves"]["ppo"]["gold"]) == 3  # before fit + after each of 2 iterations
-    assert {"ppo_overoptimized", "ppo_kl_drift", "ppo_length_drift", "ppo_max_kl_bounded", "dpo_gold_gain_in_sft_sigma",
-            "grpo_overoptimized", "dapo_kl_bounded"} <= set(summary["checks"])  # fmt: skip
+    assert {
+        "ppo_overoptimized",
+        "ppo_kl_drift",
+        "ppo_length_drift",
+        "ppo_max_kl_bounded",
+        "dpo_gold_gain_in_sft_sigma",
+        "grpo_overoptimized",
+        "dapo_kl_bounded",
+    } <= set(summary["checks"])
     assert (tmp_path / "dpo" / "csv" / "metrics.csv").exists() and "dpo/val/rewards/accuracies" in metrics
     table = (tmp_path / "summary.md").read_text()
-    assert "| PPO-max |" in table and "| DPO |" in table and "| DAPO |" in table and "PPO (β=0) drift: KL to SFT" in table
+    assert (
+        "| PPO-max |" in table and "| DPO |" in table and "| DAPO |" in table and "PPO (β=0) drift: KL to SFT" in table
+    )
     assert "DPO vs SFT: gold" in table and "GRPO vs SFT: gold" in table and "during training gold peaked" in table
     assert (tmp_path / "stability.png").stat().st_size > 20_000
     assert "eval/PPO-max/gold_mean" in metrics and "ppo_max/critic/loss" in metrics
@@ -78,7 +119,10 @@ def test_final_table_samples_with_the_rl_stages_settings(tmp_path):
 
     cfg = compose(["pipeline=demo"], tmp_path)
     with open_dict(cfg):
-        cfg.pipeline.jobs.ppo_max = [*OmegaConf.to_container(cfg.pipeline.jobs.ppo_max, resolve=False),
-                                "algo.generation.max_new_tokens=7", "data.prompt.max_prompt_length=9"]  # fmt: skip
+        cfg.pipeline.jobs.ppo_max = [
+            *OmegaConf.to_container(cfg.pipeline.jobs.ppo_max, resolve=False),
+            "algo.generation.max_new_tokens=7",
+            "data.prompt.max_prompt_length=9",
+        ]
     gen, template, max_prompt_length = DemoPipeline(plan(cfg).pipeline).rollout_settings(str(tmp_path), cfg)
     assert (gen.max_new_tokens, gen.temperature, gen.top_p, template, max_prompt_length) == (7, 0.8, 0.9, "plain", 9)

@@ -35,8 +35,11 @@ def test_reasoning_pipeline_raises_held_out_accuracy(tmp_path):
         cfg.pipeline.common = BUDGET
         jobs = cfg.pipeline.jobs
         jobs.sft = [*OmegaConf.to_container(jobs.sft, resolve=False), *SFT_BUDGET]
-        jobs.grpo = [*OmegaConf.to_container(jobs.grpo, resolve=False), "trainer.max_steps=60",
-                     "trainer.val_check_interval=30"]  # fmt: skip
+        jobs.grpo = [
+            *OmegaConf.to_container(jobs.grpo, resolve=False),
+            "trainer.max_steps=60",
+            "trainer.val_check_interval=30",
+        ]
         cfg.pipeline.eval_problems = 200
         cfg.pipeline.pass_k = 4
     metrics = run(cfg)
@@ -49,7 +52,8 @@ def test_reasoning_pipeline_raises_held_out_accuracy(tmp_path):
     assert grpo["greedy_accuracy"] >= sft["greedy_accuracy"] + 0.10, (sft, grpo)
     assert grpo["mean@4"] > sft["mean@4"] and sft["pass@4"] >= sft["mean@4"]
     assert summary["checks"]["grpo_greedy_gain_points"] == pytest.approx(
-        100 * (grpo["greedy_accuracy"] - sft["greedy_accuracy"]))
+        100 * (grpo["greedy_accuracy"] - sft["greedy_accuracy"])
+    )
     table = (tmp_path / "summary.md").read_text()
     assert "| GRPO |" in table and "pass@4" in table and "200 held-out problems" in table
     # training logged the verifiable evaluation and the reward component by name
@@ -83,26 +87,48 @@ def test_qa_file_hands_each_prompt_its_answer_through_train_py(tmp_path):
     from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
 
     task = ReasoningTask()
-    rows = [{"question": r["prompt"], "answer": task.correct_solution(r["prompt"]) + f"\n#### {r['answer']}"}
-            for r in task.qa_records(48)]  # fmt: skip
+    rows = [
+        {"question": r["prompt"], "answer": task.correct_solution(r["prompt"]) + f"\n#### {r['answer']}"}
+        for r in task.qa_records(48)
+    ]
     source = tmp_path / "qa.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tok = prepare_tokenizer(build_tokenizer())
     torch.manual_seed(0)
-    spec = ModelSpec(tiny=TinyLlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                          intermediate_size=64), tokenizer="reasoning")  # fmt: skip
+    spec = ModelSpec(
+        tiny=TinyLlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
+        tokenizer="reasoning",
+    )
     build_causal_lm(spec, tok).save_pretrained(tmp_path / "policy")
     tok.save_pretrained(tmp_path / "policy")
-    cfg = compose([
-        "algo=grpo", "model=tiny_reasoning", "data=qa_file", f"data.prompt.source={source}",
-        "data.prompt.prompt_field=question", "data.prompt.answer_format=gsm8k", "data.prompt.train_rows=1-40",
-        "data.prompt.val_rows=41-48", "data.prompt.max_prompt_length=16", f"algo.policy_path={tmp_path / 'policy'}",
-        "algo.reward_fns=[{_target_: tests.test_reasoning_pipeline.answer_check, name: aligned},"
-        "{_target_: lit_rlhf.rewards.exact_match, answer_prefix: 'answer:', name: accuracy, weight: 0.0}]",
-        "algo.rollout_batch_size=16", "algo.num_generations=4", "algo.generation.max_new_tokens=8", "algo.val_pass_k=2",
-        "trainer.max_steps=2", "trainer.max_epochs=-1", "trainer.val_check_interval=2", "trainer.check_val_every_n_epoch=null",
-        "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "logger=csv",
-    ], tmp_path / "run")  # fmt: skip
+    cfg = compose(
+        [
+            "algo=grpo",
+            "model=tiny_reasoning",
+            "data=qa_file",
+            f"data.prompt.source={source}",
+            "data.prompt.prompt_field=question",
+            "data.prompt.answer_format=gsm8k",
+            "data.prompt.train_rows=1-40",
+            "data.prompt.val_rows=41-48",
+            "data.prompt.max_prompt_length=16",
+            f"algo.policy_path={tmp_path / 'policy'}",
+            "algo.reward_fns=[{_target_: tests.test_reasoning_pipeline.answer_check, name: aligned},"
+            "{_target_: lit_rlhf.rewards.exact_match, answer_prefix: 'answer:', name: accuracy, weight: 0.0}]",
+            "algo.rollout_batch_size=16",
+            "algo.num_generations=4",
+            "algo.generation.max_new_tokens=8",
+            "algo.val_pass_k=2",
+            "trainer.max_steps=2",
+            "trainer.max_epochs=-1",
+            "trainer.val_check_interval=2",
+            "trainer.check_val_every_n_epoch=null",
+            "trainer.accelerator=cpu",
+            "trainer.enable_progress_bar=false",
+            "logger=csv",
+        ],
+        tmp_path / "run",
+    )
     metrics = run(cfg)
     assert metrics["reward/aligned"] == 1.0 and metrics["val/score_mean"] == 1.0
     assert metrics["reward/accuracy_errors"] == 0 and 0.0 <= metrics["reward/accuracy"] <= 1.0

@@ -11,8 +11,10 @@ def _rank(rank: int, store_path: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
     try:
         values = {0: [1.0, -2.0, 5.0], 1: [3.0, 4.0, -7.0]}[rank]
-        results = {name: fn(torch.tensor(values)).tolist()
-                   for name, fn in (("sum", all_reduce_sum), ("min", all_reduce_min), ("max", all_reduce_max))}  # fmt: skip
+        results = {
+            name: fn(torch.tensor(values)).tolist()
+            for name, fn in (("sum", all_reduce_sum), ("min", all_reduce_min), ("max", all_reduce_max))
+        }
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

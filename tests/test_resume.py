@@ -22,32 +22,86 @@ from lit_rlhf.runner import run
 from tests.conftest import ROOT, compose
 
 EVERY_BATCH = [
-    "++callbacks.model_checkpoint.every_n_train_steps=1", "callbacks.model_checkpoint.every_n_epochs=null",
-    "callbacks.model_checkpoint.save_top_k=-1", "callbacks.model_checkpoint.monitor=null",
-    "callbacks.model_checkpoint.filename='b{step:05d}'", "trainer.accelerator=cpu", "trainer.devices=1", "logger=none",
-    "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
-]  # fmt: skip
-TINY = ["model.tiny.hidden_size=32", "model.tiny.num_hidden_layers=1", "model.tiny.num_attention_heads=2",
-        "model.tiny.intermediate_size=64"]  # fmt: skip
-RL = ["validate_before_fit=false", "data.prompt.n_train=12", "data.prompt.n_val=4", "algo.generation.max_new_tokens=6",
-      "trainer.max_epochs=2", "trainer.max_steps=-1", "trainer.val_check_interval=2", "optimized_metric=null"]  # fmt: skip
+    "++callbacks.model_checkpoint.every_n_train_steps=1",
+    "callbacks.model_checkpoint.every_n_epochs=null",
+    "callbacks.model_checkpoint.save_top_k=-1",
+    "callbacks.model_checkpoint.monitor=null",
+    "callbacks.model_checkpoint.filename='b{step:05d}'",
+    "trainer.accelerator=cpu",
+    "trainer.devices=1",
+    "logger=none",
+    "trainer.enable_progress_bar=false",
+    "trainer.log_every_n_steps=1",
+]
+TINY = [
+    "model.tiny.hidden_size=32",
+    "model.tiny.num_hidden_layers=1",
+    "model.tiny.num_attention_heads=2",
+    "model.tiny.intermediate_size=64",
+]
+RL = [
+    "validate_before_fit=false",
+    "data.prompt.n_train=12",
+    "data.prompt.n_val=4",
+    "algo.generation.max_new_tokens=6",
+    "trainer.max_epochs=2",
+    "trainer.max_steps=-1",
+    "trainer.val_check_interval=2",
+    "optimized_metric=null",
+]
 
 
 def stage_overrides(stage: str, saved_models: tuple[str, str]) -> list[str]:
     policy, rm = f"algo.policy_path={saved_models[0]}", f"algo.reward_path={saved_models[1]}"
     return {  # 2 epochs of 3-4 batches each; validation after every 2nd batch
-        "sft": ["experiment=sft_synthetic_tiny", *TINY, "data.sft.n_train=96", "data.sft.n_val=16", "data.batch_size=32",
-                "trainer.max_epochs=2", "trainer.val_check_interval=2"],
-        "rm": ["experiment=rm_synthetic_tiny", *TINY, "data.preference.n_train=96", "data.preference.n_val=16",
-               "data.batch_size=32", "trainer.max_epochs=2", "trainer.val_check_interval=2", "test=false"],
-        "dpo": ["experiment=dpo_synthetic_tiny", policy, "data.preference.n_train=96", "data.preference.n_val=16",
-                "data.batch_size=32", "trainer.max_epochs=2", "trainer.val_check_interval=2", "algo.drift_prompts=4"],
-        "ppo": ["experiment=ppo_max_synthetic_tiny", policy, rm, *RL, "algo.rollout_batch_size=4", "algo.minibatch_size=2"],
+        "sft": [
+            "experiment=sft_synthetic_tiny",
+            *TINY,
+            "data.sft.n_train=96",
+            "data.sft.n_val=16",
+            "data.batch_size=32",
+            "trainer.max_epochs=2",
+            "trainer.val_check_interval=2",
+        ],
+        "rm": [
+            "experiment=rm_synthetic_tiny",
+            *TINY,
+            "data.preference.n_train=96",
+            "data.preference.n_val=16",
+            "data.batch_size=32",
+            "trainer.max_epochs=2",
+            "trainer.val_check_interval=2",
+            "test=false",
+        ],
+        "dpo": [
+            "experiment=dpo_synthetic_tiny",
+            policy,
+            "data.preference.n_train=96",
+            "data.preference.n_val=16",
+            "data.batch_size=32",
+            "trainer.max_epochs=2",
+            "trainer.val_check_interval=2",
+            "algo.drift_prompts=4",
+        ],
+        "ppo": [
+            "experiment=ppo_max_synthetic_tiny",
+            policy,
+            rm,
+            *RL,
+            "algo.rollout_batch_size=4",
+            "algo.minibatch_size=2",
+        ],
         "grpo": ["experiment=dapo_synthetic_tiny", policy, rm, *RL, "algo.rollout_batch_size=8"],
-        "reinforce_pp": ["experiment=reinforce_pp_synthetic_tiny", policy, rm, *RL, "algo.rollout_batch_size=4",
-                         "algo.minibatch_size=2"],
+        "reinforce_pp": [
+            "experiment=reinforce_pp_synthetic_tiny",
+            policy,
+            rm,
+            *RL,
+            "algo.rollout_batch_size=4",
+            "algo.minibatch_size=2",
+        ],
         "remax": ["experiment=remax_synthetic_tiny", policy, rm, *RL, "algo.rollout_batch_size=4"],
-    }[stage]  # fmt: skip
+    }[stage]
 
 
 def load(path: Path) -> dict:
@@ -85,7 +139,9 @@ def test_resume_from_any_checkpoint_ends_where_the_uninterrupted_run_ends(stage,
     for name, index in (("mid-epoch", mid), ("epoch boundary", boundary)):
         out = tmp_path / f"resumed_{index}"
         run(compose([*overrides, f"ckpt_path={ckpts[index]}"], out))
-        assert_same_end(load(out / "checkpoints" / "last.ckpt"), final, f"{stage}, resumed at {ckpts[index].name} ({name})")
+        assert_same_end(
+            load(out / "checkpoints" / "last.ckpt"), final, f"{stage}, resumed at {ckpts[index].name} ({name})"
+        )
 
 
 @pytest.mark.slow
@@ -100,20 +156,35 @@ def test_sigkilled_train_py_resumes_to_the_uninterrupted_end(tmp_path, saved_mod
     final = load(tmp_path / "full" / "checkpoints" / "last.ckpt")
 
     run_dir = tmp_path / "killed"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", LIT_RLHF_ROOT=str(ROOT),
-               OMP_NUM_THREADS=str(torch.get_num_threads()))  # the thread count of the in-process run: same sums
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        WANDB_MODE="offline",
+        LIT_RLHF_ROOT=str(ROOT),
+        OMP_NUM_THREADS=str(torch.get_num_threads()),
+    )  # the thread count of the in-process run: same sums
     cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while len(list((run_dir / "checkpoints").glob("b*.ckpt"))) < 2 and proc.poll() is None and time.monotonic() < deadline:
+    while (
+        len(list((run_dir / "checkpoints").glob("b*.ckpt"))) < 2 and proc.poll() is None and time.monotonic() < deadline
+    ):
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, f"the run ended before it could be killed ({proc.returncode}): {err[-2000:]}"
+    assert proc.returncode == -signal.SIGKILL, (
+        f"the run ended before it could be killed ({proc.returncode}): {err[-2000:]}"
+    )
     killed_at = load(run_dir / "checkpoints" / "last.ckpt")["global_step"]
     assert 0 < killed_at < final["global_step"]
 
-    out = subprocess.run([*cmd, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [*cmd, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert_same_end(load(run_dir / "checkpoints" / "last.ckpt"), final, f"ppo_max killed after global step {killed_at}")

@@ -15,9 +15,14 @@ def test_secret_names():
 
 def test_ranks_started_from_the_masked_config_get_the_values_back(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
-    job = OmegaConf.create({"hydra": {"output_subdir": ".hydra", "runtime": {"output_dir": str(tmp_path)}},
-                            "algo": {"reward_fn": {"_target_": "my.judge", "api_key": "sk-real-1"}}, "seed": 3,
-                            "wandb_api_key": "sk-real-2"})  # fmt: skip
+    job = OmegaConf.create(
+        {
+            "hydra": {"output_subdir": ".hydra", "runtime": {"output_dir": str(tmp_path)}},
+            "algo": {"reward_fn": {"_target_": "my.judge", "api_key": "sk-real-1"}},
+            "seed": 3,
+            "wandb_api_key": "sk-real-2",
+        }
+    )
     (tmp_path / ".hydra").mkdir()
     OmegaConf.save({k: v for k, v in job.items() if k != "hydra"}, tmp_path / ".hydra" / "config.yaml")
     MaskSecrets().on_job_start(job)  # rank 0: Hydra wrote the files, the callback masks them

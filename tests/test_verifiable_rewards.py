@@ -121,8 +121,9 @@ def test_math_accuracy_cases(accuracy, response, truth, expected):
 
 
 def test_math_accuracy_batch_in_order_and_ignores_other_columns(accuracy):
-    out = score(accuracy, [r"\boxed{2}", "#### 3", "The answer is 4."], ["2", "4", "4"],
-                level=["easy"] * 3, source=[1, 2, 3])  # fmt: skip
+    out = score(
+        accuracy, [r"\boxed{2}", "#### 3", "The answer is 4."], ["2", "4", "4"], level=["easy"] * 3, source=[1, 2, 3]
+    )
     assert out == [1.0, 0.0, 1.0]
 
 
@@ -239,8 +240,16 @@ def test_format_reward_bad_pattern_is_a_config_error_naming_the_key(bad):
 
 def test_exact_match_default_uses_the_extraction_chain():
     fn = exact_match()
-    responses = [r"\boxed{42}", "#### 42", "The answer is 42.", "so 41 or 42", "The answer is 42 apples.",
-                 r"\boxed{\frac{1}{2}}", "in total 1,234", "no number"]  # fmt: skip
+    responses = [
+        r"\boxed{42}",
+        "#### 42",
+        "The answer is 42.",
+        "so 41 or 42",
+        "The answer is 42 apples.",
+        r"\boxed{\frac{1}{2}}",
+        "in total 1,234",
+        "no number",
+    ]
     answers = ["42", " 42 ", "steps\n#### 42", "42", "42", "0.5", "1234", "42"]
     assert score(fn, responses, answers) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     assert fn.last_errors == 0
@@ -268,8 +277,11 @@ def test_exact_match_answer_prefix_reads_only_the_last_prefixed_line():
 
 @pytest.mark.parametrize(
     "kwargs, key",
-    [({"normalize": "lower"}, "normalize"), ({"answer_prefix": " "}, "answer_prefix"),
-     ({"answer_prefix": 3}, "answer_prefix")],  # fmt: skip
+    [
+        ({"normalize": "lower"}, "normalize"),
+        ({"answer_prefix": " "}, "answer_prefix"),
+        ({"answer_prefix": 3}, "answer_prefix"),
+    ],
 )
 def test_exact_match_bad_options_name_their_key(kwargs, key):
     with pytest.raises(ConfigError) as err:

@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[2]
 TRL_DIR = ROOT / "bench" / ".trl"
 TRL_VERSION = "1.12.0"
@@ -33,10 +32,19 @@ def build_models(out: Path, s: dict) -> None:
     from lit_rlhf.models.reward import RewardModel
 
     tok = build_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=s["hidden"], num_hidden_layers=s["layers"],
-                      num_attention_heads=s["heads"], intermediate_size=s["inter"], max_position_embeddings=256,
-                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      num_labels=1, tie_word_embeddings=False)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=s["hidden"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        intermediate_size=s["inter"],
+        max_position_embeddings=256,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        num_labels=1,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     policy = LlamaForCausalLM(cfg)
     policy.save_pretrained(out / "policy")
@@ -93,6 +101,18 @@ def step_timer():
 def trl_path() -> None:
     """Install TRL (pinned, no dependencies) into bench/.trl once and put it on ``sys.path``."""
     if not (TRL_DIR / "trl").is_dir():
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(TRL_DIR),
-                        f"trl=={TRL_VERSION}"], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--target",
+                str(TRL_DIR),
+                f"trl=={TRL_VERSION}",
+            ],
+            check=True,
+        )
     sys.path.insert(0, str(TRL_DIR))

@@ -28,18 +28,42 @@ def case_dpo_ours(models: Path, s: dict, precompute: bool = False) -> dict:
     from lit_rlhf.modules.dpo import DPOModule
     from lit_rlhf.utils.config import build_config
 
-    cfg = build_config(DPOConfig, dict(policy_path=str(models / "policy"), lr=1e-6, warmup_steps=0, drift_prompts=0,
-                                       precompute_ref_logprobs=precompute, ref_cache=tempfile.mktemp(suffix=".pt")),
-                       "algo")  # fmt: skip
+    cfg = build_config(
+        DPOConfig,
+        dict(
+            policy_path=str(models / "policy"),
+            lr=1e-6,
+            warmup_steps=0,
+            drift_prompts=0,
+            precompute_ref_logprobs=precompute,
+            ref_cache=tempfile.mktemp(suffix=".pt"),
+        ),
+        "algo",
+    )
     spec = DPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=str(models / "policy")))
     tok = build_tokenizer(spec)
     module = DPOModule(cfg, model=spec, tokenizer=tok)
     n = _dpo_steps(s)
-    dm = PreferenceDataModule(source="synthetic", n_train=s["batch"] * n, n_val=1, n_test=1, batch_size=s["batch"],
-                              max_length=128, group_by_length=False).connect(tok)  # fmt: skip
+    dm = PreferenceDataModule(
+        source="synthetic",
+        n_train=s["batch"] * n,
+        n_val=1,
+        n_test=1,
+        batch_size=s["batch"],
+        max_length=128,
+        group_by_length=False,
+    ).connect(tok)
     timer = step_timer()
-    trainer = pl.Trainer(max_steps=n, accelerator="cpu", logger=False, enable_checkpointing=False, limit_val_batches=0,
-                         enable_progress_bar=False, callbacks=[timer], num_sanity_val_steps=0)  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=n,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        callbacks=[timer],
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, dm)
     t = median_step(timer.times, max(0, s["warmup"] - 1))  # from the first step's end: no setup time
     return {"step_s": t, "pairs_per_s": s["batch"] / t}
@@ -67,12 +91,26 @@ def case_dpo_trl(models: Path, s: dict, precompute: bool = False) -> dict:
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter())
 
-    args = DPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=s["batch"], max_steps=n, beta=0.1,
-                     precompute_ref_log_probs=precompute, max_length=128, report_to=[], save_strategy="no",
-                     logging_steps=10_000, use_cpu=True, learning_rate=1e-6, disable_tqdm=True, dataloader_drop_last=True,
-                     bf16=False, gradient_checkpointing=False)  # fp32 like ours (TRL defaults: bf16 + checkpointing)  # fmt: skip
-    trainer = DPOTrainer(model=str(models / "policy"), args=args, processing_class=tok, train_dataset=ds,
-                         callbacks=[Timer()])  # fmt: skip
+    args = DPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=s["batch"],
+        max_steps=n,
+        beta=0.1,
+        precompute_ref_log_probs=precompute,
+        max_length=128,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10_000,
+        use_cpu=True,
+        learning_rate=1e-6,
+        disable_tqdm=True,
+        dataloader_drop_last=True,
+        bf16=False,
+        gradient_checkpointing=False,
+    )  # fp32 like ours (TRL defaults: bf16 + checkpointing)
+    trainer = DPOTrainer(
+        model=str(models / "policy"), args=args, processing_class=tok, train_dataset=ds, callbacks=[Timer()]
+    )
     trainer.train()
     t = median_step(times, max(0, s["warmup"] - 1))
     return {"step_s": t, "pairs_per_s": s["batch"] / t}

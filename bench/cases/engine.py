@@ -42,8 +42,12 @@ def case_generate_vllm(models: Path, s: dict) -> dict:
         tokens.append(int(m.sum()))
 
     t = timed(go, s["warmup"], s["steps"])
-    return {"step_s": t, "tokens_per_s": s["batch"] * s["new_tokens"] / t,
-            "response_tokens_mean": statistics.mean(tokens), "engine_start_s": build_s}
+    return {
+        "step_s": t,
+        "tokens_per_s": s["batch"] * s["new_tokens"] / t,
+        "response_tokens_mean": statistics.mean(tokens),
+        "engine_start_s": build_s,
+    }
 
 
 def _sync_seconds(model, repeats: int = 5) -> float:
@@ -73,8 +77,16 @@ def case_sync_engine(models: Path, s: dict, smoke: bool = False) -> dict:
     out = {"bench_params": sum(p.numel() for p in model.parameters()), "bench_sync_s": _sync_seconds(model)}
     if s["hidden"] >= 256:  # the full shapes only
         torch.manual_seed(0)
-        big = LlamaForCausalLM(LlamaConfig(vocab_size=24000, hidden_size=768, num_hidden_layers=12,
-                                           num_attention_heads=12, intermediate_size=2048, max_position_embeddings=512,
-                                           tie_word_embeddings=True)).eval()  # fmt: skip
+        big = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=24000,
+                hidden_size=768,
+                num_hidden_layers=12,
+                num_attention_heads=12,
+                intermediate_size=2048,
+                max_position_embeddings=512,
+                tie_word_embeddings=True,
+            )
+        ).eval()
         out.update(big_params=sum(p.numel() for p in big.parameters()), big_sync_s=_sync_seconds(big, 3))
     return out

@@ -24,8 +24,18 @@ def case_generate_bare(models: Path, s: dict) -> dict:
     @torch.no_grad()
     def go():
         torch.manual_seed(0)
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=s["new_tokens"], min_new_tokens=s["new_tokens"],
-                       do_sample=True, temperature=0.7, top_k=0, top_p=1.0, pad_token_id=tok.pad_token_id, use_cache=True)  # fmt: skip
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=s["new_tokens"],
+            min_new_tokens=s["new_tokens"],
+            do_sample=True,
+            temperature=0.7,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=tok.pad_token_id,
+            use_cache=True,
+        )
 
     t = timed(go, s["warmup"], s["steps"])
     return {"step_s": t, "tokens_per_s": s["batch"] * s["new_tokens"] / t}
@@ -52,4 +62,8 @@ def case_generate_ours(models: Path, s: dict) -> dict:
         tokens.append(int(m.sum()))
 
     t = timed(go, s["warmup"], s["steps"])
-    return {"step_s": t, "tokens_per_s": s["batch"] * s["new_tokens"] / t, "response_tokens_mean": statistics.mean(tokens)}
+    return {
+        "step_s": t,
+        "tokens_per_s": s["batch"] * s["new_tokens"] / t,
+        "response_tokens_mean": statistics.mean(tokens),
+    }

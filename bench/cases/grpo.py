@@ -13,7 +13,6 @@ from typing import Any
 from .alternation import Alternation
 from .common import median_step, step_timer, trl_path
 
-
 GRPO_G = 4  # responses per prompt in the GRPO cases: batch / G prompts per step
 PAIRED_STEPS = 16  # timed step pairs of grpo_paired (no interpreter start per step: more steps are cheap)
 
@@ -31,17 +30,40 @@ def _grpo_ours(models: Path, s: dict, n: int, callbacks: list) -> Any:
     from lit_rlhf.modules.grpo import GRPOModule
     from lit_rlhf.utils.config import build_config
 
-    cfg = build_config(GRPOConfig, dict(
-        policy_path=str(models / "policy"), reward_fn={"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"}, lr=1e-6,
-        num_generations=GRPO_G, rollout_batch_size=s["batch"], kl_coef=0.04, export_dir=None,
-        generation={"max_new_tokens": s["new_tokens"], "temperature": 0.7, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0},
-    ), "algo")  # fmt: skip
+    cfg = build_config(
+        GRPOConfig,
+        dict(
+            policy_path=str(models / "policy"),
+            reward_fn={"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"},
+            lr=1e-6,
+            num_generations=GRPO_G,
+            rollout_batch_size=s["batch"],
+            kl_coef=0.04,
+            export_dir=None,
+            generation={
+                "max_new_tokens": s["new_tokens"],
+                "temperature": 0.7,
+                "top_p": 1.0,
+                "top_k": 0,
+                "repetition_penalty": 1.0,
+            },
+        ),
+        "algo",
+    )
     spec = GRPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=str(models / "policy")))
     tok = build_tokenizer(spec)
     module = GRPOModule(cfg, model=spec, tokenizer=tok)
     data = PromptDataModule(n_train=s["batch"] * 50, n_val=0, batch_size=s["batch"] // GRPO_G).connect(tok)
-    trainer = pl.Trainer(max_steps=n, accelerator="cpu", logger=False, enable_checkpointing=False, limit_val_batches=0,
-                         enable_progress_bar=False, callbacks=callbacks, num_sanity_val_steps=0)  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=n,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        callbacks=callbacks,
+        num_sanity_val_steps=0,
+    )
     return trainer, module, data
 
 
@@ -58,18 +80,41 @@ def _grpo_trl(models: Path, s: dict, n: int, callbacks: list) -> Any:
     from lit_rlhf.models.spec import ModelSpec
 
     tok = build_tokenizer(ModelSpec(name_or_path=str(models / "policy")))
-    ds = Dataset.from_dict({"prompt": [r["prompt"] for r in SyntheticTask().prompts(s["batch"] // GRPO_G * n, "train")]})
+    ds = Dataset.from_dict(
+        {"prompt": [r["prompt"] for r in SyntheticTask().prompts(s["batch"] // GRPO_G * n, "train")]}
+    )
     gold = gold_reward_fn()
 
     def reward(prompts, completions, **kw):
         return gold(prompts, completions, [True] * len(completions))
 
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=s["batch"], num_generations=GRPO_G,
-                      max_completion_length=s["new_tokens"], temperature=0.7, top_p=1.0, beta=0.04, loss_type="grpo",
-                      max_steps=n, learning_rate=1e-6, report_to=[], save_strategy="no", logging_steps=10_000,
-                      use_cpu=True, disable_tqdm=True, bf16=False, gradient_checkpointing=False)  # fmt: skip
-    return GRPOTrainer(model=str(models / "policy"), reward_funcs=reward, args=args, processing_class=tok,
-                       train_dataset=ds, callbacks=callbacks)  # fmt: skip
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=s["batch"],
+        num_generations=GRPO_G,
+        max_completion_length=s["new_tokens"],
+        temperature=0.7,
+        top_p=1.0,
+        beta=0.04,
+        loss_type="grpo",
+        max_steps=n,
+        learning_rate=1e-6,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10_000,
+        use_cpu=True,
+        disable_tqdm=True,
+        bf16=False,
+        gradient_checkpointing=False,
+    )
+    return GRPOTrainer(
+        model=str(models / "policy"),
+        reward_funcs=reward,
+        args=args,
+        processing_class=tok,
+        train_dataset=ds,
+        callbacks=callbacks,
+    )
 
 
 def case_grpo_ours(models: Path, s: dict) -> dict:
@@ -89,7 +134,7 @@ def case_grpo_ours(models: Path, s: dict) -> dict:
     t_start = time.perf_counter()
     trainer.fit(module, data)
     t = median_step([t_start] + timer.times, s["warmup"])
-    rollout = statistics.median(p[0] for p in phases[s["warmup"]:])
+    rollout = statistics.median(p[0] for p in phases[s["warmup"] :])
     return {"step_s": t, "samples_per_s": s["batch"] / t, "rollout_s": rollout, "update_s": t - rollout}
 
 
@@ -153,5 +198,12 @@ def case_grpo_paired(models: Path, s: dict) -> dict:
     ratios = sorted(theirs / ours for ours, theirs in pairs)
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     ours_s, trl_s = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
-    return {"step_s": ours_s, "samples_per_s": s["batch"] / ours_s, "trl_step_s": trl_s,
-            "ratio": statistics.median(ratios), "ratio_q1": q[0], "ratio_q3": q[2], "pairs": len(pairs)}  # fmt: skip
+    return {
+        "step_s": ours_s,
+        "samples_per_s": s["batch"] / ours_s,
+        "trl_step_s": trl_s,
+        "ratio": statistics.median(ratios),
+        "ratio_q1": q[0],
+        "ratio_q3": q[2],
+        "pairs": len(pairs),
+    }

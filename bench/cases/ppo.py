@@ -62,8 +62,12 @@ def case_floor(models: Path, s: dict) -> dict:
     t_gen = timed(generate, s["warmup"], s["steps"])
     t_score = timed(score4, s["warmup"], s["steps"])
     t_train = timed(train, s["warmup"], s["steps"])
-    return {"generate_s": t_gen, "score_forwards_s": t_score, "train_fwd_bwd_s": t_train,
-            "floor_s": t_gen + t_score + t_train}  # fmt: skip
+    return {
+        "generate_s": t_gen,
+        "score_forwards_s": t_score,
+        "train_fwd_bwd_s": t_train,
+        "floor_s": t_gen + t_score + t_train,
+    }
 
 
 def case_ppo_ours(models: Path, s: dict, engine: str = "hf") -> dict:
@@ -81,13 +85,33 @@ def case_ppo_ours(models: Path, s: dict, engine: str = "hf") -> dict:
 
     values = {}
     for name in ("ppo", "ppo_max"):
-        values.update({k: v for k, v in yaml.safe_load((ROOT / "conf" / "algo" / f"{name}.yaml").read_text()).items()
-                       if not k.startswith("_") and k != "defaults"})  # fmt: skip
-    values.update(policy_path=str(models / "policy"), reward_path=str(models / "rm"), export_dir=None,
-                  rollout_batch_size=s["batch"], minibatch_size=s["batch"], ppo_epochs=1, critic_warmup_steps=0, lr=1e-6,
-                  critic_lr=1e-6,
-                  generation={"max_new_tokens": s["new_tokens"], "temperature": 0.7, "top_p": 1.0, "top_k": 0,
-                              "repetition_penalty": 1.0, "engine": engine, "vllm": {"kv_cache_gib": 0.5}})  # fmt: skip
+        values.update(
+            {
+                k: v
+                for k, v in yaml.safe_load((ROOT / "conf" / "algo" / f"{name}.yaml").read_text()).items()
+                if not k.startswith("_") and k != "defaults"
+            }
+        )
+    values.update(
+        policy_path=str(models / "policy"),
+        reward_path=str(models / "rm"),
+        export_dir=None,
+        rollout_batch_size=s["batch"],
+        minibatch_size=s["batch"],
+        ppo_epochs=1,
+        critic_warmup_steps=0,
+        lr=1e-6,
+        critic_lr=1e-6,
+        generation={
+            "max_new_tokens": s["new_tokens"],
+            "temperature": 0.7,
+            "top_p": 1.0,
+            "top_k": 0,
+            "repetition_penalty": 1.0,
+            "engine": engine,
+            "vllm": {"kv_cache_gib": 0.5},
+        },
+    )
     cfg = build_config(PPOConfig, values, "algo")
     spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=str(models / "policy")))
     tok = build_tokenizer(spec)
@@ -95,8 +119,16 @@ def case_ppo_ours(models: Path, s: dict, engine: str = "hf") -> dict:
     data = PromptDataModule(n_train=s["batch"] * 50, n_val=0, batch_size=s["batch"]).connect(tok)
     timer = step_timer()
     n = s["warmup"] + s["steps"]
-    trainer = pl.Trainer(max_steps=n, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, callbacks=[timer], limit_val_batches=0, num_sanity_val_steps=0)  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=n,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[timer],
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     t_start = time.perf_counter()
     trainer.fit(module, data)
     t = median_step([t_start] + timer.times, s["warmup"])
@@ -128,14 +160,36 @@ def case_ppo_trl(models: Path, s: dict) -> dict:
             times.append(time.perf_counter())
 
     n = s["warmup"] + s["steps"]
-    args = PPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=s["batch"], num_mini_batches=1,
-                     num_ppo_epochs=1, total_episodes=s["batch"] * n, response_length=s["new_tokens"],
-                     local_rollout_forward_batch_size=s["batch"], stop_token=None, report_to=[],
-                     num_sample_generations=0, save_strategy="no", logging_steps=10_000, use_cpu=True,
-                     temperature=0.7, learning_rate=1e-6, disable_tqdm=True,
-                     bf16=False, gradient_checkpointing=False)  # fp32 like ours (TRL defaults: bf16 + checkpointing)  # fmt: skip
-    trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=rm,
-                         value_model=vm, train_dataset=ds, callbacks=[Timer()])  # fmt: skip
+    args = PPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=s["batch"],
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        total_episodes=s["batch"] * n,
+        response_length=s["new_tokens"],
+        local_rollout_forward_batch_size=s["batch"],
+        stop_token=None,
+        report_to=[],
+        num_sample_generations=0,
+        save_strategy="no",
+        logging_steps=10_000,
+        use_cpu=True,
+        temperature=0.7,
+        learning_rate=1e-6,
+        disable_tqdm=True,
+        bf16=False,
+        gradient_checkpointing=False,
+    )  # fp32 like ours (TRL defaults: bf16 + checkpointing)
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=tok,
+        model=policy,
+        ref_model=ref,
+        reward_model=rm,
+        value_model=vm,
+        train_dataset=ds,
+        callbacks=[Timer()],
+    )
     t_start = time.perf_counter()
     torch.manual_seed(0)
     trainer.train()
@@ -164,24 +218,49 @@ def case_ppo_memory(models: Path, s: dict, lora: bool) -> dict:
     folder = models / f"mem_{shape['hidden']}"
     if not (folder / "policy").exists():
         build_models(folder, shape)
-    cfg = build_config(PPOConfig, dict(policy_path=str(folder / "policy"), reward_path=str(folder / "rm"), export_dir=None,
-                                       rollout_batch_size=shape["batch"], minibatch_size=shape["batch"], ppo_epochs=1,
-                                       score_norm="normalize", kl_coef=0.05, lr=1e-5, critic_lr=1e-5,
-                                       generation={"max_new_tokens": shape["new_tokens"], "top_p": 1.0, "top_k": 0}),
-                       "algo")  # fmt: skip
-    spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=str(folder / "policy"),
-                                                       lora=LoraSpec(enabled=lora, r=16, alpha=32.0)))  # fmt: skip
+    cfg = build_config(
+        PPOConfig,
+        dict(
+            policy_path=str(folder / "policy"),
+            reward_path=str(folder / "rm"),
+            export_dir=None,
+            rollout_batch_size=shape["batch"],
+            minibatch_size=shape["batch"],
+            ppo_epochs=1,
+            score_norm="normalize",
+            kl_coef=0.05,
+            lr=1e-5,
+            critic_lr=1e-5,
+            generation={"max_new_tokens": shape["new_tokens"], "top_p": 1.0, "top_k": 0},
+        ),
+        "algo",
+    )
+    spec = PPOModule.resolve_model_spec(
+        cfg, ModelSpec(name_or_path=str(folder / "policy"), lora=LoraSpec(enabled=lora, r=16, alpha=32.0))
+    )
     tok = build_tokenizer(spec)
     module = PPOModule(cfg, model=spec, tokenizer=tok)
     data = PromptDataModule(n_train=shape["batch"] * 10, n_val=0, batch_size=shape["batch"]).connect(tok)
     timer = step_timer()
-    trainer = pl.Trainer(max_steps=shape["warmup"] + shape["steps"], accelerator="cpu", logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, callbacks=[timer], limit_val_batches=0,
-                         num_sanity_val_steps=0)  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=shape["warmup"] + shape["steps"],
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[timer],
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     t_start = time.perf_counter()
     trainer.fit(module, data)
     t = median_step([t_start] + timer.times, shape["warmup"])
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    return {"step_s": t, "samples_per_s": shape["batch"] / t, "base_mb": base_mb, "trainable": trainable,
-            "params": sum(p.numel() for p in module.parameters()),  # actor + critic (+ adapters)
-            "policy_params": sum(p.numel() for n, p in module.actor.named_parameters() if ".lora_" not in n)}
+    return {
+        "step_s": t,
+        "samples_per_s": shape["batch"] / t,
+        "base_mb": base_mb,
+        "trainable": trainable,
+        "params": sum(p.numel() for p in module.parameters()),  # actor + critic (+ adapters)
+        "policy_params": sum(p.numel() for n, p in module.actor.named_parameters() if ".lora_" not in n),
+    }

@@ -30,9 +30,15 @@ def case_rm_ours(models: Path, s: dict) -> dict:
     module = RewardModelModule(model=spec, tokenizer=tok, lr=1e-5)
     module.configure_model()
     t = get_template("plain")
-    batch = collate_preference([EncodedPreference(encode_pair(tok, p["prompt"], p["chosen"], t, 128),
-                                                  encode_pair(tok, p["prompt"], p["rejected"], t, 128))
-                                for p in _pairs(s["batch"])], tok.pad_token_id)  # fmt: skip
+    batch = collate_preference(
+        [
+            EncodedPreference(
+                encode_pair(tok, p["prompt"], p["chosen"], t, 128), encode_pair(tok, p["prompt"], p["rejected"], t, 128)
+            )
+            for p in _pairs(s["batch"])
+        ],
+        tok.pad_token_id,
+    )
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-5)
     from lit_rlhf.core.losses import pairwise_rm_loss
 
@@ -61,18 +67,33 @@ def case_rm_trl(models: Path, s: dict) -> dict:
     model = AutoModelForSequenceClassification.from_pretrained(models / "trl_rm", num_labels=1)
     n = s["warmup"] + s["steps"]
     rows = _pairs(s["batch"]) * n
-    ds = Dataset.from_dict({"chosen": [r["prompt"] + " " + r["chosen"] for r in rows],
-                            "rejected": [r["prompt"] + " " + r["rejected"] for r in rows]})  # fmt: skip
+    ds = Dataset.from_dict(
+        {
+            "chosen": [r["prompt"] + " " + r["chosen"] for r in rows],
+            "rejected": [r["prompt"] + " " + r["rejected"] for r in rows],
+        }
+    )
     times = []
 
     class Timer(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter())
 
-    args = RewardConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=s["batch"], max_steps=n,
-                        report_to=[], save_strategy="no", logging_steps=10_000, use_cpu=True, learning_rate=1e-5,
-                        disable_tqdm=True, max_length=128, dataloader_drop_last=True,
-                        bf16=False, gradient_checkpointing=False)  # fp32 like ours (TRL defaults: bf16 + checkpointing)  # fmt: skip
+    args = RewardConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=s["batch"],
+        max_steps=n,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10_000,
+        use_cpu=True,
+        learning_rate=1e-5,
+        disable_tqdm=True,
+        max_length=128,
+        dataloader_drop_last=True,
+        bf16=False,
+        gradient_checkpointing=False,
+    )  # fp32 like ours (TRL defaults: bf16 + checkpointing)
     trainer = RewardTrainer(model=model, args=args, processing_class=tok, train_dataset=ds, callbacks=[Timer()])
     t_start = time.perf_counter()
     trainer.train()

@@ -161,8 +161,10 @@ class CollapseAlarm(pl.Callback):
             from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
             if isinstance(trainer.strategy, (DeepSpeedStrategy, FSDPStrategy)):
-                raise ValueError("CollapseAlarm(action=rollback) keeps in-memory snapshots, which sharded "
-                                 "strategies do not support; use action=stop (and resume with a higher β)")  # fmt: skip
+                raise ValueError(
+                    "CollapseAlarm(action=rollback) keeps in-memory snapshots, which sharded "
+                    "strategies do not support; use action=stop (and resume with a higher β)"
+                )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not (isinstance(outputs, dict) and "rollout" in outputs):

@@ -105,8 +105,9 @@ class RolloutMonitor(pl.Callback):
 
     def log_values(self, trainer, pl_module, values: dict[str, Tensor]) -> None:
         for name, value in values.items():
-            pl_module.log(name, value.float(), on_step=True, on_epoch=False, prog_bar=name in self.prog_bar,
-                          sync_dist=False)  # fmt: skip  (already reduced across ranks by torchmetrics)
+            pl_module.log(
+                name, value.float(), on_step=True, on_epoch=False, prog_bar=name in self.prog_bar, sync_dist=False
+            )  # already reduced across ranks by torchmetrics
 
 
 class KLMonitor(RolloutMonitor):
@@ -214,7 +215,11 @@ class RewardStatsMonitor(RolloutMonitor):
 
     def compute(self) -> dict[str, Tensor]:
         if self.metrics["scores"].update_count == 0:
-            return {"reward/nonfinite": self.metrics["nonfinite"].compute()} if self.metrics["nonfinite"].update_count else {}
+            return (
+                {"reward/nonfinite": self.metrics["nonfinite"].compute()}
+                if self.metrics["nonfinite"].update_count
+                else {}
+            )
         s = self.metrics["scores"].compute().flatten().float()
         q = torch.quantile(s, torch.tensor(QUANTILES, device=s.device))
         out = {"reward/score_mean": s.mean(), "reward/score_std": s.std(unbiased=False)}
@@ -235,8 +240,16 @@ class RewardStatsMonitor(RolloutMonitor):
         if self.scores_file and run_dir:
             os.makedirs(run_dir, exist_ok=True)
             with open(os.path.join(run_dir, self.scores_file), "a") as fh:
-                fh.write(json.dumps({"step": step, "scores": [round(float(x), 6) for x in scores],
-                                     "nonfinite": int(values["reward/nonfinite"])}) + "\n")  # fmt: skip
+                fh.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "scores": [round(float(x), 6) for x in scores],
+                            "nonfinite": int(values["reward/nonfinite"]),
+                        }
+                    )
+                    + "\n"
+                )
 
 
 class SamplesTable(pl.Callback):
@@ -265,10 +278,16 @@ class SamplesTable(pl.Callback):
         rows = []
         n = min(self.max_rows, rollout.scores.shape[0])
         for i in range(n):
-            rows.append([step, _as_text(rollout.prompts_text[i]) if rollout.prompts_text else "",
-                         rollout.responses_text[i] if rollout.responses_text else "",
-                         float(rollout.scores[i]), float(kl[i]) if kl is not None else None,
-                         int(rollout.response_mask[i].sum())])  # fmt: skip
+            rows.append(
+                [
+                    step,
+                    _as_text(rollout.prompts_text[i]) if rollout.prompts_text else "",
+                    rollout.responses_text[i] if rollout.responses_text else "",
+                    float(rollout.scores[i]),
+                    float(kl[i]) if kl is not None else None,
+                    int(rollout.response_mask[i].sum()),
+                ]
+            )
         columns = ["step", "prompt", "response", "score", "kl", "length"]
         if trainer.default_root_dir:
             os.makedirs(trainer.default_root_dir, exist_ok=True)

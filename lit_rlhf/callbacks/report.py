@@ -35,13 +35,16 @@ class StabilityReport(pl.Callback):
 
         run_dir = trainer.default_root_dir
         if find_metrics_csv(run_dir) is None:
-            log.info("no CSV log in %s: skipping the stability PNG (train.py keeps csv/metrics.csv beside any "
-                     "logger; a trainer built elsewhere needs a CSVLogger)", run_dir)  # fmt: skip
+            log.info(
+                "no CSV log in %s: skipping the stability PNG (train.py keeps csv/metrics.csv beside any "
+                "logger; a trainer built elsewhere needs a CSVLogger)",
+                run_dir,
+            )
             return
         try:
             path = render([run_dir], os.path.join(run_dir, self.filename))
             log.info("stability report: %s", path)
-        except Exception as err:  # noqa: BLE001 - reporting must not fail the run
+        except Exception as err:
             log.warning("could not draw the stability report: %s", err)
 
 

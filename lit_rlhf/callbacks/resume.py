@@ -81,7 +81,9 @@ class ResumeState(Callback):
     def state_key(self) -> str:
         return "ResumeState"
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         fit_state = ((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("state_dict") or {}
         self._loader_states = fit_state.get("combined_loader") or None
 
@@ -94,8 +96,10 @@ class ResumeState(Callback):
             return
         loaders = [dl for dl in combined.flattened if callable(getattr(dl, "load_state_dict", None))]
         if len(loaders) != len(states):
-            raise RuntimeError(f"the checkpoint holds the positions of {len(states)} training loaders, this run has "
-                               f"{len(loaders)}: resume with the data configuration the checkpoint was made with")  # fmt: skip
+            raise RuntimeError(
+                f"the checkpoint holds the positions of {len(states)} training loaders, this run has "
+                f"{len(loaders)}: resume with the data configuration the checkpoint was made with"
+            )
         for loader, state in zip(loaders, states):
             loader.load_state_dict(state)
 
@@ -105,19 +109,27 @@ class ResumeState(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending = list(state_dict.get("ranks") or []) or None
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._pending is None:
             return
         ranks, self._pending = self._pending, None
         if len(ranks) != trainer.world_size:
-            log.warning("the checkpoint holds the RNG states of %d processes, this run has %d: the sampling after "
-                        "the resume is not the interrupted run's", len(ranks), trainer.world_size)  # fmt: skip
+            log.warning(
+                "the checkpoint holds the RNG states of %d processes, this run has %d: the sampling after "
+                "the resume is not the interrupted run's",
+                len(ranks),
+                trainer.world_size,
+            )
         restore_rng(ranks[trainer.global_rank % len(ranks)])
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._outside_validation = capture_rng()
         base = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        seed = np.random.SeedSequence([base & 0xFFFFFFFF, trainer.global_step, trainer.global_rank]).generate_state(1)[0]
+        seed = np.random.SeedSequence([base & 0xFFFFFFFF, trainer.global_step, trainer.global_rank]).generate_state(1)[
+            0
+        ]
         torch.manual_seed(int(seed))  # CPU and every CUDA device
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -19,7 +19,9 @@ from lit_rlhf.core.masked import masked_mean, masked_sum, zero_outside
 Aggregation = Literal["token_mean", "seq_mean", "seq_sum_const"]
 
 
-def aggregate(per_token: Tensor, mask: Tensor, mode: Aggregation = "token_mean", constant: float | None = None) -> Tensor:
+def aggregate(
+    per_token: Tensor, mask: Tensor, mode: Aggregation = "token_mean", constant: float | None = None
+) -> Tensor:
     """Reduce a (B, T) per-token loss to a scalar; padded positions never enter it, nor its gradient.
 
     token_mean: Σ m·l / Σ m (PPO, DAPO); seq_mean: (1/B) Σ_i of row i's token mean, a row without
@@ -117,7 +119,9 @@ def value_loss(
         per_token = err
     loss = 0.5 * masked_mean(per_token, response_mask)
     with torch.no_grad():
-        resid_var = masked_mean((returns - old_values - masked_mean(returns - old_values, response_mask)) ** 2, response_mask)
+        resid_var = masked_mean(
+            (returns - old_values - masked_mean(returns - old_values, response_mask)) ** 2, response_mask
+        )
         ret_var = masked_mean((returns - masked_mean(returns, response_mask)) ** 2, response_mask)
         stats = {
             "loss": loss.detach(),
@@ -246,8 +250,11 @@ def log1mexp(x: Tensor) -> Tensor:
     cut = -math.log(2.0)
     near = x > cut
     at_cut = torch.full_like(x, cut)
-    return torch.where(near, torch.log(-torch.expm1(torch.where(near, x, at_cut))),
-                       torch.log1p(-torch.exp(torch.where(near, at_cut, x))))  # fmt: skip
+    return torch.where(
+        near,
+        torch.log(-torch.expm1(torch.where(near, x, at_cut))),
+        torch.log1p(-torch.exp(torch.where(near, at_cut, x))),
+    )
 
 
 def simpo_loss(
@@ -362,9 +369,15 @@ def kto_loss(
     """
     r = logps - ref_logps
     good = desirable.bool()
-    losses = torch.where(good, desirable_weight * (1.0 - torch.sigmoid(beta * (r - reference_point))),
-                         undesirable_weight * (1.0 - torch.sigmoid(beta * (reference_point - r))))  # fmt: skip
+    losses = torch.where(
+        good,
+        desirable_weight * (1.0 - torch.sigmoid(beta * (r - reference_point))),
+        undesirable_weight * (1.0 - torch.sigmoid(beta * (reference_point - r))),
+    )
     loss = losses.mean()
-    stats = {"loss": loss.detach(), "rewards": (beta * r).detach(),
-             "kl": torch.as_tensor(reference_point, dtype=r.dtype, device=r.device).detach()}  # fmt: skip
+    stats = {
+        "loss": loss.detach(),
+        "rewards": (beta * r).detach(),
+        "kl": torch.as_tensor(reference_point, dtype=r.dtype, device=r.device).detach(),
+    }
     return loss, stats

@@ -7,7 +7,7 @@ this module stays free of torch.distributed and Lightning.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

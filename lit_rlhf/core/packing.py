@@ -62,8 +62,9 @@ def first_fit_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def pack(input_ids: Tensor, attention_mask: Tensor, pad_id: int = 0, capacity: int | None = None,
-         one_row: bool = False) -> Packed:  # fmt: skip
+def pack(
+    input_ids: Tensor, attention_mask: Tensor, pad_id: int = 0, capacity: int | None = None, one_row: bool = False
+) -> Packed:
     """Pack the real tokens (``attention_mask`` = 1, contiguous per row: left or right padding)
     of a (B, T) batch into rows of at most ``capacity`` (default T) positions, or one row.
 

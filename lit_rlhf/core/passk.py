@@ -9,7 +9,7 @@ Codex paper. Pure Python (``math`` only).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def _check_int(name: str, value: object, low: int) -> None:

@@ -68,4 +68,6 @@ def overlong_penalty(lengths: Tensor, max_length: int, buffer: int) -> Tensor:
         raise ValueError(f"overlong buffer must be in (0, max_length={max_length}], got {buffer}")
     start = max_length - buffer
     inside = (start - lengths.to(torch.float32)) / buffer
-    return torch.where(lengths <= start, torch.zeros_like(inside), torch.where(lengths <= max_length, inside, -torch.ones_like(inside)))
+    return torch.where(
+        lengths <= start, torch.zeros_like(inside), torch.where(lengths <= max_length, inside, -torch.ones_like(inside))
+    )

@@ -34,7 +34,9 @@ class Rollout:
     sampler_logprobs: Tensor | None = None  # (B, R) the sampling engine's own log-probs of its tokens; None = not kept
     values: Tensor | None = None  # (B, R) V_old(s_t), the critic before this update; None = no critic
     scores: Tensor | None = None  # (B,) raw reward score r(x, y) (reward model or callable), before reparameterization
-    baseline_scores: Tensor | None = None  # (B,) score of each row's baseline response (ReMax: the greedy response to its prompt)
+    baseline_scores: Tensor | None = (
+        None  # (B,) score of each row's baseline response (ReMax: the greedy response to its prompt)
+    )
     rewards: Tensor | None = None  # (B, R) shaped per-token reward (score on the last token, −β·kl)
     advantages: Tensor | None = None  # (B, R) advantages (whitened if configured)
     returns: Tensor | None = None  # (B, R) critic targets G_t = A_t + V_t
@@ -44,7 +46,7 @@ class Rollout:
     # verifiable task: {"answer": [...]}; docs/rewards.md); empty = none
     columns: dict[str, list] = field(default_factory=dict)
 
-    def require(self, *names: str) -> "Rollout":
+    def require(self, *names: str) -> Rollout:
         """This rollout, after checking that the named fields are filled (a programming error otherwise)."""
         missing = [n for n in names if getattr(self, n) is None]
         if missing:
@@ -74,7 +76,7 @@ class Rollout:
         """(B,) response tokens per row (EOS included)."""
         return self.response_mask.sum(-1)
 
-    def normal_tensors(self) -> "Rollout":
+    def normal_tensors(self) -> Rollout:
         """This rollout with every inference-mode tensor cloned into a normal one (inference
         tensors cannot enter autograd, e.g. as the token ids of a training forward)."""
         out = {}
@@ -84,7 +86,7 @@ class Rollout:
                 out[f.name] = v.clone()
         return replace(self, **out)
 
-    def select(self, index: Tensor) -> "Rollout":
+    def select(self, index: Tensor) -> Rollout:
         """The rows ``index`` of every tensor field (a minibatch view)."""
         out = {}
         for f in fields(self):

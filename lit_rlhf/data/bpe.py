@@ -51,14 +51,26 @@ def train_bpe(config: BPETokenizerConfig) -> Any:
     backend = Tokenizer(models.BPE(unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=config.vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=config.vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     backend.train_from_iterator(corpus(config), trainer=trainer)
     bos = backend.token_to_id(BOS)
-    backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
-                                                           special_tokens=[(BOS, bos)])  # fmt: skip
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-                                        padding_side="left", model_max_length=4096)  # fmt: skip
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        padding_side="left",
+        model_max_length=4096,
+    )
     if config.chat_template is not None:
         from lit_rlhf.data.chat import add_chat_template
 

@@ -28,8 +28,9 @@ import json
 import logging
 import re
 import weakref
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import jinja2
 
@@ -70,8 +71,10 @@ def check_messages(messages: Any, where: str, ends_with: str | None = None) -> l
         expected = "user" if j % 2 == 0 else "assistant"
         if m["role"] != expected:
             what = "a system message is allowed only first" if m["role"] == "system" else "roles out of order"
-            raise DataError(f"{where}: message {i} is {m['role']}, expected {expected} ({what}: user and "
-                            "assistant turns alternate, starting with user)")  # fmt: skip
+            raise DataError(
+                f"{where}: message {i} is {m['role']}, expected {expected} ({what}: user and "
+                "assistant turns alternate, starting with user)"
+            )
         if m["role"] == "assistant" and not m["content"].strip():
             raise DataError(f"{where}: message {i} is an empty assistant turn")
     if ends_with is not None and out[-1]["role"] != ends_with:
@@ -113,13 +116,18 @@ as its named templates add them, and a response ends with EOS."""
 
 CHAT_TEMPLATES: dict[str, tuple[str, tuple[str, ...]]] = {
     # Qwen2.5-Instruct's ChatML layout (no default system turn)
-    "chatml": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", ("<|im_start|>", "<|im_end|>")),
+    "chatml": (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        ("<|im_start|>", "<|im_end|>"),
+    ),
     # Llama-3-Instruct's header layout
-    "llama3": ("<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-               "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
-               "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}",
-               ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")),
+    "llama3": (
+        "<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+        "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}",
+        ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    ),
 }
 """Chat templates (Jinja, with the special tokens they need) that ``model.train_tokenizer.chat_template``
 gives a tokenizer learned from scratch: the layouts of two instruct families, so that the tiny
@@ -144,7 +152,9 @@ def hh_dialogue_text(prompt: str | list[Message]) -> str:
 @functools.cache
 def _hh_dialogue_jinja() -> jinja2.Template:
     """:data:`HH_DIALOGUE_TEMPLATE` compiled once (the encoder reward model renders every rollout's prompt)."""
-    return jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(HH_DIALOGUE_TEMPLATE)  # as transformers does
+    return jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(
+        HH_DIALOGUE_TEMPLATE
+    )  # as transformers does
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -163,7 +173,7 @@ class _TemplateFacts:
     """Special token ids written right after the content (``<|im_end|>``); empty = none."""
 
 
-_FACTS: "weakref.WeakKeyDictionary[Any, _TemplateFacts]" = weakref.WeakKeyDictionary()
+_FACTS: weakref.WeakKeyDictionary[Any, _TemplateFacts] = weakref.WeakKeyDictionary()
 
 
 def _jinja(tokenizer: Any) -> str:
@@ -171,8 +181,9 @@ def _jinja(tokenizer: Any) -> str:
 
 
 def _render(tokenizer: Any, messages: list[Message], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, chat_template=_jinja(tokenizer), tokenize=False,
-                                         add_generation_prompt=generation_prompt)  # fmt: skip
+    return tokenizer.apply_chat_template(
+        messages, chat_template=_jinja(tokenizer), tokenize=False, add_generation_prompt=generation_prompt
+    )
 
 
 def template_facts(tokenizer: Any) -> _TemplateFacts:
@@ -187,19 +198,26 @@ def template_facts(tokenizer: Any) -> _TemplateFacts:
         return _FACTS[tokenizer]
     own = has_chat_template(tokenizer)
     if not own:
-        log.warning("the tokenizer has no chat template: template=auto renders conversations as Human/Assistant "
-                    "dialogues (data/chat.py HH_DIALOGUE_TEMPLATE) and responses end with EOS")  # fmt: skip
+        log.warning(
+            "the tokenizer has no chat template: template=auto renders conversations as Human/Assistant "
+            "dialogues (data/chat.py HH_DIALOGUE_TEMPLATE) and responses end with EOS"
+        )
     question = [{"role": "user", "content": "x"}]
     prompt = _render(tokenizer, question, True)
     full = _render(tokenizer, [*question, {"role": "assistant", "content": _SENTINEL}], False)
     if not full.startswith(prompt) or _SENTINEL not in full:
-        raise DataError("the chat template does not render an answered turn as its generation prompt followed by the "
-                        f"answer (prompt {prompt[-40:]!r}, answered {full[-60:]!r}): responses cannot be appended to "
-                        "prompts; use a named data.*.template")  # fmt: skip
+        raise DataError(
+            "the chat template does not render an answered turn as its generation prompt followed by the "
+            f"answer (prompt {prompt[-40:]!r}, answered {full[-60:]!r}): responses cannot be appended to "
+            "prompts; use a named data.*.template"
+        )
     at = full.index(_SENTINEL)
     prefix, after = full[len(prompt) : at], full[at + len(_SENTINEL) :]
-    special = set(tokenizer.all_special_ids) | {i for t, i in tokenizer.get_added_vocab().items()
-                                                if getattr(tokenizer.added_tokens_decoder.get(i), "special", False)}  # fmt: skip
+    special = set(tokenizer.all_special_ids) | {
+        i
+        for t, i in tokenizer.get_added_vocab().items()
+        if getattr(tokenizer.added_tokens_decoder.get(i), "special", False)
+    }
     end: list[int] = []
     for tok in tokenizer(after.lstrip(), add_special_tokens=False)["input_ids"]:  # Llama-2-chat: " </s>"
         if tok not in special:
@@ -233,8 +251,10 @@ def render_with_assistant_mask(tokenizer: Any, messages: list[Message]) -> tuple
         before = _render(tokenizer, messages[:i], True)
         upto = _render(tokenizer, messages[: i + 1], False)
         if not (full.startswith(upto) and upto.startswith(before)):
-            raise DataError(f"the chat template does not render turn {i} as a prefix of the conversation: the "
-                            "assistant turns cannot be located from its rendering")  # fmt: skip
+            raise DataError(
+                f"the chat template does not render turn {i} as a prefix of the conversation: the "
+                "assistant turns cannot be located from its rendering"
+            )
         spans.append((len(before), len(upto)))
     special = not template_facts(tokenizer).own  # the fallback adds the tokenizer's BOS as named templates do
     enc = tokenizer(full, add_special_tokens=special, return_offsets_mapping=True)
@@ -286,10 +306,17 @@ def prompt_messages(value: Any, where: str, field: str) -> list[Message]:
 
 def completion_text(value: Any, where: str, field: str) -> str:
     """A conversational completion (``[{"role": "assistant", "content": …}]``) as its content."""
-    if (not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or len(value) != 1
-            or not isinstance(value[0], Mapping) or value[0].get("role") != "assistant"):  # fmt: skip
-        raise DataError(f"{where}: field '{field}' must be one assistant message [{{\"role\": \"assistant\", "
-                        f"\"content\": …}}] (or a string), got {value!r:.80}")  # fmt: skip
+    if (
+        not isinstance(value, Sequence)
+        or isinstance(value, (str, bytes))
+        or len(value) != 1
+        or not isinstance(value[0], Mapping)
+        or value[0].get("role") != "assistant"
+    ):
+        raise DataError(
+            f'{where}: field \'{field}\' must be one assistant message [{{"role": "assistant", '
+            f'"content": …}}] (or a string), got {value!r:.80}'
+        )
     content = value[0].get("content")
     if not isinstance(content, str):
         raise DataError(f"{where}: field '{field}': the assistant message's content must be a string")
@@ -311,8 +338,9 @@ def prompt_key(prompt: str | list[Message]) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
 
 
-def field_text_or_turns(row: Any, field: str, section: str, chat: bool, prompt: bool,
-                        hint: Sequence[str] = ()) -> str | list[Message]:  # fmt: skip
+def field_text_or_turns(
+    row: Any, field: str, section: str, chat: bool, prompt: bool, hint: Sequence[str] = ()
+) -> str | list[Message]:
     """``row.data[field]``: a string, or in TRL's conversational formats a list of messages — a
     prompt (``prompt=True``: messages ending with a user turn) or a completion (one assistant
     message, returned as its content). A conversation needs ``chat`` (template=auto): the error
@@ -320,8 +348,10 @@ def field_text_or_turns(row: Any, field: str, section: str, chat: bool, prompt: 
     value = row.data.get(field)
     if isinstance(value, list):
         if not chat:
-            raise DataError(f"{row.where}: field '{field}' is a conversation (a list of messages), rendered by the "
-                            f"tokenizer's chat template: set data.{section}.template=auto")  # fmt: skip
+            raise DataError(
+                f"{row.where}: field '{field}' is a conversation (a list of messages), rendered by the "
+                f"tokenizer's chat template: set data.{section}.template=auto"
+            )
         return prompt_messages(value, row.where, field) if prompt else completion_text(value, row.where, field)
     return require_str(row, field, hint)
 
@@ -334,12 +364,16 @@ def split_conversations(chosen: Any, rejected: Any, where: str) -> tuple[list[Me
     prompts = []
     for name, conversation in (("chosen", chosen), ("rejected", rejected)):
         if not isinstance(conversation, list) or len(conversation) < 2:
-            raise DataError(f"{where}: field '{name}' must be a conversation ending with an assistant reply, got "
-                            f"{conversation!r:.80}")  # fmt: skip
+            raise DataError(
+                f"{where}: field '{name}' must be a conversation ending with an assistant reply, got "
+                f"{conversation!r:.80}"
+            )
         prompts.append(check_messages(conversation[:-1], f"{where}: field '{name}'", ends_with="user"))
     if prompts[0] != prompts[1]:
-        raise DataError(f"{where}: 'chosen' and 'rejected' conversations must share every turn but the last "
-                        "assistant reply (the prompt)")  # fmt: skip
+        raise DataError(
+            f"{where}: 'chosen' and 'rejected' conversations must share every turn but the last "
+            "assistant reply (the prompt)"
+        )
     return prompts[0], completion_text(chosen[-1:], where, "chosen"), completion_text(rejected[-1:], where, "rejected")
 
 

@@ -7,8 +7,9 @@ comparing ids with ``pad_token_id`` (the pad id may equal EOS or UNK, see models
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -221,5 +222,8 @@ def prompts_of_pairs(batch: dict[str, Any], pad_id: int, limit: int | None = Non
     keep = mask.bool() & ~resp.bool()
     seqs = [row[k].tolist() for row, k in zip(ids.cpu(), keep.cpu())]
     prompt_ids, prompt_mask = pad(seqs, pad_id, "left")
-    return {"prompt_ids": prompt_ids.to(ids.device), "prompt_mask": prompt_mask.to(ids.device),
-            "prompts": list(batch["prompts"][:b])}  # fmt: skip
+    return {
+        "prompt_ids": prompt_ids.to(ids.device),
+        "prompt_mask": prompt_mask.to(ids.device),
+        "prompts": list(batch["prompts"][:b]),
+    }

@@ -42,7 +42,8 @@ class DataConfig:
     num_workers: int = field(default=0, metadata={"ge": 0})
     """DataLoader worker processes (0 = load in the main process)."""
     seed: int = 0
-    """Shuffling seed (also of the validation split, length grouping and, + 1, the ptx sampler where the section has them)."""
+    """Shuffling seed (also of the validation split, length grouping and, + 1, the ptx sampler where
+    the section has them)."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """Embedded task settings (source=synthetic only)."""
     reasoning: ReasoningTaskConfig = field(default_factory=ReasoningTaskConfig)
@@ -52,8 +53,11 @@ class DataConfig:
     """The section's row-range keys, each checked to parse ("1-2000", "2001-")."""
 
     def validate(self) -> None:
-        check(self.template in TEMPLATES or self.template == "auto", "template",
-              f"must be one of {[*TEMPLATES, 'auto']}, got {self.template!r}")  # fmt: skip
+        check(
+            self.template in TEMPLATES or self.template == "auto",
+            "template",
+            f"must be one of {[*TEMPLATES, 'auto']}, got {self.template!r}",
+        )
         for key in self.ROW_KEYS:
             try:
                 parse_rows(getattr(self, key))
@@ -108,11 +112,18 @@ class SFTDataConfig(HeldOutDataConfig):
     """Embedded tasks: held-out pairs to generate (a separate random stream)."""
 
     def validate(self) -> None:
-        check(self.source is not None, "source", "is required: a .jsonl/.json/.parquet file, a save_to_disk "
-                                                 "folder or a hub dataset name, e.g. data.sft.source=/path/train.jsonl")  # fmt: skip
-        check(self.format != "messages" or self.template == "auto", "template",
-              f"format=messages is rendered by the tokenizer's chat template: set data.sft.template=auto, got "
-              f"{self.template!r}")  # fmt: skip
+        check(
+            self.source is not None,
+            "source",
+            "is required: a .jsonl/.json/.parquet file, a save_to_disk "
+            "folder or a hub dataset name, e.g. data.sft.source=/path/train.jsonl",
+        )
+        check(
+            self.format != "messages" or self.template == "auto",
+            "template",
+            f"format=messages is rendered by the tokenizer's chat template: set data.sft.template=auto, got "
+            f"{self.template!r}",
+        )
         super().validate()
 
 
@@ -167,10 +178,18 @@ class PreferenceDataConfig(HeldOutDataConfig):
     ROW_KEYS: ClassVar[tuple[str, ...]] = ("train_rows", "val_rows", "test_rows")
 
     def validate(self) -> None:
-        check(self.source is not None, "source", "is required: a .jsonl/.json/.parquet file, a save_to_disk folder or "
-                                                 "a hub dataset name, e.g. data.preference.source=/path/pairs.jsonl")  # fmt: skip
-        check(self.source != "reasoning", "source", "the reasoning task has no preference pairs (it is SFT and "
-                                                    "prompt data with answers: data=reasoning's sft and prompt sections)")  # fmt: skip
+        check(
+            self.source is not None,
+            "source",
+            "is required: a .jsonl/.json/.parquet file, a save_to_disk folder or "
+            "a hub dataset name, e.g. data.preference.source=/path/pairs.jsonl",
+        )
+        check(
+            self.source != "reasoning",
+            "source",
+            "the reasoning task has no preference pairs (it is SFT and "
+            "prompt data with answers: data=reasoning's sft and prompt sections)",
+        )
         super().validate()
         same_test = self.test_source in (None, self.source) and self.test_split in (None, self.train_split)
         if self.test_rows is not None and same_test:
@@ -229,6 +248,10 @@ class PromptDataConfig(DataConfig):
     ROW_KEYS: ClassVar[tuple[str, ...]] = ("train_rows", "val_rows")
 
     def validate(self) -> None:
-        check(self.source is not None, "source", "is required: a .jsonl/.json/.parquet file, a save_to_disk folder or "
-                                                 "a hub dataset name, e.g. data.prompt.source=/path/questions.jsonl")  # fmt: skip
+        check(
+            self.source is not None,
+            "source",
+            "is required: a .jsonl/.json/.parquet file, a save_to_disk folder or "
+            "a hub dataset name, e.g. data.prompt.source=/path/questions.jsonl",
+        )
         super().validate()

@@ -11,8 +11,9 @@ import gzip
 import json
 import os
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 
 class DataError(ValueError):
@@ -48,8 +49,10 @@ def _lines(path: str) -> Iterator[tuple[int, bytes]]:
             for lineno, line in enumerate(fh, start=1):
                 yield lineno, line
     except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as err:
-        raise DataError(f"{path}: unreadable after line {lineno} ({type(err).__name__}: {err}); the file is "
-                        "truncated or not what its extension says — re-download or re-compress it") from None  # fmt: skip
+        raise DataError(
+            f"{path}: unreadable after line {lineno} ({type(err).__name__}: {err}); the file is "
+            "truncated or not what its extension says — re-download or re-compress it"
+        ) from None
 
 
 def _iter_jsonl(path: str) -> Iterator[Row]:
@@ -57,8 +60,9 @@ def _iter_jsonl(path: str) -> Iterator[Row]:
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte {err.start} of the line: "
-                            f"{raw[err.start:err.start + 4]!r})") from None  # fmt: skip
+            raise DataError(
+                f"{path}:{lineno}: not valid UTF-8 (byte {err.start} of the line: {raw[err.start : err.start + 4]!r})"
+            ) from None
         if not line.strip():
             continue  # blank lines (e.g. a trailing newline) are not records
         try:

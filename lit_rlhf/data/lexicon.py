@@ -122,8 +122,11 @@ def check_embedded_vocabulary(tokenizer: Any, section: str, source: str) -> None
     missing = [w for w in _task_vocabulary(source) if w not in vocab]
     if missing:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-        raise ConfigError("data", f"data.{section}.source={source} is an embedded toy task in its own word-level "
-                          f"language, for the tiny models (model=tiny_llama, tiny_reasoning, and models trained from "
-                          f"them), but the model's tokenizer ({name}) lacks its tokens ({', '.join(missing[:4])}, …). "
-                          "For a real model choose real data: data=hh_chat (HH-RLHF in the model's chat format), "
-                          "data=chat (your own conversations, preference pairs and prompts), data=qa_file")  # fmt: skip
+        raise ConfigError(
+            "data",
+            f"data.{section}.source={source} is an embedded toy task in its own word-level "
+            f"language, for the tiny models (model=tiny_llama, tiny_reasoning, and models trained from "
+            f"them), but the model's tokenizer ({name}) lacks its tokens ({', '.join(missing[:4])}, …). "
+            "For a real model choose real data: data=hh_chat (HH-RLHF in the model's chat format), "
+            "data=chat (your own conversations, preference pairs and prompts), data=qa_file",
+        )

@@ -22,7 +22,8 @@ The position is ``(epoch, batches yielded)``. It is exact because
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -64,9 +65,14 @@ class ResumableDataLoader(DataLoader):
         if state.get("epoch") != epoch or done <= 0:
             return 0  # the checkpoint ended its epoch (or a limit_train_batches cut it): start the next one
         if length != len(self):
-            log.warning("the training data changed since the checkpoint (%d batches per epoch, was %d): resuming "
-                        "after batch %d of the new order, which is not the order the interrupted run would have "
-                        "seen", len(self), length, min(done, len(self)))  # fmt: skip
+            log.warning(
+                "the training data changed since the checkpoint (%d batches per epoch, was %d): resuming "
+                "after batch %d of the new order, which is not the order the interrupted run would have "
+                "seen",
+                len(self),
+                length,
+                min(done, len(self)),
+            )
         return done if done < len(self) else 0
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]

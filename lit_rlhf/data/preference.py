@@ -30,11 +30,17 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
-from lit_rlhf.data.chat import (Message, field_text_or_turns, hh_to_messages, naming_row, prompt_key,
-                                split_conversations)  # fmt: skip
-from lit_rlhf.data.collate import (EncodedExample, EncodedPreference, collate_preference, collate_unpaired,
-                                   encode_encoder_pair, encode_pair, encode_pairs)  # fmt: skip
-from lit_rlhf.data.configs import PreferenceDataConfig  # noqa: F401  (re-exported)
+from lit_rlhf.data.chat import Message, field_text_or_turns, hh_to_messages, naming_row, prompt_key, split_conversations
+from lit_rlhf.data.collate import (
+    EncodedExample,
+    EncodedPreference,
+    collate_preference,
+    collate_unpaired,
+    encode_encoder_pair,
+    encode_pair,
+    encode_pairs,
+)
+from lit_rlhf.data.configs import PreferenceDataConfig
 from lit_rlhf.data.io import DataError, Row, is_file_source, iter_rows, require_str, select_rows
 from lit_rlhf.data.lexicon import check_embedded_vocabulary
 from lit_rlhf.data.loader import ResumableDataLoader
@@ -55,8 +61,12 @@ FORMAT_FIELDS = {
 # Llama-2 rating → margin (Touvron et al. 2023, Table 28). Ratings: 3 = significantly better,
 # 2 = better, 1 = slightly better, 0 = negligibly better / unsure (names accepted too).
 RATING_NAMES = {
-    "significantly better": 3, "better": 2, "slightly better": 1, "negligibly better": 0, "unsure": 0,
-}  # fmt: skip
+    "significantly better": 3,
+    "better": 2,
+    "slightly better": 1,
+    "negligibly better": 0,
+    "unsure": 0,
+}
 MARGIN_SCALES = {"llama2_small": (0.0, 1 / 3, 2 / 3, 1.0), "llama2_large": (0.0, 1.0, 2.0, 3.0)}
 
 
@@ -100,8 +110,10 @@ def parse_example(row: Row, chat: bool = False) -> UnpairedExample:
     prompt = field_text_or_turns(row, "prompt", "preference", chat, True, hint)
     completion = field_text_or_turns(row, "completion", "preference", chat, False, hint)
     if "label" not in row.data:
-        raise DataError(f"{row.where}: missing field 'label' (true = desirable, false = undesirable); the row has: "
-                        f"{', '.join(sorted(row.data))}")  # fmt: skip
+        raise DataError(
+            f"{row.where}: missing field 'label' (true = desirable, false = undesirable); the row has: "
+            f"{', '.join(sorted(row.data))}"
+        )
     label = row.data["label"]
     if not isinstance(label, bool):
         raise DataError(f"{row.where}: field 'label' must be true or false (desirable or not), got {label!r}")
@@ -112,8 +124,9 @@ def unpair(pairs: list[PreferencePair]) -> list[UnpairedExample]:
     """Pairs → KTO examples: each chosen response a desirable example, each rejected one an
     undesirable example; all chosen first, then all rejected, each in pair order (as TRL's
     ``unpair_preference_dataset``)."""
-    return ([UnpairedExample(p.prompt, p.chosen, True, p.where) for p in pairs]
-            + [UnpairedExample(p.prompt, p.rejected, False, p.where) for p in pairs])  # fmt: skip
+    return [UnpairedExample(p.prompt, p.chosen, True, p.where) for p in pairs] + [
+        UnpairedExample(p.prompt, p.rejected, False, p.where) for p in pairs
+    ]
 
 
 def kl_partners(prompts: list[str], where: str) -> list[int]:
@@ -125,8 +138,10 @@ def kl_partners(prompts: list[str], where: str) -> list[int]:
     for i in range(n):
         j = next(((i - k) % n for k in range(1, n) if prompts[(i - k) % n] != prompts[i]), None)
         if j is None:
-            raise DataError(f"{where}: KTO's reference point pairs each prompt with another prompt's completion, "
-                            f"and these {n} examples have a single prompt: add examples of other prompts")  # fmt: skip
+            raise DataError(
+                f"{where}: KTO's reference point pairs each prompt with another prompt's completion, "
+                f"and these {n} examples have a single prompt: add examples of other prompts"
+            )
         out.append(j)
     return out
 
@@ -154,14 +169,13 @@ def margin_of(row: Row, field_name: str, scale: str) -> float:
         return float(raw)
     rating = RATING_NAMES.get(raw.strip().lower()) if isinstance(raw, str) else raw
     if rating not in (0, 1, 2, 3) or isinstance(rating, bool):
-        raise DataError(
-            f"{row.where}: rating '{field_name}'={raw!r} is not 0-3 or one of {sorted(RATING_NAMES)}"
-        )
+        raise DataError(f"{row.where}: rating '{field_name}'={raw!r} is not 0-3 or one of {sorted(RATING_NAMES)}")
     return MARGIN_SCALES[scale][int(rating)]
 
 
-def parse_pair(row: Row, fmt: str, margin_field: str | None, margin_scale: str, chat: bool = False,
-               section: str = "preference") -> PreferencePair:  # fmt: skip
+def parse_pair(
+    row: Row, fmt: str, margin_field: str | None, margin_scale: str, chat: bool = False, section: str = "preference"
+) -> PreferencePair:
     """A pair of ``fmt`` (errors name ``data.<section>.*``: the SFT and prompt data read HH pairs too).
     With ``chat`` (template=auto) the prompt is a conversation: TRL's
     conversational rows (a prompt of messages, chosen/rejected as one assistant message each, or
@@ -173,11 +187,15 @@ def parse_pair(row: Row, fmt: str, margin_field: str | None, margin_scale: str, 
         chosen_v, rejected_v = (row.data.get(k) for k in ("chosen", "rejected"))
         if isinstance(chosen_v, list) or isinstance(rejected_v, list):
             if not chat:
-                raise DataError(f"{row.where}: 'chosen'/'rejected' are conversations (lists of messages), rendered by "
-                                f"the tokenizer's chat template: set data.{section}.template=auto")  # fmt: skip
+                raise DataError(
+                    f"{row.where}: 'chosen'/'rejected' are conversations (lists of messages), rendered by "
+                    f"the tokenizer's chat template: set data.{section}.template=auto"
+                )
             prompt, chosen, rejected = split_conversations(chosen_v, rejected_v, row.where)
         else:
-            prompt, chosen, rejected = split_hh(require_str(row, "chosen", hint), require_str(row, "rejected", hint), row.where)
+            prompt, chosen, rejected = split_hh(
+                require_str(row, "chosen", hint), require_str(row, "rejected", hint), row.where
+            )
             prompt = hh_to_messages(prompt, row.where) if chat else prompt
     elif fmt == "question":
         prompt, chosen, rejected = (require_str(row, f, hint) for f in fields)
@@ -211,7 +229,7 @@ class PreferenceDataModule(pl.LightningDataModule):
         self.stats: dict[str, int] = {}
         self.gold_accuracy: dict[str, float] = {}
 
-    def connect(self, tokenizer: Any, kind: str = "causal_lm") -> "PreferenceDataModule":
+    def connect(self, tokenizer: Any, kind: str = "causal_lm") -> PreferenceDataModule:
         self.tokenizer, self.kind = tokenizer, kind
         return self
 
@@ -268,16 +286,24 @@ class PreferenceDataModule(pl.LightningDataModule):
                 continue
             pairs.append(pair)
         duplicates = len(pairs) - len({(prompt_key(p.prompt), p.chosen, p.rejected) for p in pairs})
-        self.stats.update({f"{split}_rows_read": len(rows), f"{split}_skipped_empty": empty,
-                           f"{split}_skipped_identical": identical, f"{split}_duplicates": duplicates})  # fmt: skip
+        self.stats.update(
+            {
+                f"{split}_rows_read": len(rows),
+                f"{split}_skipped_empty": empty,
+                f"{split}_skipped_identical": identical,
+                f"{split}_duplicates": duplicates,
+            }
+        )
         return pairs
 
     def _parse_examples(self, rows: list[Row], split: str) -> list[UnpairedExample]:
         """``unpaired`` rows (KTO only); empty completions are skipped (counted) or refused, per ``on_empty``."""
         c = self.config
         if not c.unpaired:
-            raise DataError(f"{rows[0].where}: unpaired rows (prompt, completion, label) have no pairs to compare: "
-                            "they train algo.loss_type=kto only")  # fmt: skip
+            raise DataError(
+                f"{rows[0].where}: unpaired rows (prompt, completion, label) have no pairs to compare: "
+                "they train algo.loss_type=kto only"
+            )
         examples, empty = [], 0
         for row in rows:
             example = parse_example(row, chat=c.template == AUTO)
@@ -288,8 +314,14 @@ class PreferenceDataModule(pl.LightningDataModule):
                 continue
             examples.append(example)
         duplicates = len(examples) - len({(prompt_key(e.prompt), e.completion, e.desirable) for e in examples})
-        self.stats.update({f"{split}_rows_read": len(rows), f"{split}_skipped_empty": empty,
-                           f"{split}_skipped_identical": 0, f"{split}_duplicates": duplicates})  # fmt: skip
+        self.stats.update(
+            {
+                f"{split}_rows_read": len(rows),
+                f"{split}_skipped_empty": empty,
+                f"{split}_skipped_identical": 0,
+                f"{split}_duplicates": duplicates,
+            }
+        )
         return examples
 
     def _synthetic_pairs(self) -> dict[str, list[PreferencePair]]:
@@ -299,8 +331,14 @@ class PreferenceDataModule(pl.LightningDataModule):
         for split, n in (("train", c.n_train), ("val", c.n_val), ("test", c.n_test)):
             recs = task.preference_pairs(n, split)
             out[split] = [
-                PreferencePair(r["prompt"], r["chosen"], r["rejected"], None, f"synthetic[{split}] #{i}",
-                               (r["gold_chosen"], r["gold_rejected"]))  # fmt: skip
+                PreferencePair(
+                    r["prompt"],
+                    r["chosen"],
+                    r["rejected"],
+                    None,
+                    f"synthetic[{split}] #{i}",
+                    (r["gold_chosen"], r["gold_rejected"]),
+                )
                 for i, r in enumerate(recs)
             ]
             self.stats.update({f"{split}_rows_read": n, f"{split}_skipped_empty": 0, f"{split}_skipped_identical": 0})
@@ -311,14 +349,21 @@ class PreferenceDataModule(pl.LightningDataModule):
         c = self.config
         template = get_template(c.template)
         if self.kind == "encoder" and c.template == AUTO:
-            raise ConfigError("data.preference.template", "'auto' renders with a causal LM's chat template; an "
-                              "encoder reward model (model.kind=encoder) reads one of the named templates")  # fmt: skip
+            raise ConfigError(
+                "data.preference.template",
+                "'auto' renders with a causal LM's chat template; an "
+                "encoder reward model (model.kind=encoder) reads one of the named templates",
+            )
         sides = self._encode_two(pairs, [p.chosen for p in pairs], [p.rejected for p in pairs], template)
-        out = [EncodedPreference(chosen, rejected, p.margin, i, p.prompt)
-               for i, (p, (chosen, rejected)) in enumerate(zip(pairs, sides))]  # fmt: skip
+        out = [
+            EncodedPreference(chosen, rejected, p.margin, i, p.prompt)
+            for i, (p, (chosen, rejected)) in enumerate(zip(pairs, sides))
+        ]
         self.stats[f"{split}_pairs"] = len(out)
         self.stats[f"{split}_prompts_cut"] = sum(e.chosen.prompt_cut > 0 or e.rejected.prompt_cut > 0 for e in out)
-        self.stats[f"{split}_responses_cut"] = sum(e.chosen.response_cut > 0 or e.rejected.response_cut > 0 for e in out)
+        self.stats[f"{split}_responses_cut"] = sum(
+            e.chosen.response_cut > 0 or e.rejected.response_cut > 0 for e in out
+        )
         return out
 
     def _encode_two(self, rows: list[Any], firsts: list[str], seconds: list[str], template: Any) -> list[tuple]:
@@ -327,10 +372,16 @@ class PreferenceDataModule(pl.LightningDataModule):
         row, a chat template's refusal naming the row."""
         c = self.config
         if self.kind != "encoder" and c.template != AUTO:
-            encoded = encode_pairs(self.tokenizer, [r.prompt for r in rows] * 2, firsts + seconds, template, c.max_length)
+            encoded = encode_pairs(
+                self.tokenizer, [r.prompt for r in rows] * 2, firsts + seconds, template, c.max_length
+            )
             return list(zip(encoded[: len(rows)], encoded[len(rows) :]))
-        enc = functools.partial(encode_encoder_pair if self.kind == "encoder" else encode_pair, self.tokenizer,
-                                template=template, max_length=c.max_length)  # fmt: skip
+        enc = functools.partial(
+            encode_encoder_pair if self.kind == "encoder" else encode_pair,
+            self.tokenizer,
+            template=template,
+            max_length=c.max_length,
+        )
         sides = []
         for r, first, second in zip(rows, firsts, seconds):
             with naming_row(r.where):
@@ -342,10 +393,13 @@ class PreferenceDataModule(pl.LightningDataModule):
         c = self.config
         template = get_template(c.template)
         partners = kl_partners([e.prompt for e in examples], f"{c.source} [{split}]") if examples else []
-        sides = self._encode_two(examples, [e.completion for e in examples], [examples[j].completion for j in partners],
-                                 template)  # fmt: skip
-        out = [EncodedExample(completion, kl, e.desirable, i, e.prompt)
-               for i, (e, (completion, kl)) in enumerate(zip(examples, sides))]  # fmt: skip
+        sides = self._encode_two(
+            examples, [e.completion for e in examples], [examples[j].completion for j in partners], template
+        )
+        out = [
+            EncodedExample(completion, kl, e.desirable, i, e.prompt)
+            for i, (e, (completion, kl)) in enumerate(zip(examples, sides))
+        ]
         self.stats[f"{split}_examples"] = len(out)
         self.stats[f"{split}_desirable"] = sum(e.desirable for e in out)
         self.stats[f"{split}_prompts_cut"] = sum(e.completion.prompt_cut > 0 for e in out)
@@ -355,9 +409,11 @@ class PreferenceDataModule(pl.LightningDataModule):
     def _nothing_usable(self, what: str) -> DataError:
         """The error when no training row survived parsing, with the counts of what was skipped."""
         s = self.stats
-        return DataError(f"{self.config.source}: no usable {what} in the training rows ({s.get('train_rows_read', 0)} "
-                         f"read, {s.get('train_skipped_empty', 0)} skipped as empty, "
-                         f"{s.get('train_skipped_identical', 0)} as identical)")  # fmt: skip
+        return DataError(
+            f"{self.config.source}: no usable {what} in the training rows ({s.get('train_rows_read', 0)} "
+            f"read, {s.get('train_skipped_empty', 0)} skipped as empty, "
+            f"{s.get('train_skipped_identical', 0)} as identical)"
+        )
 
     def _setup_examples(self) -> None:
         """``unpaired`` (KTO): the pairs split into examples (unpaired rows already are), then encoded."""
@@ -371,10 +427,16 @@ class PreferenceDataModule(pl.LightningDataModule):
             log.info(
                 "preference %s: %d unpaired examples, %d desirable (%d rows read; skipped %d empty, %d identical; "
                 "%d examples had prompt tokens cut from the left, %d a completion cut, at max_length=%d)",
-                split, s[f"{split}_examples"], s[f"{split}_desirable"], s[f"{split}_rows_read"],
-                s[f"{split}_skipped_empty"], s[f"{split}_skipped_identical"], s[f"{split}_prompts_cut"],
-                s[f"{split}_responses_cut"], c.max_length,
-            )  # fmt: skip
+                split,
+                s[f"{split}_examples"],
+                s[f"{split}_desirable"],
+                s[f"{split}_rows_read"],
+                s[f"{split}_skipped_empty"],
+                s[f"{split}_skipped_identical"],
+                s[f"{split}_prompts_cut"],
+                s[f"{split}_responses_cut"],
+                c.max_length,
+            )
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits is not None:
@@ -405,10 +467,16 @@ class PreferenceDataModule(pl.LightningDataModule):
             log.info(
                 "preference %s: %d pairs (%d rows read; skipped %d empty, %d identical; %d duplicated pairs kept; "
                 "%d pairs had prompt tokens cut from the left, %d a response cut, at max_length=%d)",
-                split, s[f"{split}_pairs"], s[f"{split}_rows_read"], s[f"{split}_skipped_empty"],
-                s[f"{split}_skipped_identical"], s.get(f"{split}_duplicates", 0), s[f"{split}_prompts_cut"],
-                s[f"{split}_responses_cut"], c.max_length,
-            )  # fmt: skip
+                split,
+                s[f"{split}_pairs"],
+                s[f"{split}_rows_read"],
+                s[f"{split}_skipped_empty"],
+                s[f"{split}_skipped_identical"],
+                s.get(f"{split}_duplicates", 0),
+                s[f"{split}_prompts_cut"],
+                s[f"{split}_responses_cut"],
+                c.max_length,
+            )
 
     # -------------------------------------------------------------- dataloaders
     def ordered_dataloader(self, split: str, batch_size: int | None = None) -> DataLoader | list:
@@ -423,14 +491,20 @@ class PreferenceDataModule(pl.LightningDataModule):
             return []
         c = self.config
         size = batch_size or (c.batch_size if train else (c.eval_batch_size or c.batch_size))
-        collate = functools.partial(collate_unpaired if c.unpaired else collate_preference, pad_id=self.tokenizer.pad_token_id)
+        collate = functools.partial(
+            collate_unpaired if c.unpaired else collate_preference, pad_id=self.tokenizer.pad_token_id
+        )
         if train and c.group_by_length:
-            lengths = [max(e.completion.length, e.kl.length) if c.unpaired else max(e.chosen.length, e.rejected.length)
-                       for e in data]  # fmt: skip
+            lengths = [
+                max(e.completion.length, e.kl.length) if c.unpaired else max(e.chosen.length, e.rejected.length)
+                for e in data
+            ]
             sampler = LengthGroupedSampler(lengths, size, seed=c.seed)
         else:
             sampler = EpochSampler(len(data), seed=c.seed) if train else None
-        return ResumableDataLoader(data, batch_size=size, sampler=sampler, num_workers=c.num_workers, collate_fn=collate)
+        return ResumableDataLoader(
+            data, batch_size=size, sampler=sampler, num_workers=c.num_workers, collate_fn=collate
+        )
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", True)

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from lit_rlhf.data.chat import field_text_or_turns, naming_row, prompt_key
 from lit_rlhf.data.collate import pad
-from lit_rlhf.data.configs import PromptDataConfig  # noqa: F401  (re-exported)
+from lit_rlhf.data.configs import PromptDataConfig
 from lit_rlhf.data.io import DataError, Row, iter_rows, select_rows
 from lit_rlhf.data.lexicon import check_embedded_vocabulary
 from lit_rlhf.data.loader import ResumableDataLoader
@@ -45,8 +45,10 @@ def row_answer(row: Row, field: str, fmt: str = "raw") -> str:
     text = value if isinstance(value, str) else format(value, "g") if isinstance(value, float) else str(value)
     if fmt == "gsm8k":
         if "####" not in text:
-            raise DataError(f"{row.where}: answer field '{field}' has no '#### <answer>' line (data.prompt.answer_format="
-                            f"gsm8k): {text[-80:]!r}")  # fmt: skip
+            raise DataError(
+                f"{row.where}: answer field '{field}' has no '#### <answer>' line (data.prompt.answer_format="
+                f"gsm8k): {text[-80:]!r}"
+            )
         text = text.rsplit("####", 1)[1]
     text = text.strip()
     if not text:
@@ -54,7 +56,9 @@ def row_answer(row: Row, field: str, fmt: str = "raw") -> str:
     return text
 
 
-def encode_prompt(tokenizer: Any, prompt: Any, max_length: int, template: Any = TEMPLATES["plain"]) -> tuple[list[int], int]:
+def encode_prompt(
+    tokenizer: Any, prompt: Any, max_length: int, template: Any = TEMPLATES["plain"]
+) -> tuple[list[int], int]:
     """Prompt ids as ``template`` writes them (data/templates.py; named ones add the tokenizer's
     special tokens, ``auto`` renders a conversation or a one-turn string with the chat template and
     its generation prompt), cut from the left to ``max_length`` keeping a leading BOS; and the cut."""
@@ -96,7 +100,7 @@ class PromptDataModule(pl.LightningDataModule):
         self.ptx: Any = None
         self.stats: dict[str, int] = {}
 
-    def connect(self, tokenizer: Any, kind: str = "causal_lm") -> "PromptDataModule":
+    def connect(self, tokenizer: Any, kind: str = "causal_lm") -> PromptDataModule:
         if kind != "causal_lm":
             raise ValueError(f"RL rollouts need a causal LM policy, got model.kind={kind}")
         self.tokenizer = tokenizer
@@ -111,7 +115,13 @@ class PromptDataModule(pl.LightningDataModule):
         rows = select_rows(list(iter_rows(c.source, c.train_split)), rows_spec)
         fmt = c.format
         if fmt == "auto" and rows:
-            fmt = "prompt" if c.prompt_field in rows[0].data else "hh" if {"chosen", "rejected"} <= set(rows[0].data) else "prompt"
+            fmt = (
+                "prompt"
+                if c.prompt_field in rows[0].data
+                else "hh"
+                if {"chosen", "rejected"} <= set(rows[0].data)
+                else "prompt"
+            )
         out = []
         for row in rows:
             if fmt == "hh":
@@ -136,9 +146,16 @@ class PromptDataModule(pl.LightningDataModule):
         s[f"{split}_prompts"], s[f"{split}_prompts_cut"] = len(out), cut
         s[f"{split}_skipped_empty"] = len(prompts) - len(kept)
         s[f"{split}_duplicates"] = len(kept) - len({prompt_key(p) for p, _ in kept})
-        log.info("prompts %s: %d (%d empty or blank skipped; %d duplicates kept; %d cut from the left at "
-                 "max_prompt_length=%d)", split, len(out), s[f"{split}_skipped_empty"], s[f"{split}_duplicates"], cut,
-                 c.max_prompt_length)  # fmt: skip
+        log.info(
+            "prompts %s: %d (%d empty or blank skipped; %d duplicates kept; %d cut from the left at "
+            "max_prompt_length=%d)",
+            split,
+            len(out),
+            s[f"{split}_skipped_empty"],
+            s[f"{split}_duplicates"],
+            cut,
+            c.max_prompt_length,
+        )
         return out
 
     def setup(self, stage: str | None = None) -> None:
@@ -168,9 +185,15 @@ class PromptDataModule(pl.LightningDataModule):
             from lit_rlhf.data.sft import SFTDataModule
 
             self.ptx = SFTDataModule(
-                source=c.ptx_source, task=c.task, template=c.template, max_length=c.ptx_max_length,
-                batch_size=c.ptx_batch_size, val_fraction=0.0, n_val=1, seed=c.seed,
-            ).connect(self.tokenizer)  # fmt: skip
+                source=c.ptx_source,
+                task=c.task,
+                template=c.template,
+                max_length=c.ptx_max_length,
+                batch_size=c.ptx_batch_size,
+                val_fraction=0.0,
+                n_val=1,
+                seed=c.seed,
+            ).connect(self.tokenizer)
             self.ptx.setup(stage)
 
     def extra_dataloader(self) -> DataLoader:
@@ -181,16 +204,24 @@ class PromptDataModule(pl.LightningDataModule):
         assert self.train_set is not None, "setup() first"
         trainer = getattr(self, "trainer", None)
         shard = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        return self._prompt_loader(self.train_set, True, self.config.batch_size, seed=self.config.seed + 1_000_003,
-                                   shard=shard)  # fmt: skip
+        return self._prompt_loader(
+            self.train_set, True, self.config.batch_size, seed=self.config.seed + 1_000_003, shard=shard
+        )
 
-    def _prompt_loader(self, data: list, shuffle: bool, size: int, seed: int | None = None,
-                       shard: tuple[int, int] = (0, 1)) -> DataLoader:  # fmt: skip
-        sampler = EpochSampler(len(data), seed=self.config.seed if seed is None else seed, shard=shard) if shuffle else None
+    def _prompt_loader(
+        self, data: list, shuffle: bool, size: int, seed: int | None = None, shard: tuple[int, int] = (0, 1)
+    ) -> DataLoader:
+        sampler = (
+            EpochSampler(len(data), seed=self.config.seed if seed is None else seed, shard=shard) if shuffle else None
+        )
         return ResumableDataLoader(
-            data, batch_size=size, sampler=sampler, num_workers=self.config.num_workers,
-            collate_fn=functools.partial(collate_prompts, pad_id=self.tokenizer.pad_token_id), drop_last=shuffle,
-        )  # fmt: skip
+            data,
+            batch_size=size,
+            sampler=sampler,
+            num_workers=self.config.num_workers,
+            collate_fn=functools.partial(collate_prompts, pad_id=self.tokenizer.pad_token_id),
+            drop_last=shuffle,
+        )
 
     def train_dataloader(self) -> Any:
         assert self.train_set is not None, "setup() first"
@@ -203,10 +234,16 @@ class PromptDataModule(pl.LightningDataModule):
         # one ptx batch per prompt batch, sampled with replacement, whatever the corpus size
         from lit_rlhf.data.collate import collate_sft
 
-        sampler = EpochSampler(len(self.ptx.train_set), seed=c.seed + 1, replacement=True,
-                               num_samples=len(prompts) * c.ptx_batch_size)  # fmt: skip
-        ptx = ResumableDataLoader(self.ptx.train_set, batch_size=c.ptx_batch_size, sampler=sampler, num_workers=c.num_workers,
-                         collate_fn=functools.partial(collate_sft, pad_id=self.tokenizer.pad_token_id))  # fmt: skip
+        sampler = EpochSampler(
+            len(self.ptx.train_set), seed=c.seed + 1, replacement=True, num_samples=len(prompts) * c.ptx_batch_size
+        )
+        ptx = ResumableDataLoader(
+            self.ptx.train_set,
+            batch_size=c.ptx_batch_size,
+            sampler=sampler,
+            num_workers=c.num_workers,
+            collate_fn=functools.partial(collate_sft, pad_id=self.tokenizer.pad_token_id),
+        )
         return CombinedLoader({"prompts": prompts, "ptx": ptx}, mode="min_size")
 
     def val_dataloader(self) -> Any:

@@ -34,9 +34,9 @@ The tokenizer is word level like the synthetic task's (every number, operator, `
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Sequence
 
 import numpy as np
 
@@ -83,11 +83,18 @@ class ReasoningTaskConfig:
     def validate(self) -> None:
         from lit_rlhf.utils.config import check
 
-        check(bool(self.operators) and set(self.operators) <= set(OPERATORS)
-              and len(set(self.operators)) == len(self.operators),
-              "operators", f"must be distinct characters of {''.join(OPERATORS)!r}, got {self.operators!r}")  # fmt: skip
-        check(self.max_steps >= self.min_steps, "max_steps",
-              f"must be >= min_steps={self.min_steps}, got {self.max_steps}")  # fmt: skip
+        check(
+            bool(self.operators)
+            and set(self.operators) <= set(OPERATORS)
+            and len(set(self.operators)) == len(self.operators),
+            "operators",
+            f"must be distinct characters of {''.join(OPERATORS)!r}, got {self.operators!r}",
+        )
+        check(
+            self.max_steps >= self.min_steps,
+            "max_steps",
+            f"must be >= min_steps={self.min_steps}, got {self.max_steps}",
+        )
 
 
 def apply(a: int, op: str, b: int, modulus: int) -> int:

@@ -9,7 +9,7 @@ Here ``set_epoch`` (Lightning calls it before every training epoch, also through
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -33,8 +33,14 @@ class EpochSampler(Sampler[int]):
     Lightning does not wrap in its distributed sampler (e.g. DAPO's extra prompts).
     """
 
-    def __init__(self, n: int, seed: int = 0, replacement: bool = False, num_samples: int | None = None,
-                 shard: tuple[int, int] = (0, 1)) -> None:  # fmt: skip
+    def __init__(
+        self,
+        n: int,
+        seed: int = 0,
+        replacement: bool = False,
+        num_samples: int | None = None,
+        shard: tuple[int, int] = (0, 1),
+    ) -> None:
         if n <= 0:
             raise ValueError(f"EpochSampler needs a non-empty dataset, got n={n}")
         if num_samples is not None and not replacement and num_samples > n:
@@ -62,7 +68,7 @@ class EpochSampler(Sampler[int]):
         else:
             order = torch.randperm(self.n, generator=g)[: self.num_samples]
         rank, world = self.shard
-        return iter(order[rank: len(self) * world: world].tolist())
+        return iter(order[rank : len(self) * world : world].tolist())
 
 
 class LengthGroupedSampler(Sampler[int]):

@@ -12,17 +12,22 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
+from lit_rlhf.data.chat import (
+    as_messages,
+    check_messages,
+    encode_conversation,
+    field_text_or_turns,
+    hh_to_messages,
+    naming_row,
+)
+from lit_rlhf.data.collate import EncodedPair, collate_sft, encode_pairs
+from lit_rlhf.data.configs import SFTDataConfig
+from lit_rlhf.data.io import DataError, Row, iter_rows, select_rows
 from lit_rlhf.data.lexicon import check_embedded_vocabulary
 from lit_rlhf.data.loader import ResumableDataLoader
-from lit_rlhf.data.sampler import EpochSampler
-
-from lit_rlhf.data.chat import (as_messages, check_messages, encode_conversation, field_text_or_turns, hh_to_messages,
-                                naming_row)  # fmt: skip
-from lit_rlhf.data.collate import EncodedPair, collate_sft, encode_pairs
-from lit_rlhf.data.configs import SFTDataConfig  # noqa: F401  (re-exported: the config lives with the other data configs)
-from lit_rlhf.data.io import DataError, Row, iter_rows, select_rows
 from lit_rlhf.data.preference import parse_pair
 from lit_rlhf.data.reasoning import ReasoningTask
+from lit_rlhf.data.sampler import EpochSampler
 from lit_rlhf.data.synthetic import SyntheticTask
 from lit_rlhf.data.templates import AUTO, get_template
 from lit_rlhf.utils.config import resolve_config
@@ -52,7 +57,7 @@ class SFTDataModule(pl.LightningDataModule):
         self.stats: dict[str, int] = {}
         self.reference_perplexity: float | None = None
 
-    def connect(self, tokenizer: Any, kind: str = "causal_lm") -> "SFTDataModule":
+    def connect(self, tokenizer: Any, kind: str = "causal_lm") -> SFTDataModule:
         if kind != "causal_lm":
             raise ValueError(f"SFT needs a causal LM, got model.kind={kind}")
         self.tokenizer = tokenizer
@@ -71,8 +76,17 @@ class SFTDataModule(pl.LightningDataModule):
                 if messages is None:
                     raise DataError(f"{row.where}: no '{c.messages_field}' field (data.sft.messages_field)")
                 turns = messages if isinstance(messages, list) else []
-                response = "" if any(isinstance(m, dict) and m.get("role") == "assistant" and isinstance(
-                    m.get("content"), str) and not m["content"].strip() for m in turns) else "-"  # fmt: skip
+                response = (
+                    ""
+                    if any(
+                        isinstance(m, dict)
+                        and m.get("role") == "assistant"
+                        and isinstance(m.get("content"), str)
+                        and not m["content"].strip()
+                        for m in turns
+                    )
+                    else "-"
+                )
             elif c.format == "hh":  # the dialogue up to the last shared "Assistant:", then the chosen reply
                 pair = parse_pair(row, "hh", None, "raw", chat=chat, section="sft")  # (TRL's conversational pairs too)
                 prompt, response = pair.prompt, pair.chosen
@@ -91,8 +105,11 @@ class SFTDataModule(pl.LightningDataModule):
                 conversation = check_messages(messages, row.where, ends_with="assistant")
             elif c.format == "hh":  # the whole chosen conversation
                 chosen = row.data["chosen"]
-                conversation = (check_messages(chosen, f"{row.where}: field 'chosen'", ends_with="assistant")
-                                if isinstance(chosen, list) else hh_to_messages(chosen, row.where))  # fmt: skip
+                conversation = (
+                    check_messages(chosen, f"{row.where}: field 'chosen'", ends_with="assistant")
+                    if isinstance(chosen, list)
+                    else hh_to_messages(chosen, row.where)
+                )
             else:
                 conversation = [*as_messages(prompt), {"role": "assistant", "content": response}]
             out.append((conversation, "", row.where))
@@ -170,10 +187,16 @@ class SFTDataModule(pl.LightningDataModule):
             log.info(
                 "SFT %s: %d pairs from %s (%d rows read, %d skipped for an empty response, %d duplicated pairs kept, "
                 "%d prompts cut from the left, %d responses truncated at max_length=%d)",
-                split, s[f"{split}_pairs"], c.val_source if split == "val" and c.val_source else c.source,
-                s[f"{split}_rows_read"], s[f"{split}_skipped_empty"], s.get(f"{split}_duplicates", 0), s[f"{split}_prompts_cut"],
-                s[f"{split}_responses_cut"], c.max_length,
-            )  # fmt: skip
+                split,
+                s[f"{split}_pairs"],
+                c.val_source if split == "val" and c.val_source else c.source,
+                s[f"{split}_rows_read"],
+                s[f"{split}_skipped_empty"],
+                s.get(f"{split}_duplicates", 0),
+                s[f"{split}_prompts_cut"],
+                s[f"{split}_responses_cut"],
+                c.max_length,
+            )
 
     def _true_perplexity(self, val: list[tuple[str, str, str]]) -> float | None:
         """exp(mean NLL) of the val response tokens (words + EOS) under the true language."""

@@ -21,13 +21,15 @@ so every stage runs the same code paths (pad, BOS/EOS, padding side) as for Llam
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
 from lit_rlhf.data.lexicon import BOS, CLASS_GRAMMAR, EOS, LEXICON, PAD, SPECIAL_TOKENS, UNK, word_level_tokenizer  # noqa: F401
+
 
 @dataclass(frozen=True)
 class LanguageConfig:
@@ -87,9 +89,7 @@ class TrueLanguage:
     def _state_of(self, word_id: int | None) -> int:
         return 0 if word_id is None else word_id + 1
 
-    def continue_from(
-        self, rng: np.random.Generator, last_word: int | None, max_words: int
-    ) -> tuple[list[int], bool]:
+    def continue_from(self, rng: np.random.Generator, last_word: int | None, max_words: int) -> tuple[list[int], bool]:
         """Sample words after ``last_word`` (None = sentence start) until EOS or ``max_words``.
 
         Returns:
@@ -198,8 +198,13 @@ class TrueLanguage:
         repetition = repeated / len(bigrams) if bigrams else 0.0
         unfinished = 0.0 if ended else 1.0
         gold = sentiment - disfluency_coef * disfluency - repetition_coef * repetition - unfinished_penalty * unfinished
-        return {"gold": gold, "sentiment": sentiment, "disfluency": disfluency, "repetition": repetition,
-                "unfinished": unfinished}  # fmt: skip
+        return {
+            "gold": gold,
+            "sentiment": sentiment,
+            "disfluency": disfluency,
+            "repetition": repetition,
+            "unfinished": unfinished,
+        }
 
 
 def chain_entropy_rate(transitions: np.ndarray) -> tuple[float, float]:
@@ -315,14 +320,14 @@ class SyntheticTask:
             golds = [self.gold_reward(p_txt, t) for t in texts]
             p_first = 1.0 / (1.0 + math.exp(-(golds[0] - golds[1]) / cfg.bt_temperature))
             first_wins = rng.random() < p_first
-            w, l = (0, 1) if first_wins else (1, 0)
+            w, lose = (0, 1) if first_wins else (1, 0)
             out.append(
                 {
                     "prompt": p_txt,
                     "chosen": texts[w],
-                    "rejected": texts[l],
+                    "rejected": texts[lose],
                     "gold_chosen": golds[w],
-                    "gold_rejected": golds[l],
+                    "gold_rejected": golds[lose],
                 }
             )
         return out

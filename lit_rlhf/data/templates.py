@@ -41,8 +41,10 @@ class ChatTemplate:
         on its own; a call's fixed cost is most of a short row's time)."""
         for prompt in prompts:
             if not isinstance(prompt, str):
-                raise ValueError("a conversation (a list of messages) is rendered by the tokenizer's chat template: "
-                                 "set the data section's template=auto")  # fmt: skip
+                raise ValueError(
+                    "a conversation (a list of messages) is rendered by the tokenizer's chat template: "
+                    "set the data section's template=auto"
+                )
         if not prompts:
             return []
         return tokenizer([self.format_prompt(p) for p in prompts], add_special_tokens=True)["input_ids"]

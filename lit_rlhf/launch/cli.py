@@ -27,8 +27,19 @@ _MAX_COMBINATIONS = 16
 
 
 # Hydra's flags that take a value (``--cfg job``, ``-cn train`` …): their values are not overrides
-_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
-                     "--config-dir", "-cd", "--experimental-rerun"}  # fmt: skip
+_FLAGS_WITH_VALUE = {
+    "--cfg",
+    "-c",
+    "--package",
+    "-p",
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--config-dir",
+    "-cd",
+    "--experimental-rerun",
+}
 # flags after which Hydra does something else than a run (help, completion, info): nothing to check
 _FLAGS_NO_RUN = {"--help", "-h", "--hydra-help", "--version", "--shell-completion", "-sc", "--info", "-i"}
 
@@ -57,7 +68,7 @@ def _missing_key(cfg: Any, dotted: str) -> tuple[str, str, list[str]] | None:
     for part in dotted.split("."):
         if not isinstance(node, DictConfig):
             return None  # lists, leaf values: Hydra judges
-        keys = [str(k) for k in node.keys()]
+        keys = [str(k) for k in node]
         if part not in keys:
             return ".".join(path), part, keys
         node = raw_node(node, part)  # no interpolation is resolved
@@ -71,9 +82,12 @@ def _options(config_dir: Path, group: str) -> list[str]:
 
 def _unknown_key_error(cfg: Any, parent: str, part: str, keys: list[str], config_dir: Path) -> ConfigError:
     if not parent and (config_dir / part).is_dir():  # a group left unchosen, e.g. algo.lr=… with no stage
-        return ConfigError(part, f"no {part} is chosen, so {part}.* keys cannot be set: choose one with "
-                                 f"{part}={'|'.join(_options(config_dir, part))} (`python train.py` alone runs "
-                                 "the demo pipeline)")  # fmt: skip
+        return ConfigError(
+            part,
+            f"no {part} is chosen, so {part}.* keys cannot be set: choose one with "
+            f"{part}={'|'.join(_options(config_dir, part))} (`python train.py` alone runs "
+            "the demo pipeline)",
+        )
     key = f"{parent}.{part}" if parent else part
     close = difflib.get_close_matches(part, keys, n=1)
     from lit_rlhf.utils.secrets import top_level_hint

@@ -47,8 +47,15 @@ class Arch:
         if self.family == "gpt_neox":
             shapes = {"query_key_value": (h, 3 * h), "dense": (h, h), "dense_h_to_4h": (h, i), "dense_4h_to_h": (i, h)}
         else:
-            shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h), "gate_proj": (h, i),
-                      "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+            shapes = {
+                "q_proj": (h, h),
+                "k_proj": (h, kv),
+                "v_proj": (h, kv),
+                "o_proj": (h, h),
+                "gate_proj": (h, i),
+                "up_proj": (h, i),
+                "down_proj": (i, h),
+            }
         chosen = shapes if list(targets) == ["all-linear"] else {k: v for k, v in shapes.items() if k in targets}
         return self.layers * sum(r * (a + b) for a, b in chosen.values())
 
@@ -57,18 +64,25 @@ class Arch:
 KNOWN: dict[str, Arch] = {
     "llama-2-7b": Arch(vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, tied=False),
     "llama-2-13b": Arch(vocab=32000, hidden=5120, layers=40, heads=40, kv_heads=40, intermediate=13824, tied=False),
-    "pythia-410m": Arch(vocab=50304, hidden=1024, layers=24, heads=16, kv_heads=16, intermediate=4096, tied=False,
-                        family="gpt_neox"),
+    "pythia-410m": Arch(
+        vocab=50304, hidden=1024, layers=24, heads=16, kv_heads=16, intermediate=4096, tied=False, family="gpt_neox"
+    ),
 }
 
 
 def arch_from_hf_config(config: dict[str, Any]) -> Arch:
     family = "gpt_neox" if config.get("model_type") == "gpt_neox" else "llama"
     heads = config["num_attention_heads"]
-    return Arch(vocab=config["vocab_size"], hidden=config["hidden_size"], layers=config["num_hidden_layers"],
-                heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
-                intermediate=config["intermediate_size"], tied=bool(config.get("tie_word_embeddings", family == "llama")),
-                family=family)  # fmt: skip
+    return Arch(
+        vocab=config["vocab_size"],
+        hidden=config["hidden_size"],
+        layers=config["num_hidden_layers"],
+        heads=heads,
+        kv_heads=config.get("num_key_value_heads") or heads,
+        intermediate=config["intermediate_size"],
+        tied=bool(config.get("tie_word_embeddings", family == "llama")),
+        family=family,
+    )
 
 
 def arch_of(spec: Any, path: str | None = None) -> tuple[Arch | None, str]:
@@ -80,9 +94,15 @@ def arch_of(spec: Any, path: str | None = None) -> tuple[Arch | None, str]:
 
         t = spec.tiny
         vocab = len(build_tokenizer(spec))
-        return Arch(vocab=vocab, hidden=t.hidden_size, layers=t.num_hidden_layers, heads=t.num_attention_heads,
-                    kv_heads=t.num_key_value_heads or t.num_attention_heads, intermediate=t.intermediate_size,
-                    tied=t.tie_word_embeddings), "model.tiny"  # fmt: skip
+        return Arch(
+            vocab=vocab,
+            hidden=t.hidden_size,
+            layers=t.num_hidden_layers,
+            heads=t.num_attention_heads,
+            kv_heads=t.num_key_value_heads or t.num_attention_heads,
+            intermediate=t.intermediate_size,
+            tied=t.tie_word_embeddings,
+        ), "model.tiny"
     name = path or spec.name_or_path
     try:
         local = resolve_path(name)

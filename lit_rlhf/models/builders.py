@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -23,7 +23,8 @@ import functools
 import json
 import logging
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,8 +47,14 @@ def peft_config(spec: LoraSpec, base_path: str | None = None) -> Any:
     from peft import LoraConfig
 
     try:
-        return LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=_targets(spec),
-                          bias="none", base_model_name_or_path=base_path)  # fmt: skip
+        return LoraConfig(
+            r=spec.r,
+            lora_alpha=spec.alpha,
+            lora_dropout=spec.dropout,
+            target_modules=_targets(spec),
+            bias="none",
+            base_model_name_or_path=base_path,
+        )
     except (TypeError, ValueError) as err:
         raise ConfigError("model.lora", f"peft: {_one_line(err)}") from None
 
@@ -82,8 +89,16 @@ def add_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
             p.data = p.data.float()  # adapters train in fp32 on a bf16 base (peft's autocast_adapter_dtype)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    log.info("LoRA r=%d alpha=%g on %d layers of %s: %d trainable parameters of %d (%.2f%%)", spec.r, spec.alpha,
-             len(layers), type(model).__name__, trainable, total, 100.0 * trainable / max(total, 1))  # fmt: skip
+    log.info(
+        "LoRA r=%d alpha=%g on %d layers of %s: %d trainable parameters of %d (%.2f%%)",
+        spec.r,
+        spec.alpha,
+        len(layers),
+        type(model).__name__,
+        trainable,
+        total,
+        100.0 * trainable / max(total, 1),
+    )
     return model
 
 
@@ -95,8 +110,9 @@ def _check_linear(layers: dict[str, nn.Module], key: str) -> None:
     for name, layer in layers.items():
         if not isinstance(layer, LoraLinear) or layer.fan_in_fan_out:
             base = type(getattr(layer, "base_layer", layer)).__name__
-            raise ConfigError(key, f"{name} is a {base}: only nn.Linear layers can be adapted (the exports "
-                                   "handle no other)")  # fmt: skip
+            raise ConfigError(
+                key, f"{name} is a {base}: only nn.Linear layers can be adapted (the exports handle no other)"
+            )
 
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -150,13 +166,13 @@ class AdaptersDisabled:
                 m.training = mode
 
     # the interface the stages use on a frozen model
-    def to(self, *args: Any, **kwargs: Any) -> "AdaptersDisabled":
+    def to(self, *args: Any, **kwargs: Any) -> AdaptersDisabled:
         return self
 
-    def eval(self) -> "AdaptersDisabled":
+    def eval(self) -> AdaptersDisabled:
         return self
 
-    def train(self, mode: bool = True) -> "AdaptersDisabled":
+    def train(self, mode: bool = True) -> AdaptersDisabled:
         return self  # calls always run in eval mode
 
     @property
@@ -183,8 +199,9 @@ def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | No
     sd = dict(model.state_dict() if state_dict is None else state_dict)
     for name, layer in lora_layers(model).items():
         if not isinstance(layer, LoraLinear) or layer.fan_in_fan_out or any(layer.use_dora.values()):
-            raise NotImplementedError(f"merging {name} ({type(layer).__name__}) is not supported: only plain "
-                                      "LoRA on nn.Linear layers")  # fmt: skip
+            raise NotImplementedError(
+                f"merging {name} ({type(layer).__name__}) is not supported: only plain LoRA on nn.Linear layers"
+            )
         (adapter,) = layer.active_adapters
         w = sd.pop(f"{name}.base_layer.weight")
         a, b = sd.pop(f"{name}.lora_A.{adapter}.weight"), sd.pop(f"{name}.lora_B.{adapter}.weight")
@@ -209,8 +226,9 @@ def adapter_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | N
     return out
 
 
-def save_adapter(model: nn.Module, spec: LoraSpec, base_path: str, directory: str,
-                 state_dict: dict[str, torch.Tensor] | None = None) -> None:  # fmt: skip
+def save_adapter(
+    model: nn.Module, spec: LoraSpec, base_path: str, directory: str, state_dict: dict[str, torch.Tensor] | None = None
+) -> None:
     """``adapter_config.json`` + ``adapter_model.safetensors`` (peft's format) into ``directory``."""
     from safetensors.torch import save_file
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,7 +34,7 @@ from lit_rlhf.core.packing import pack, unpack
 log = logging.getLogger(__name__)
 # attention implementations that read packed sequences from one row's restarting positions
 ONE_ROW_ATTENTION = ("flash_attention_2", "flash_attention_3")
-_VERDICTS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+_VERDICTS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def _attn_implementation(model: Any) -> str:
@@ -69,8 +70,12 @@ def packed_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, positio
 
 def _padded(module: Any, input_ids: Tensor, attention_mask: Tensor) -> Any:
     """The usual padded forward (positions count real tokens) of a causal LM or its trunk."""
-    return module(input_ids=input_ids, attention_mask=attention_mask,
-                  position_ids=position_ids_from_mask(attention_mask), use_cache=False)  # fmt: skip
+    return module(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
 
 
 def padded_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
@@ -84,8 +89,13 @@ def packing_ok(model: Any, input_ids: Tensor, attention_mask: Tensor, positions:
     batch it sees (no grad, eval mode: no dropout, nothing drawn from the RNG), then remembered."""
     if _parts(model) is None:
         return _verdict(model, lambda: None)
-    return _verdict(model, lambda: (packed_logits(model, input_ids, attention_mask, positions).float().log_softmax(-1),
-                                    padded_logits(model, input_ids, attention_mask, positions).float().log_softmax(-1)))
+    return _verdict(
+        model,
+        lambda: (
+            packed_logits(model, input_ids, attention_mask, positions).float().log_softmax(-1),
+            padded_logits(model, input_ids, attention_mask, positions).float().log_softmax(-1),
+        ),
+    )
 
 
 def packed_hidden_states(trunk: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -141,8 +151,11 @@ def _check(model: Any, both: Callable[[], tuple[Tensor, Tensor] | None]) -> bool
     finally:
         model.train(training)
     if values is None:
-        log.info("padding-free forward: %s has no separate decoder and LM head to call (or is an FSDP unit); "
-                 "using padded forwards", name)
+        log.info(
+            "padding-free forward: %s has no separate decoder and LM head to call (or is an FSDP unit); "
+            "using padded forwards",
+            name,
+        )
         return False
     packed, padded = values
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
@@ -151,9 +164,12 @@ def _check(model: Any, both: Callable[[], tuple[Tensor, Tensor] | None]) -> bool
     if gap <= tol:
         log.info("padding-free forward of %s matches the padded forward (max |Δ| %.1e)", name, gap)
         return True
-    log.warning("padding-free forward of %s differs from the padded one by %.3g (its attention does not keep packed "
-                "sequences apart, or its logits are more than lm_head(decoder(x))); using padded forwards",
-                name, gap)  # fmt: skip
+    log.warning(
+        "padding-free forward of %s differs from the padded one by %.3g (its attention does not keep packed "
+        "sequences apart, or its logits are more than lm_head(decoder(x))); using padded forwards",
+        name,
+        gap,
+    )
     return False
 
 
@@ -166,8 +182,9 @@ def scored_positions(attention_mask: Tensor, response_mask: Tensor) -> Tensor:
     return keep.reshape(-1).nonzero().squeeze(1)
 
 
-def sequence_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
-                      padding_free: bool = True) -> Tensor:  # fmt: skip
+def sequence_logprobs(
+    model: Any, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, padding_free: bool = True
+) -> Tensor:
     """(B,) log p(response | prompt) = Σ over response tokens of log p(token | its prefix), from
     one packed forward (``padding_free`` and :func:`packing_ok`) or one padded forward."""
     flat = scored_positions(attention_mask, response_mask)

@@ -83,7 +83,9 @@ class RewardModel(nn.Module):
         backbone_sd = {k[len("backbone.") :]: v for k, v in state_dict.items() if k.startswith("backbone.")}
         head_sd = {k[len("head.proj.") :]: v for k, v in state_dict.items() if k.startswith("head.proj.")}
         self.backbone.save_pretrained(directory, state_dict=backbone_sd)
-        save_file({k: v.detach().float().contiguous().cpu() for k, v in head_sd.items()}, os.path.join(directory, HEAD_FILE))
+        save_file(
+            {k: v.detach().float().contiguous().cpu() for k, v in head_sd.items()}, os.path.join(directory, HEAD_FILE)
+        )
         config = {
             "format": FORMAT,
             "version": 1,
@@ -95,14 +97,17 @@ class RewardModel(nn.Module):
             json.dump(config, fh, indent=2)
 
 
-def build_reward_model(spec: Any, tokenizer: Any, pooling: str = "auto", head_init_std: float | None = None) -> RewardModel:
+def build_reward_model(
+    spec: Any, tokenizer: Any, pooling: str = "auto", head_init_std: float | None = None
+) -> RewardModel:
     """A fresh reward model: the spec's backbone + a new head (``pooling="auto"``: last for
     causal LMs, mean for encoders). A spec pointing at a saved reward model loads it instead."""
     from lit_rlhf.models.builders import build_causal_lm, build_encoder, resolve_path
 
     if spec.name_or_path and is_reward_model_dir(resolve_path(spec.name_or_path)):
-        return load_reward_model(resolve_path(spec.name_or_path), dtype=spec.dtype,
-                                 gradient_checkpointing=spec.gradient_checkpointing)  # fmt: skip
+        return load_reward_model(
+            resolve_path(spec.name_or_path), dtype=spec.dtype, gradient_checkpointing=spec.gradient_checkpointing
+        )
     if pooling == "auto":
         pooling = "last" if spec.kind == "causal_lm" else "mean"
     backbone = build_causal_lm(spec, tokenizer) if spec.kind == "causal_lm" else build_encoder(spec)

@@ -77,12 +77,19 @@ class LoraSpec:
         next to names (peft then reads it as a module name and adapts only the others)."""
         check(math.isfinite(self.alpha), "alpha", f"must be a finite number, got {self.alpha}")
         targets = list(self.target_modules)
-        check(bool(targets), "target_modules", "must name at least one module (e.g. [q_proj, v_proj]) or be "
-                                               "[all-linear]")  # fmt: skip
-        check(all(t and not any(c.isspace() for c in t) for t in targets), "target_modules",
-              f"each entry must be a non-empty module name without spaces, got {targets}")  # fmt: skip
-        check("all-linear" not in targets or targets == ["all-linear"], "target_modules",
-              f"all-linear stands alone (it already means every linear layer), got {targets}")  # fmt: skip
+        check(
+            bool(targets), "target_modules", "must name at least one module (e.g. [q_proj, v_proj]) or be [all-linear]"
+        )
+        check(
+            all(t and not any(c.isspace() for c in t) for t in targets),
+            "target_modules",
+            f"each entry must be a non-empty module name without spaces, got {targets}",
+        )
+        check(
+            "all-linear" not in targets or targets == ["all-linear"],
+            "target_modules",
+            f"all-linear stands alone (it already means every linear layer), got {targets}",
+        )
 
 
 @dataclass
@@ -135,14 +142,17 @@ class ModelSpec:
             "a tiny model has no tokenizer of its own: set model.tokenizer (e.g. 'synthetic' or a path) or "
             "model.train_tokenizer (a BPE learned from your data), not both",
         )
-        check(self.train_tokenizer is None or self.tiny is not None, "train_tokenizer",
-              "only a tiny model (model.tiny) is trained with a new tokenizer")  # fmt: skip
+        check(
+            self.train_tokenizer is None or self.tiny is not None,
+            "train_tokenizer",
+            "only a tiny model (model.tiny) is trained with a new tokenizer",
+        )
 
     @property
     def tokenizer_source(self) -> str:
         return self.tokenizer or self.name_or_path  # validate() guarantees one is set
 
-    def at_path(self, path: str) -> "ModelSpec":
+    def at_path(self, path: str) -> ModelSpec:
         """The same spec pointed at saved weights (``save_pretrained`` folder with its tokenizer)."""
         return ModelSpec(
             name_or_path=str(path),
@@ -163,7 +173,8 @@ def is_local_path(path: str) -> bool:
 
 def check_model_path(path: str, key: str) -> str:
     """A model path set by the user: a local folder must be a ``save_pretrained`` export (with a
-    config.json) or a LoRA adapter export (adapter_config.json); a missing or empty local path fails naming ``key``. Hub ids pass (``org/name``)."""
+    config.json) or a LoRA adapter export (adapter_config.json); a missing or empty local path
+    fails naming ``key``. Hub ids pass (``org/name``)."""
     from lit_rlhf.utils.config import ConfigError
 
     if not is_local_path(path) or path.startswith("pkg://"):
@@ -173,6 +184,9 @@ def check_model_path(path: str, key: str) -> str:
         raise ConfigError(key, f"no such model folder: {path} (a save_pretrained export, e.g. <run>/sft/policy)")
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
         listing = "empty folder" if not os.listdir(path) else "found: " + ", ".join(sorted(os.listdir(path))[:5])
-        raise ConfigError(key, f"{path} is not a model export: it has no config.json ({listing}); nor is it a LoRA "
-                               "adapter export (adapter_config.json)")  # fmt: skip
+        raise ConfigError(
+            key,
+            f"{path} is not a model export: it has no config.json ({listing}); nor is it a LoRA "
+            "adapter export (adapter_config.json)",
+        )
     return path

@@ -26,7 +26,7 @@ class ValueModel(nn.Module):
         self.padding_free = False  # run-time switch (algo.padding_free): packed trunk forwards
 
     @classmethod
-    def from_reward_model(cls, reward_model: nn.Module) -> "ValueModel":
+    def from_reward_model(cls, reward_model: nn.Module) -> ValueModel:
         if reward_model.kind != "causal_lm":
             raise ValueError(
                 "a critic needs a causal LM trunk; this reward model is an encoder. Set "

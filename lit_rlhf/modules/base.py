@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -114,8 +115,14 @@ class RLHFModule(pl.LightningModule):
 
             return DeepSpeedCPUAdam(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
         groups = list(params)
-        return torch.optim.AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
-                                 fused=self._fused_adamw_ok(groups) or None)  # fmt: skip
+        return torch.optim.AdamW(
+            groups,
+            lr=c.lr,
+            betas=c.betas,
+            eps=c.eps,
+            weight_decay=c.weight_decay,
+            fused=self._fused_adamw_ok(groups) or None,
+        )
 
     def _fused_adamw_ok(self, groups: list[Any]) -> bool:
         """torch's fused AdamW kernel (one call for all parameters instead of a Python loop over
@@ -124,12 +131,17 @@ class RLHFModule(pl.LightningModule):
         from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
         strategy = self._trainer.strategy if self._trainer is not None else None
-        if strategy is not None and (isinstance(strategy, DeepSpeedStrategy)
-                                     or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))):  # fmt: skip
+        if strategy is not None and (
+            isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
+        ):
             return False
         params = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
-        return bool(params) and all(type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda")
-                                    and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params)  # fmt: skip
+        return bool(params) and all(
+            type(p) is torch.nn.Parameter
+            and p.device.type in ("cpu", "cuda")
+            and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            for p in params
+        )
 
     def decay_groups(self, model: torch.nn.Module, **extra: Any) -> list[dict[str, Any]]:
         """``model``'s trainable parameters as two optimizer groups: matrices with
@@ -138,8 +150,10 @@ class RLHFModule(pl.LightningModule):
         from lit_rlhf.runtime.strategies import built_ndim
 
         params = [p for p in model.parameters() if p.requires_grad]
-        return [{"params": [p for p in params if built_ndim(p) >= 2], "weight_decay": self.config.weight_decay, **extra},
-                {"params": [p for p in params if built_ndim(p) < 2], "weight_decay": 0.0, **extra}]  # fmt: skip
+        return [
+            {"params": [p for p in params if built_ndim(p) >= 2], "weight_decay": self.config.weight_decay, **extra},
+            {"params": [p for p in params if built_ndim(p) < 2], "weight_decay": 0.0, **extra},
+        ]
 
     def configure_optimizers(self) -> Any:
         """AdamW over :meth:`exportable_model`'s trainable parameters (no decay on norms/biases)
@@ -147,8 +161,9 @@ class RLHFModule(pl.LightningModule):
         optimizer = self.build_optimizer(self.decay_groups(self.exportable_model()))
         return {"optimizer": optimizer, "lr_scheduler": self.build_scheduler(optimizer, self.total_optimizer_steps())}
 
-    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
-                                    gradient_clip_algorithm: str | None = None) -> None:  # fmt: skip
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
         """``trainer.gradient_clip_val`` (automatic optimization): Lightning's, except norm clipping
         under FSDP, which Lightning refuses: lit_rlhf clips by the norm across shards there."""
         from lit_rlhf.runtime.strategies import RLHFFSDPStrategy
@@ -217,7 +232,7 @@ class RLHFModule(pl.LightningModule):
             prefix = self._state_prefix(model)
             sd = None
             if state is not None:
-                sd = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+                sd = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
             check_finite_state(sd if sd is not None else model.state_dict(), f"the model to {directory}")
             if has_lora(model):
                 sd = self._export_lora(model, sd, directory)
@@ -235,8 +250,8 @@ class RLHFModule(pl.LightningModule):
           no autograd bookkeeping at all, faster decoding than ``no_grad``;
         * DeepSpeed ZeRO-3: ``no_grad`` with the trained models' partitions gathered ONCE for the
           whole context and the engine's per-module fetch/release hooks removed meanwhile
-          (:func:`lit_rlhf.runtime.strategies.zero3_gathered`; docs/scaling.md §4), instead of gathering layer by layer at
-          every decoding step; partitioned again on exit;
+          (:func:`lit_rlhf.runtime.strategies.zero3_gathered`; docs/scaling.md §4), instead of
+          gathering layer by layer at every decoding step; partitioned again on exit;
         * FSDP (:class:`lit_rlhf.runtime.strategies.RLHFFSDPStrategy`): ``no_grad`` with every unit's
           weights gathered once for the context (:func:`lit_rlhf.runtime.strategies.fsdp_gathered`);
         * any other strategy: ``no_grad``.
@@ -276,8 +291,9 @@ class RLHFModule(pl.LightningModule):
         from lit_rlhf.rollout.vllm_engine import engine_for
 
         at_temperature = getattr(self.config, "logprobs_at_sampling_temperature", False) and gen.temperature != 1.0
-        self.engine = engine_for(model, gen, self.weights_version(), self.engine,
-                                 "processed_logprobs" if at_temperature else "raw_logprobs")  # fmt: skip
+        self.engine = engine_for(
+            model, gen, self.weights_version(), self.engine, "processed_logprobs" if at_temperature else "raw_logprobs"
+        )
         return self.engine
 
     def weights_version(self) -> tuple[int, int]:
@@ -332,9 +348,12 @@ class RLHFModule(pl.LightningModule):
             atomic_folder(directory, write)
             return _EXPORTED
         if lora.export == "adapter":
-            log.warning("model.lora.export=adapter: exporting merged weights instead, because %s",
-                        "the base model was built from a config (model.tiny) and has no path an adapter could "
-                        "name" if base is None else "a reward model is loaded whole (backbone and head)")  # fmt: skip
+            log.warning(
+                "model.lora.export=adapter: exporting merged weights instead, because %s",
+                "the base model was built from a config (model.tiny) and has no path an adapter could name"
+                if base is None
+                else "a reward model is loaded whole (backbone and head)",
+            )
         return merged_state_dict(model, sd)
 
     def _state_prefix(self, model: torch.nn.Module) -> str:
@@ -353,9 +372,12 @@ def policy_spec(policy_path: str | None, spec: ModelSpec) -> ModelSpec:
     if policy_path is not None:
         return spec.at_path(policy_path)
     if spec.tiny is not None:
-        raise ConfigError("algo.policy_path", "is required here: the model group builds an untrained tiny model "
-                                              "(model.tiny), and this stage starts from a trained policy; set it to "
-                                              "an SFT export, e.g. <run>/sft/policy of the demo")  # fmt: skip
+        raise ConfigError(
+            "algo.policy_path",
+            "is required here: the model group builds an untrained tiny model "
+            "(model.tiny), and this stage starts from a trained policy; set it to "
+            "an SFT export, e.g. <run>/sft/policy of the demo",
+        )
     return spec
 
 

@@ -195,9 +195,12 @@ def check_reward_specs(reward_fn: dict | None, reward_fns: list[dict] | None, go
     names: dict[str, int] = {}
     for i, spec in enumerate(reward_fns or []):
         name = spec.get("name") or spec["_target_"].rsplit(".", 1)[-1]
-        check(name not in names, f"reward_fns[{i}].name",
-              f"{name!r} already names reward_fns[{names.get(name)}] (components are logged as reward/<name>): "
-              "set distinct names")  # fmt: skip
+        check(
+            name not in names,
+            f"reward_fns[{i}].name",
+            f"{name!r} already names reward_fns[{names.get(name)}] (components are logged as reward/<name>): "
+            "set distinct names",
+        )
         names[name] = i
 
 
@@ -208,22 +211,37 @@ def _check_reward_spec(key: str, spec: dict, own: tuple[str, ...]) -> None:
 
     from lit_rlhf.utils.config import check_call_arguments
 
-    check(isinstance(spec, Mapping), key, f"must be a mapping with a _target_ (a factory returning the reward "
-                                          f"callable), got {spec!r}")  # fmt: skip
+    check(
+        isinstance(spec, Mapping),
+        key,
+        f"must be a mapping with a _target_ (a factory returning the reward callable), got {spec!r}",
+    )
     target = spec.get("_target_")
-    check(isinstance(target, str) and len(target.split(".")) > 1 and all(p.isidentifier() for p in target.split(".")),
-          f"{key}._target_", f"must be the dotted path of a factory returning the reward callable (e.g. "
-                             f"lit_rlhf.data.synthetic.gold_reward_fn), got {target!r}")  # fmt: skip
+    check(
+        isinstance(target, str) and len(target.split(".")) > 1 and all(p.isidentifier() for p in target.split(".")),
+        f"{key}._target_",
+        f"must be the dotted path of a factory returning the reward callable (e.g. "
+        f"lit_rlhf.data.synthetic.gold_reward_fn), got {target!r}",
+    )
     if "weight" in own and spec.get("weight") is not None:
         w = spec["weight"]
-        check(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w), f"{key}.weight",
-              f"must be a finite number, got {w!r}")  # fmt: skip
+        check(
+            isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w),
+            f"{key}.weight",
+            f"must be a finite number, got {w!r}",
+        )
     if "name" in own and spec.get("name") is not None:
-        check(isinstance(spec["name"], str) and spec["name"].strip() != "", f"{key}.name",
-              f"must be a non-empty string, got {spec['name']!r}")  # fmt: skip
+        check(
+            isinstance(spec["name"], str) and spec["name"].strip() != "",
+            f"{key}.name",
+            f"must be a non-empty string, got {spec['name']!r}",
+        )
     factory = _import_target(target, f"{key}._target_")
-    kwargs = {k: None if isinstance(v, Mapping) and "_target_" in v else v  # nested instantiation: names only
-              for k, v in spec.items() if not k.startswith("_") and k not in own}  # fmt: skip
+    kwargs = {
+        k: None if isinstance(v, Mapping) and "_target_" in v else v  # nested instantiation: names only
+        for k, v in spec.items()
+        if not k.startswith("_") and k not in own
+    }
     check_call_arguments(factory, kwargs, key)
 
 
@@ -394,8 +412,11 @@ class DPOConfig(OptimConfig):
             f"applies to the sigmoid (DPO) and simpo losses only; got loss_type={self.loss_type!r}",
         )
         for key in ("reference_path", "precompute_ref_logprobs"):
-            check(not (self.reference_free and getattr(self, key)), key,
-                  f"loss_type={self.loss_type!r} is reference-free (no reference model): unset algo.{key}")  # fmt: skip
+            check(
+                not (self.reference_free and getattr(self, key)),
+                key,
+                f"loss_type={self.loss_type!r} is reference-free (no reference model): unset algo.{key}",
+            )
 
 
 @dataclass
@@ -451,14 +472,23 @@ class GRPOConfig(RLConfig):
     def validate(self) -> None:
         super().validate()
         grouped = self.advantage_baseline in ("mean", "leave_one_out")
-        check(self.num_generations >= 2 or not grouped, "num_generations",
-              f"GRPO compares responses within a group: needs >= 2, got {self.num_generations} (with "
-              f"algo.advantage_baseline={self.advantage_baseline}; greedy or none need no group)")  # fmt: skip
-        check(not self.scale_rewards or grouped, "scale_rewards",
-              f"divides by the group's reward std: needs algo.advantage_baseline=mean or leave_one_out, got "
-              f"{self.advantage_baseline}; set algo.scale_rewards=false")  # fmt: skip
-        check(not self.dynamic_sampling or self.num_generations >= 2, "dynamic_sampling",
-              "drops groups whose rewards are all equal: needs algo.num_generations >= 2")  # fmt: skip
+        check(
+            self.num_generations >= 2 or not grouped,
+            "num_generations",
+            f"GRPO compares responses within a group: needs >= 2, got {self.num_generations} (with "
+            f"algo.advantage_baseline={self.advantage_baseline}; greedy or none need no group)",
+        )
+        check(
+            not self.scale_rewards or grouped,
+            "scale_rewards",
+            f"divides by the group's reward std: needs algo.advantage_baseline=mean or leave_one_out, got "
+            f"{self.advantage_baseline}; set algo.scale_rewards=false",
+        )
+        check(
+            not self.dynamic_sampling or self.num_generations >= 2,
+            "dynamic_sampling",
+            "drops groups whose rewards are all equal: needs algo.num_generations >= 2",
+        )
         check(
             self.rollout_batch_size % self.num_generations == 0,
             "rollout_batch_size",
@@ -470,10 +500,14 @@ class GRPOConfig(RLConfig):
             "clip_eps_high",
             f"must be >= algo.clip_eps_low ({self.clip_eps_low}), got {self.clip_eps_high}",
         )
-        check(self.kl_estimator != "k1" or self.kl_coef == 0 or self.kl_placement == "reward", "kl_estimator",
-              "k1 in the loss has zero expected gradient on-policy: use k3 (or k2), or kl_placement=reward")  # fmt: skip
         check(
-            self.overlong_buffer is None or self.overlong_buffer <= (self.overlong_max_length or self.generation.max_new_tokens),
+            self.kl_estimator != "k1" or self.kl_coef == 0 or self.kl_placement == "reward",
+            "kl_estimator",
+            "k1 in the loss has zero expected gradient on-policy: use k3 (or k2), or kl_placement=reward",
+        )
+        check(
+            self.overlong_buffer is None
+            or self.overlong_buffer <= (self.overlong_max_length or self.generation.max_new_tokens),
             "overlong_buffer",
             "must not exceed the overlong max length (algo.overlong_max_length or algo.generation.max_new_tokens)",
         )

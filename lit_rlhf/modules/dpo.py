@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
 from lit_rlhf.core.losses import dpo_loss, kto_loss, kto_reference_point, orpo_loss, simpo_loss
 from lit_rlhf.models.packed import sequence_logprobs
 from lit_rlhf.modules.base import RLHFModule, policy_spec
@@ -38,10 +39,19 @@ from lit_rlhf.utils.config import ConfigError
 log = logging.getLogger(__name__)
 # metric key -> logged name (docs/metrics.md; TRL's names, so dashboards carry over). KTO's
 # chosen/rejected are its desirable/undesirable examples (as TRL's KTO logs them).
-NAMES = {"loss": "loss", "rewards_chosen": "rewards/chosen", "rewards_rejected": "rewards/rejected",
-         "accuracies": "rewards/accuracies", "margins": "rewards/margins", "logps_chosen": "logps/chosen",
-         "logps_rejected": "logps/rejected", "nll_loss": "nll_loss", "log_odds_ratio": "log_odds_ratio",
-         "log_odds_chosen": "log_odds_chosen", "kl": "kl"}  # fmt: skip
+NAMES = {
+    "loss": "loss",
+    "rewards_chosen": "rewards/chosen",
+    "rewards_rejected": "rewards/rejected",
+    "accuracies": "rewards/accuracies",
+    "margins": "rewards/margins",
+    "logps_chosen": "logps/chosen",
+    "logps_rejected": "logps/rejected",
+    "nll_loss": "nll_loss",
+    "log_odds_ratio": "log_odds_ratio",
+    "log_odds_chosen": "log_odds_chosen",
+    "kl": "kl",
+}
 SUMMED = [k for k in NAMES if k != "margins"]  # margins = rewards/chosen − rewards/rejected, derived when read
 
 
@@ -63,8 +73,9 @@ class DPOMetrics(nn.Module):
         """``values``: key -> (sum over the batch, how many values it sums)."""
         index = [SUMMED.index(k) for k in values]
         sums = torch.stack([v[0].detach().to(self.sums.dtype).reshape(()) for v in values.values()])
-        counts = torch.stack([torch.as_tensor(v[1], dtype=self.sums.dtype, device=sums.device).reshape(())
-                              for v in values.values()])  # fmt: skip
+        counts = torch.stack(
+            [torch.as_tensor(v[1], dtype=self.sums.dtype, device=sums.device).reshape(()) for v in values.values()]
+        )
         self.sums[:, index] += torch.stack([sums, counts]).to(self.sums)
 
     def compute_and_reset(self) -> dict[str, Tensor] | None:
@@ -123,12 +134,17 @@ class DPOModule(RLHFModule):
 
         kto = config.loss_type == "kto"
         if not kto and data.unpaired:
-            raise ConfigError("data.preference.unpaired", f"unpaired examples train algo.loss_type=kto only; "
-                                                          f"loss_type={config.loss_type!r} trains on pairs")  # fmt: skip
+            raise ConfigError(
+                "data.preference.unpaired",
+                f"unpaired examples train algo.loss_type=kto only; loss_type={config.loss_type!r} trains on pairs",
+            )
         if not kto and data.format == "unpaired":
-            raise ConfigError("data.preference.format", f"unpaired rows (prompt, completion, label) train "
-                                                        f"algo.loss_type=kto only; loss_type={config.loss_type!r} "
-                                                        "trains on pairs")  # fmt: skip
+            raise ConfigError(
+                "data.preference.format",
+                f"unpaired rows (prompt, completion, label) train "
+                f"algo.loss_type=kto only; loss_type={config.loss_type!r} "
+                "trains on pairs",
+            )
         return dataclasses.replace(data, unpaired=True) if kto else data
 
     @classmethod
@@ -175,8 +191,13 @@ class DPOModule(RLHFModule):
     def logps_of(self, model: nn.Module, batch: dict[str, Any], rows: slice = slice(None)) -> Tensor:
         """(N,) log-probs of the response tokens of ``rows`` of the batch, in ONE forward: packed
         without padding (``padding_free``), or right-padded."""
-        return sequence_logprobs(model, batch["input_ids"][rows], batch["attention_mask"][rows],
-                                 batch["response_mask"][rows], self.config.padding_free)  # fmt: skip
+        return sequence_logprobs(
+            model,
+            batch["input_ids"][rows],
+            batch["attention_mask"][rows],
+            batch["response_mask"][rows],
+            self.config.padding_free,
+        )
 
     def sequence_logps(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
         """(B,) chosen and (B,) rejected log-probs (KTO: completions and KL rows) of the response
@@ -228,15 +249,27 @@ class DPOModule(RLHFModule):
         for split in sorted(dm.splits):
             for e in dm.splits[split]:
                 if hasattr(e, "chosen"):
-                    h.update(repr((split, e.chosen.prompt_ids, e.chosen.response_ids, e.rejected.response_ids)).encode())
+                    h.update(
+                        repr((split, e.chosen.prompt_ids, e.chosen.response_ids, e.rejected.response_ids)).encode()
+                    )
                 else:  # a KTO example and its KL row
-                    h.update(repr((split, e.completion.prompt_ids, e.completion.response_ids, e.kl.prompt_ids,
-                                   e.kl.response_ids)).encode())  # fmt: skip
+                    h.update(
+                        repr(
+                            (
+                                split,
+                                e.completion.prompt_ids,
+                                e.completion.response_ids,
+                                e.kl.prompt_ids,
+                                e.kl.response_ids,
+                            )
+                        ).encode()
+                    )
         return h.hexdigest()
 
     # ------------------------------------------------------------------- steps
     def pair_loss(self, batch: dict[str, Any], split: str) -> tuple[Tensor, dict[str, Tensor]]:
-        """The configured loss of one batch (docs/algorithms.md §5, §5.1–§5.3), its metrics added to the split's window."""
+        """The configured loss of one batch (docs/algorithms.md §5, §5.1–§5.3), its metrics added to
+        the split's window."""
         c: DPOConfig = self.config
         if c.loss_type == "kto":
             return self.kto_loss(batch, split)
@@ -252,12 +285,20 @@ class DPOModule(RLHFModule):
             ref_chosen, ref_rejected = self.reference_logps(batch, split)
             loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, c.beta, c.loss_type, c.label_smoothing)
         n, cr, rr = chosen.shape[0], stats["chosen_rewards"], stats["rejected_rewards"]
-        values = {"loss": (loss.detach() * n, n), "rewards_chosen": (cr.sum(), n), "rewards_rejected": (rr.sum(), n),
-                  "accuracies": ((cr > rr).sum(), n), "logps_chosen": (chosen.detach().sum(), n),
-                  "logps_rejected": (rejected.detach().sum(), n)}  # fmt: skip
+        values = {
+            "loss": (loss.detach() * n, n),
+            "rewards_chosen": (cr.sum(), n),
+            "rewards_rejected": (rr.sum(), n),
+            "accuracies": ((cr > rr).sum(), n),
+            "logps_chosen": (chosen.detach().sum(), n),
+            "logps_rejected": (rejected.detach().sum(), n),
+        }
         if c.loss_type == "orpo":  # the NLL and the odds-ratio term apart (TRL's names; log_odds_ratio = −L_OR)
-            values.update(nll_loss=(stats["nll_loss"] * n, n), log_odds_ratio=(-stats["or_loss"] * n, n),
-                          log_odds_chosen=(stats["log_odds_chosen"] * n, n))  # fmt: skip
+            values.update(
+                nll_loss=(stats["nll_loss"] * n, n),
+                log_odds_ratio=(-stats["or_loss"] * n, n),
+                log_odds_chosen=(stats["log_odds_chosen"] * n, n),
+            )
         self.metrics_of(split).update(values)
         return loss, stats
 
@@ -269,8 +310,10 @@ class DPOModule(RLHFModule):
 
         c: DPOConfig = self.config
         if "desirable" not in batch:
-            raise ValueError("algo.loss_type=kto needs unpaired batches (data.preference.unpaired=true, which the "
-                             "runner sets for KTO); this batch holds pairs")  # fmt: skip
+            raise ValueError(
+                "algo.loss_type=kto needs unpaired batches (data.preference.unpaired=true, which the "
+                "runner sets for KTO); this batch holds pairs"
+            )
         desirable = batch["desirable"]
         b = desirable.shape[0]
         with torch.no_grad():  # first: the forward with gradient is then the last one before backward (FSDP, ZeRO-3)
@@ -281,10 +324,16 @@ class DPOModule(RLHFModule):
         loss, stats = kto_loss(logps, ref_logps, desirable, z_ref, c.beta, c.desirable_weight, c.undesirable_weight)
         good = desirable.to(logps.dtype)
         bad, rewards, lp = 1.0 - good, stats["rewards"], logps.detach()
-        self.metrics_of(split).update({
-            "loss": (loss.detach() * b, b), "rewards_chosen": ((rewards * good).sum(), good.sum()),
-            "rewards_rejected": ((rewards * bad).sum(), bad.sum()), "logps_chosen": ((lp * good).sum(), good.sum()),
-            "logps_rejected": ((lp * bad).sum(), bad.sum()), "kl": (z_ref, 1.0)})  # fmt: skip
+        self.metrics_of(split).update(
+            {
+                "loss": (loss.detach() * b, b),
+                "rewards_chosen": ((rewards * good).sum(), good.sum()),
+                "rewards_rejected": ((rewards * bad).sum(), bad.sum()),
+                "logps_chosen": ((lp * good).sum(), good.sum()),
+                "logps_rejected": ((lp * bad).sum(), bad.sum()),
+                "kl": (z_ref, 1.0),
+            }
+        )
         return loss, stats
 
     def metrics_of(self, split: str) -> DPOMetrics:
@@ -297,8 +346,14 @@ class DPOModule(RLHFModule):
             values = self.train_metrics.compute_and_reset()
             if values is not None:  # the window's aggregate over all ranks
                 names = _names("", {k: v for k, v in values.items() if k != "loss"})
-                self.log_dict({**names, "train/loss": values["loss"],
-                               "train/lr": self.trainer.optimizers[0].param_groups[0]["lr"]}, sync_dist=False)  # fmt: skip
+                self.log_dict(
+                    {
+                        **names,
+                        "train/loss": values["loss"],
+                        "train/lr": self.trainer.optimizers[0].param_groups[0]["lr"],
+                    },
+                    sync_dist=False,
+                )
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
@@ -349,8 +404,13 @@ class DPOModule(RLHFModule):
         prompts = prompts_of_pairs(batch, self.tokenizer.pad_token_id, limit=left)
         self._drift_seen += len(prompts["prompts"])
         with self.sampling_mode(self.policy):
-            rollout = generate_and_score(self.policy, prompts, self.tokenizer, self.config.generation,
-                                         reference=self.frozen.get("reference"),
-                                         padding_free=self.config.padding_free,
-                                         engine=self.rollout_engine(self.policy))  # fmt: skip
+            rollout = generate_and_score(
+                self.policy,
+                prompts,
+                self.tokenizer,
+                self.config.generation,
+                reference=self.frozen.get("reference"),
+                padding_free=self.config.padding_free,
+                engine=self.rollout_engine(self.policy),
+            )
         return {"rollout": rollout.normal_tensors()}

@@ -98,9 +98,16 @@ class GRPOModule(RLModule):
         settings with ``do_sample=false``) and scored by the reward only."""
         gen = replace(self.config.generation, do_sample=False)
         with self.rollout_grad_mode():
-            greedy = generate_and_score(self.actor, batch, self.tokenizer, gen, scorer=self.scorer,
-                                        policy_logprobs=False, padding_free=self.config.padding_free,
-                                        engine=self.rollout_engine(self.actor))  # fmt: skip
+            greedy = generate_and_score(
+                self.actor,
+                batch,
+                self.tokenizer,
+                gen,
+                scorer=self.scorer,
+                policy_logprobs=False,
+                padding_free=self.config.padding_free,
+                engine=self.rollout_engine(self.actor),
+            )
         return greedy.scores.clone()  # a normal tensor (not an inference-mode one)
 
     def refine_rollout(self, rollout: Rollout, batch: dict[str, Any], fused: bool) -> tuple[Rollout, dict[str, Tensor]]:
@@ -126,8 +133,10 @@ class GRPOModule(RLModule):
             short = sum(r.scores.shape[0] for r in kept) < groups_wanted * g
             # every rank samples again while ANY rank is short: sampling is collective (the decoding
             # loop's step agreement, gathered weights), and the extra-prompt streams stay in step
-            if not bool(all_reduce_sum(torch.tensor(float(short), device=rollout.scores.device))) \
-                    or rounds >= c.max_resample_rounds:
+            if (
+                not bool(all_reduce_sum(torch.tensor(float(short), device=rollout.scores.device)))
+                or rounds >= c.max_resample_rounds
+            ):
                 break
             rounds += 1
             rollout = self.sample(self.next_extra_prompts(), policy_logprobs=not fused)
@@ -139,8 +148,11 @@ class GRPOModule(RLModule):
         n = torch.tensor(min(out.scores.shape[0], groups_wanted * g), device=out.scores.device)
         out = out.select(torch.arange(int(all_reduce_min(n))))
         n_groups = out.scores.shape[0] // g
-        return out, {"grpo/dropped_groups": torch.tensor(float(dropped)), "grpo/resample_rounds": torch.tensor(float(rounds)),
-                     "grpo/kept_groups": torch.tensor(float(n_groups))}  # fmt: skip
+        return out, {
+            "grpo/dropped_groups": torch.tensor(float(dropped)),
+            "grpo/resample_rounds": torch.tensor(float(rounds)),
+            "grpo/kept_groups": torch.tensor(float(n_groups)),
+        }
 
     def next_extra_prompts(self) -> dict[str, Any]:
         if self._extra_prompts is None:
@@ -166,7 +178,9 @@ class GRPOModule(RLModule):
             rewards = rewards + overlong_penalty(rollout.response_lengths, max_length, c.overlong_buffer)
         stats = {"reward/shaped_mean": rewards[valid].mean() if valid.any() else rewards.new_tensor(0.0)}
         if c.advantage_baseline in ("mean", "leave_one_out"):
-            adv, no_signal = group_advantages(rewards, c.num_generations, c.scale_rewards, c.advantage_baseline, 1e-4, valid)
+            adv, no_signal = group_advantages(
+                rewards, c.num_generations, c.scale_rewards, c.advantage_baseline, 1e-4, valid
+            )
             stats["grpo/zero_std_groups"] = no_signal.float().mean()
         else:  # greedy (ReMax) or none (REINFORCE++): r − b per response
             greedy = c.advantage_baseline == "greedy"
@@ -182,19 +196,32 @@ class GRPOModule(RLModule):
             kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, c.kl_estimator, mask=mask)
         else:  # the KL is in the loss, β = 0, or no reference (β = 0 and algo.monitor_kl=false)
             kl = torch.zeros_like(rollout.response_mask, dtype=adv.dtype)
-        rollout.advantages, rollout.rewards = reinforce_advantages(adv, kl, mask, beta, whiten=c.whiten_advantages,
-                                                                   all_reduce=all_reduce_sum)  # fmt: skip
+        rollout.advantages, rollout.rewards = reinforce_advantages(
+            adv, kl, mask, beta, whiten=c.whiten_advantages, all_reduce=all_reduce_sum
+        )
         return stats
 
     # --------------------------------------------------------------- phase 3
-    def minibatch_loss(self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    def minibatch_loss(
+        self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """Clipped surrogate (+ β·KL when ``kl_placement=loss``), both with the configured aggregation
         (``ptx``: unused)."""
         c: GRPOConfig = self.config
         mask = mb.valid_mask  # responses without a finite reward are left out
         agg, constant = AGGREGATION[c.loss_aggregation], float(c.generation.max_new_tokens)
-        loss, pg = ppo_policy_loss(fwd.logprobs, mb.logprobs, mb.advantages, mask, c.clip_eps_low, c.clip_eps_high,
-                                   None, agg, constant, self.importance_weights(mb, mask))  # fmt: skip
+        loss, pg = ppo_policy_loss(
+            fwd.logprobs,
+            mb.logprobs,
+            mb.advantages,
+            mask,
+            c.clip_eps_low,
+            c.clip_eps_high,
+            None,
+            agg,
+            constant,
+            self.importance_weights(mb, mask),
+        )
         stats = {f"policy/{k}": v for k, v in pg.items()}
         stats["policy/entropy"] = masked_mean(fwd.entropy, mask)
         if c.kl_placement == "loss":

@@ -15,7 +15,8 @@ counted skip, never an update (docs/algorithms.md §2.9).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -35,7 +36,11 @@ def all_ranks_finite(x: Tensor) -> bool:
 
 def check_finite_state(state: Mapping[str, Tensor], what: str) -> None:
     """Refuse to write ``what`` when any floating tensor of ``state`` holds NaN or inf."""
-    bad = [k for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    bad = [
+        k
+        for k, v in state.items()
+        if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())
+    ]
     if bad:
         raise NonFiniteTrainingError(f"refusing to write {what}: {len(bad)} tensors hold NaN/inf (e.g. {bad[:3]})")
 
@@ -54,8 +59,9 @@ class TrainingHealth:
 
     def count_scores(self, scores: Tensor) -> None:
         """Non-finite scores of this iteration's rollout, over all ranks."""
-        counts = all_reduce_sum(torch.tensor([float((~torch.isfinite(scores)).sum()), float(scores.numel())],
-                                             device=scores.device))  # fmt: skip
+        counts = all_reduce_sum(
+            torch.tensor([float((~torch.isfinite(scores)).sum()), float(scores.numel())], device=scores.device)
+        )
         self.nonfinite_scores, self.samples = int(counts[0]), int(counts[1])
 
     def count_update(self, applied: bool) -> None:
@@ -64,22 +70,28 @@ class TrainingHealth:
 
     def end_iteration(self) -> dict[str, Tensor]:
         """The iteration's health statistics; raises once ``max_bad_iterations`` bad ones ran in a row."""
-        stats = {"health/nonfinite_scores": torch.tensor(float(self.nonfinite_scores)),
-                 "health/skipped_updates": torch.tensor(float(self.skipped_updates))}  # fmt: skip
+        stats = {
+            "health/nonfinite_scores": torch.tensor(float(self.nonfinite_scores)),
+            "health/skipped_updates": torch.tensor(float(self.skipped_updates)),
+        }
         bad = self.nonfinite_scores > 0 or self.skipped_updates > 0
         self.streak = self.streak + 1 if bad else 0
         cause = self.cause()
         self.nonfinite_scores = self.samples = self.skipped_updates = self.updates = 0
         if bad and self.streak >= self.max_bad_iterations:
-            raise NonFiniteTrainingError(f"{cause} in {self.streak} consecutive iterations (algo.max_bad_iterations="
-                                         f"{self.max_bad_iterations}); no update used them, and the last checkpoint "
-                                         "and export on disk are from before")  # fmt: skip
+            raise NonFiniteTrainingError(
+                f"{cause} in {self.streak} consecutive iterations (algo.max_bad_iterations="
+                f"{self.max_bad_iterations}); no update used them, and the last checkpoint "
+                "and export on disk are from before"
+            )
         return stats
 
     def cause(self) -> str:
         parts = []
         if self.nonfinite_scores:
-            parts.append(f"{self.reward_name} returned NaN or inf for {self.nonfinite_scores} of {self.samples} samples")
+            parts.append(
+                f"{self.reward_name} returned NaN or inf for {self.nonfinite_scores} of {self.samples} samples"
+            )
         if self.skipped_updates:
             parts.append(f"the loss or its gradient was not finite in {self.skipped_updates} of {self.updates} updates")
         return "; ".join(parts)

@@ -50,8 +50,12 @@ class PPOModule(RLModule):
         c: PPOConfig = self.config
         self.reward_moments = RunningMoments()
         if c.minibatch_size > c.rollout_batch_size:
-            log.warning("algo.minibatch_size=%d > algo.rollout_batch_size=%d: each update uses the whole rollout of %d",
-                        c.minibatch_size, c.rollout_batch_size, c.rollout_batch_size)  # fmt: skip
+            log.warning(
+                "algo.minibatch_size=%d > algo.rollout_batch_size=%d: each update uses the whole rollout of %d",
+                c.minibatch_size,
+                c.rollout_batch_size,
+                c.rollout_batch_size,
+            )
 
     @classmethod
     def planned_models(cls, config: PPOConfig) -> list[tuple[str, str, str | None]]:
@@ -76,8 +80,13 @@ class PPOModule(RLModule):
         critic_path = resolve_path(critic_path) if critic_path else None
         if critic_path and is_reward_model_dir(critic_path):
             # a separate copy: the critic trains, the reward model stays frozen
-            self.critic = ValueModel.from_reward_model(load_reward_model(
-                critic_path, dtype=self.model_spec.dtype, gradient_checkpointing=self.model_spec.gradient_checkpointing))
+            self.critic = ValueModel.from_reward_model(
+                load_reward_model(
+                    critic_path,
+                    dtype=self.model_spec.dtype,
+                    gradient_checkpointing=self.model_spec.gradient_checkpointing,
+                )
+            )
         else:
             spec = self.model_spec.at_path(critic_path) if critic_path else self.model_spec
             self.critic = ValueModel(build_causal_lm(spec, self.ensure_tokenizer()))
@@ -128,12 +137,20 @@ class PPOModule(RLModule):
         logits = self.actor(input_ids=ptx["input_ids"], attention_mask=ptx["attention_mask"]).logits
         return ptx_loss(shifted_token_logprobs(logits, ptx["input_ids"]), ptx["response_mask"])
 
-    def minibatch_loss(self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
+    def minibatch_loss(
+        self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """Actor + critic loss of one minibatch (one backward covers both, docs/algorithms.md §2.6)."""
         c: PPOConfig = self.config
         mask = mb.valid_mask
         pg_loss, pg_stats = ppo_policy_loss(
-            fwd.logprobs, mb.logprobs, mb.advantages, mask, c.clip_eps_low, c.clip_eps_high, c.dual_clip,
+            fwd.logprobs,
+            mb.logprobs,
+            mb.advantages,
+            mask,
+            c.clip_eps_low,
+            c.clip_eps_high,
+            c.dual_clip,
             is_weights=self.importance_weights(mb, mask),
         )
         actor_loss = pg_loss

@@ -167,7 +167,7 @@ class RewardModelModule(RLHFModule):
             self._log_window("rm", self.train_metrics)
         return loss
 
-    def _log_window(self, prefix: str, metrics: "PreferenceMetrics") -> None:
+    def _log_window(self, prefix: str, metrics: PreferenceMetrics) -> None:
         """The aggregate of the batches since the last call (all ranks: compute() syncs), then reset."""
         out = metrics.compute()
         self.log_dict({f"{prefix}/{k}": out[k] for k in ("accuracy", "margin", "score_mean", "score_std")})

@@ -12,8 +12,8 @@ per ``training_step`` under manual optimization, and this class writes that iter
    own first forward instead: exact, and cheaper;
 2. :meth:`compute_advantages` — THE stage hook: GAE + whitening (PPO), group baselines (GRPO,
    RLOO, Dr. GRPO), KL-shaped returns-to-go with a batch-wide or greedy baseline (REINFORCE++, ReMax);
-3. :meth:`update` (lit_rlhf/modules/rl_update.py) — ``num_passes()`` × shuffled minibatches of :meth:`minibatch_loss` (the other
-   stage hook), one backward + one optimizer step each;
+3. :meth:`update` (lit_rlhf/modules/rl_update.py) — ``num_passes()`` × shuffled minibatches of
+   :meth:`minibatch_loss` (the other stage hook), one backward + one optimizer step each;
 4. :meth:`update_kl_controller` and :meth:`end_iteration` — β's controller sees the KL of all
    ranks' rollouts; statistics are reduced over ranks, logged, and returned as
    ``{"rollout", "stats"}`` for the monitor callbacks.
@@ -109,9 +109,13 @@ class RLModule(RLUpdateMixin, RLHFModule):
         old = self.kl_ctl.value
         self.kl_ctl.value = max(old, floor) * factor
         if "reference" not in self.frozen:
-            log.warning("β raised %.4g -> %.4g, but this run holds no reference model (β was 0 and "
-                        "algo.monitor_kl=false): there is no KL term for it to weigh; set algo.monitor_kl=true "
-                        "(or algo.kl_coef > 0) for a rollback that can pull the policy back", old, self.kl_ctl.value)  # fmt: skip
+            log.warning(
+                "β raised %.4g -> %.4g, but this run holds no reference model (β was 0 and "
+                "algo.monitor_kl=false): there is no KL term for it to weigh; set algo.monitor_kl=true "
+                "(or algo.kl_coef > 0) for a rollback that can pull the policy back",
+                old,
+                self.kl_ctl.value,
+            )
         return old, self.kl_ctl.value
 
     def rl_state_dict(self) -> dict[str, Any]:
@@ -149,7 +153,9 @@ class RLModule(RLUpdateMixin, RLHFModule):
         """Fill ``rollout.advantages`` (and whatever else the loss reads); return statistics."""
         raise NotImplementedError
 
-    def minibatch_loss(self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
+    def minibatch_loss(
+        self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss of one minibatch (everything trained, one backward) and its named statistics."""
         raise NotImplementedError
 
@@ -210,7 +216,9 @@ class RLModule(RLUpdateMixin, RLHFModule):
         tok = self.ensure_tokenizer()
         self.actor = self.with_lora(build_causal_lm(self.model_spec, tok)).train()
         if self.needs_reference(self.config):
-            self.frozen["reference"] = self.reference_for(self.actor, lambda: freeze(build_causal_lm(self.model_spec, tok)))
+            self.frozen["reference"] = self.reference_for(
+                self.actor, lambda: freeze(build_causal_lm(self.model_spec, tok))
+            )
 
     def build_rewards(self) -> None:
         """``self.scorer`` from ``reward_path`` (a frozen reward model) or ``reward_fn``, and the
@@ -222,8 +230,13 @@ class RLModule(RLUpdateMixin, RLHFModule):
         from lit_rlhf.rollout.score import CallableScorer, ModelScorer, WeightedScorer
 
         c: RLConfig = self.config
-        self.health.reward_name = (f"the reward model {c.reward_path}" if c.reward_path else f"reward_fn "
-                                   f"{c.reward_fn['_target_']}" if c.reward_fn else "reward_fns")  # fmt: skip
+        self.health.reward_name = (
+            f"the reward model {c.reward_path}"
+            if c.reward_path
+            else f"reward_fn {c.reward_fn['_target_']}"
+            if c.reward_fn
+            else "reward_fns"
+        )
         if c.reward_path is not None:
             path = resolve_path(c.reward_path)
             rm = freeze(load_reward_model(path, dtype=self.model_spec.dtype))
@@ -254,17 +267,22 @@ class RLModule(RLUpdateMixin, RLHFModule):
         prompts = self.prompts_per_iteration(self.config)
         if isinstance(dm, PromptDataModule) and dm.config.batch_size != prompts:
             # the step budget, the lr schedule and the progress bar count with rollout_batch_size
-            raise ValueError(f"the prompt loader's batch ({dm.config.batch_size}) is not the {prompts} prompts of "
-                             f"algo.rollout_batch_size={self.config.rollout_batch_size}: build the data module with "
-                             "that batch size")  # fmt: skip
+            raise ValueError(
+                f"the prompt loader's batch ({dm.config.batch_size}) is not the {prompts} prompts of "
+                f"algo.rollout_batch_size={self.config.rollout_batch_size}: build the data module with "
+                "that batch size"
+            )
         for m in self.frozen.values():
             m.to(self.device)
         self._set_scorer_template()
         ptx_source = getattr(getattr(dm, "config", None), "ptx_source", None)
         if ptx_source and not getattr(self.config, "ptx_coef", 0.0):
-            log.warning("data.prompt.ptx_source=%s is set but %s: its batches are loaded and never used (set "
-                        "algo.ptx_coef > 0 with algo=ppo*, or drop the source)", ptx_source,
-                        "algo.ptx_coef=0" if hasattr(self.config, "ptx_coef") else "this stage has no PPO-ptx term")  # fmt: skip
+            log.warning(
+                "data.prompt.ptx_source=%s is set but %s: its batches are loaded and never used (set "
+                "algo.ptx_coef > 0 with algo=ppo*, or drop the source)",
+                ptx_source,
+                "algo.ptx_coef=0" if hasattr(self.config, "ptx_coef") else "this stage has no PPO-ptx term",
+            )
 
     def on_validation_start(self) -> None:
         if self.trainer.state.fn == "validate":  # trainer.validate() before fit: no on_fit_start
@@ -298,7 +316,9 @@ class RLModule(RLUpdateMixin, RLHFModule):
         this iteration (scored 0 and counted, docs/rewards.md), with a warning naming the first."""
         from lit_rlhf.rollout.score import CallableScorer, WeightedScorer
 
-        stats = {f"reward/{name}": v[torch.isfinite(v)].mean() for name, v in getattr(self.scorer, "components", {}).items()}
+        stats = {
+            f"reward/{name}": v[torch.isfinite(v)].mean() for name, v in getattr(self.scorer, "components", {}).items()
+        }
         if isinstance(self.scorer, WeightedScorer):
             errors = self.scorer.take_errors()
         elif isinstance(self.scorer, CallableScorer):
@@ -308,8 +328,13 @@ class RLModule(RLUpdateMixin, RLHFModule):
         for name, (count, example) in errors.items():
             stats[f"reward/{name}_errors"] = torch.tensor(float(count))
             if count:
-                log.warning("iteration %d: reward %s could not check %d responses (scored 0), e.g.: %s", self.iteration,
-                            name, count, example)  # fmt: skip
+                log.warning(
+                    "iteration %d: reward %s could not check %d responses (scored 0), e.g.: %s",
+                    self.iteration,
+                    name,
+                    count,
+                    example,
+                )
         return stats
 
     # ------------------------------------------------------------------ rollout
@@ -328,12 +353,20 @@ class RLModule(RLUpdateMixin, RLHFModule):
         ``policy_logprobs`` (False: the fused first forward scores them)."""
         with self.rollout_grad_mode():
             rollout = generate_and_score(
-                self.actor, batch, self.tokenizer, self.config.generation, reference=self.frozen.get("reference"),
-                critic=self.critic if policy_logprobs else None, scorer=self.scorer, policy_logprobs=policy_logprobs,
-                logprob_temperature=self.logprob_temperature(), padding_free=self.config.padding_free,
-                sampler_logprobs=self.keeps_sampler_logprobs(), engine=self.rollout_engine(self.actor),
+                self.actor,
+                batch,
+                self.tokenizer,
+                self.config.generation,
+                reference=self.frozen.get("reference"),
+                critic=self.critic if policy_logprobs else None,
+                scorer=self.scorer,
+                policy_logprobs=policy_logprobs,
+                logprob_temperature=self.logprob_temperature(),
+                padding_free=self.config.padding_free,
+                sampler_logprobs=self.keeps_sampler_logprobs(),
+                engine=self.rollout_engine(self.actor),
                 responses_per_prompt=self.responses_per_prompt(),
-            )  # fmt: skip
+            )
         return rollout.normal_tensors()
 
     def keeps_sampler_logprobs(self) -> bool:
@@ -361,8 +394,12 @@ class RLModule(RLUpdateMixin, RLHFModule):
         if self.engine is not None:
             stats["perf/engine_sync_s"] = torch.tensor(self.engine.take_sync_seconds())
         if rollout.sampler_logprobs is not None:  # the sampler–trainer mismatch (docs/algorithms.md §2.10)
-            stats.update({f"rollout/{k}": v for k, v in sampler_mismatch(rollout.logprobs, rollout.sampler_logprobs,
-                                                                          rollout.valid_mask).items()})  # fmt: skip
+            stats.update(
+                {
+                    f"rollout/{k}": v
+                    for k, v in sampler_mismatch(rollout.logprobs, rollout.sampler_logprobs, rollout.valid_mask).items()
+                }
+            )
         return rollout.require(*required, *["ref_logprobs"] * ("reference" in self.frozen)), stats
 
     def fused_first_forward(self, batch_size: int) -> bool:
@@ -374,16 +411,24 @@ class RLModule(RLUpdateMixin, RLHFModule):
         old log-probs the same way). ``algo.fuse_first_forward=false`` turns it off.
         """
         one_update = self.num_passes() == 1 and self.minibatch_rows(batch_size) >= batch_size
-        return self.config.fuse_first_forward and one_update and not (has_dropout(self.actor) or has_dropout(self.critic))
+        return (
+            self.config.fuse_first_forward and one_update and not (has_dropout(self.actor) or has_dropout(self.critic))
+        )
 
     def evaluation_rollout(self, batch: dict[str, Any]) -> Rollout:
         """One sampled response per prompt, scored by the policy, the reference and the reward."""
         with self.rollout_grad_mode():
             rollout = generate_and_score(
-                self.actor, batch, self.tokenizer, self.config.generation, reference=self.frozen.get("reference"),
-                scorer=self.scorer, logprob_temperature=self.logprob_temperature(),
-                padding_free=self.config.padding_free, engine=self.rollout_engine(self.actor),
-            )  # fmt: skip
+                self.actor,
+                batch,
+                self.tokenizer,
+                self.config.generation,
+                reference=self.frozen.get("reference"),
+                scorer=self.scorer,
+                logprob_temperature=self.logprob_temperature(),
+                padding_free=self.config.padding_free,
+                engine=self.rollout_engine(self.actor),
+            )
         return rollout.normal_tensors()
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -395,17 +440,30 @@ class RLModule(RLUpdateMixin, RLHFModule):
             self.log("val/kl", kl.mean(), batch_size=n, sync_dist=True)
         self.log("val/response_length", rollout.response_lengths.float().mean(), batch_size=n, sync_dist=True)
         if self.gold_scorer is not None:
-            gold = self.gold_scorer(rollout.input_ids, rollout.attention_mask, rollout.prompts_text,
-                                    rollout.responses_text, rollout.ended, columns=rollout.columns)  # fmt: skip
+            gold = self.gold_scorer(
+                rollout.input_ids,
+                rollout.attention_mask,
+                rollout.prompts_text,
+                rollout.responses_text,
+                rollout.ended,
+                columns=rollout.columns,
+            )
             self.log("val/gold_score_mean", gold.mean(), batch_size=n, sync_dist=True)
         if self.config.val_pass_k:
             from lit_rlhf.rollout.evaluate import evaluate_verifiable
 
             with self.rollout_grad_mode():
-                ev = evaluate_verifiable(self.actor, batch, self.tokenizer, self.config.generation,
-                                         self.gold_scorer or self.scorer, self.config.val_pass_k,
-                                         self.config.val_correct_at, self.config.padding_free,
-                                         engine=self.rollout_engine(self.actor))  # fmt: skip
+                ev = evaluate_verifiable(
+                    self.actor,
+                    batch,
+                    self.tokenizer,
+                    self.config.generation,
+                    self.gold_scorer or self.scorer,
+                    self.config.val_pass_k,
+                    self.config.val_correct_at,
+                    self.config.padding_free,
+                    engine=self.rollout_engine(self.actor),
+                )
             for key, value in ev.metrics().items():
                 self.log(f"val/{key}", value, batch_size=n, sync_dist=True, prog_bar=key == "greedy_accuracy")
 
@@ -418,7 +476,9 @@ class RLModule(RLUpdateMixin, RLHFModule):
             raise ValueError("set trainer.max_steps or trainer.max_epochs: the lr schedule needs a length")
         return max(1, int(batches) * self.updates_per_iteration())
 
-    def end_iteration(self, rollout: Rollout, stats: dict[str, Tensor], started: float, collected: float) -> dict[str, Any]:
+    def end_iteration(
+        self, rollout: Rollout, stats: dict[str, Tensor], started: float, collected: float
+    ) -> dict[str, Any]:
         """Count the iteration, log its statistics and timings, and return the step output the
         monitor callbacks read (raw score statistics, KL, perplexity and length are theirs)."""
         self.iteration += 1
@@ -447,6 +507,8 @@ class RLModule(RLUpdateMixin, RLHFModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get(self.checkpoint_key)
         if state is None:
-            raise KeyError(f"not a {type(self).__name__} checkpoint: no '{self.checkpoint_key}' state "
-                           "(iteration, KL controller, running statistics)")  # fmt: skip
+            raise KeyError(
+                f"not a {type(self).__name__} checkpoint: no '{self.checkpoint_key}' state "
+                "(iteration, KL controller, running statistics)"
+            )
         self.load_rl_state_dict(state)

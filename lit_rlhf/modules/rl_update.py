@@ -40,7 +40,9 @@ def has_dropout(module: nn.Module | None) -> bool:
         if isinstance(m, nn.Dropout) and m.p > 0:
             return True
         config = getattr(m, "config", None)
-        if config is not None and any(getattr(config, k, 0) or 0 for k in ("attention_dropout", "hidden_dropout", "dropout")):
+        if config is not None and any(
+            getattr(config, k, 0) or 0 for k in ("attention_dropout", "hidden_dropout", "dropout")
+        ):
             return True
     return False
 
@@ -53,9 +55,16 @@ class RLUpdateMixin:
         """Policy log-probs and entropies (and critic values) of a minibatch, with grad."""
         ids, mask, width = mb.input_ids, mb.attention_mask, mb.prompt_ids.shape[1]
         # the entropy needs a graph only when it is in the loss; otherwise it is a statistic
-        logprobs, entropy = response_logprobs(self.actor, ids, mask, width, self.logprob_temperature(),
-                                              with_entropy=True, entropy_grad=self.entropy_in_loss(),
-                                              padding_free=self.config.padding_free)  # fmt: skip
+        logprobs, entropy = response_logprobs(
+            self.actor,
+            ids,
+            mask,
+            width,
+            self.logprob_temperature(),
+            with_entropy=True,
+            entropy_grad=self.entropy_in_loss(),
+            padding_free=self.config.padding_free,
+        )
         values = response_values(self.critic, ids, mask, width) if self.critic is not None else None
         return PolicyForward(logprobs, entropy, values)
 
@@ -65,17 +74,27 @@ class RLUpdateMixin:
         every RL stage's loss; None without a correction."""
         if self.config.rollout_correction != "tis":
             return None
-        return truncated_is_weights(mb.logprobs, mb.require("sampler_logprobs").sampler_logprobs, mask, self.config.tis_cap)
+        return truncated_is_weights(
+            mb.logprobs, mb.require("sampler_logprobs").sampler_logprobs, mask, self.config.tis_cap
+        )
 
-    def kl_loss(self, logprobs: Tensor, mb: Rollout, mask: Tensor, aggregation: str = "token_mean",
-                constant: float | None = None) -> tuple[Tensor | None, dict[str, Tensor]]:  # fmt: skip
+    def kl_loss(
+        self,
+        logprobs: Tensor,
+        mb: Rollout,
+        mask: Tensor,
+        aggregation: str = "token_mean",
+        constant: float | None = None,
+    ) -> tuple[Tensor | None, dict[str, Tensor]]:
         """β · KL(π_θ‖π_ref) for the loss (GRPO's k3, PPO's ``kl_placement=loss``), β from
         :attr:`kl_ctl` — the same β the collapse alarm raises and ``kl_ctl/beta`` logs. None
         while β = 0 or without a reference."""
         beta = self.kl_ctl.value
         if not beta or mb.ref_logprobs is None:
             return None, {}
-        kl = aggregate(kl_penalty(logprobs, mb.ref_logprobs, self.config.kl_estimator, mask=mask), mask, aggregation, constant)
+        kl = aggregate(
+            kl_penalty(logprobs, mb.ref_logprobs, self.config.kl_estimator, mask=mask), mask, aggregation, constant
+        )
         return beta * kl, {"policy/kl_loss": kl.detach()}
 
     def update(self, rollout: Rollout, ptx: dict[str, Tensor] | None = None) -> dict[str, Tensor]:

@@ -10,7 +10,8 @@ errors), for the caller to log as ``reward/<name>_errors``.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 class MissingAnswerError(ValueError):
@@ -37,8 +38,14 @@ class VerifiableReward:
     def score(self, response: str, truth: str | None) -> float:
         raise NotImplementedError
 
-    def __call__(self, prompts: Sequence[str], responses: Sequence[str], ended: Sequence[bool] | None = None,
-                 answer: Sequence[Any] | None = None, **_: Any) -> list[float]:  # fmt: skip
+    def __call__(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        ended: Sequence[bool] | None = None,
+        answer: Sequence[Any] | None = None,
+        **_: Any,
+    ) -> list[float]:
         """One float per response (``prompts`` and ``ended`` are accepted and not read).
 
         Raises ValueError (a configuration error, not a per-response one) when the reward needs the
@@ -48,8 +55,10 @@ class VerifiableReward:
         truths: list[Any] = [None] * n
         if self.needs_answer:
             if answer is None:
-                raise ValueError(f"{type(self).__name__} needs the ground truth: the caller passes the data set's "
-                                 "'answer' column as the keyword `answer` (one per response)")  # fmt: skip
+                raise ValueError(
+                    f"{type(self).__name__} needs the ground truth: the caller passes the data set's "
+                    "'answer' column as the keyword `answer` (one per response)"
+                )
             truths = list(answer)
             if len(truths) != n:
                 raise ValueError(f"{type(self).__name__}: {len(truths)} answers for {n} responses")

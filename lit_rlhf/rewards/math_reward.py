@@ -25,8 +25,10 @@ def _import_math_verify() -> Any:
         import math_verify
         from math_verify.errors import TimeoutException
     except ImportError as err:
-        raise ImportError("lit_rlhf.rewards.math_accuracy needs math-verify: pip install 'lit_rlhf[verify]' "
-                          "(or `make install`, which installs that extra)") from err  # fmt: skip
+        raise ImportError(
+            "lit_rlhf.rewards.math_accuracy needs math-verify: pip install 'lit_rlhf[verify]' "
+            "(or `make install`, which installs that extra)"
+        ) from err
     return math_verify, TimeoutException
 
 
@@ -52,10 +54,14 @@ class MathAccuracy(VerifiableReward):
 
     def __init__(self, timeout_seconds: int | None = 5):
         super().__init__()
-        if timeout_seconds is not None and (isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, int)
-                                            or timeout_seconds < 1):  # fmt: skip
-            raise ConfigError("timeout_seconds", f"must be a whole number of seconds >= 1 (signal.alarm's unit) or "
-                                                 f"None for no timeout, got {timeout_seconds!r}")  # fmt: skip
+        if timeout_seconds is not None and (
+            isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, int) or timeout_seconds < 1
+        ):
+            raise ConfigError(
+                "timeout_seconds",
+                f"must be a whole number of seconds >= 1 (signal.alarm's unit) or "
+                f"None for no timeout, got {timeout_seconds!r}",
+            )
         self.timeout_seconds = timeout_seconds
         self._mv, timeout_error = _import_math_verify()
         self.errors = (Exception, timeout_error)

@@ -59,8 +59,9 @@ class ExactMatch(VerifiableReward):
         if normalize not in NORMALIZERS:
             raise ConfigError("normalize", f"must be one of {sorted(NORMALIZERS)}, got {normalize!r}")
         if answer_prefix is not None and (not isinstance(answer_prefix, str) or not answer_prefix.strip()):
-            raise ConfigError("answer_prefix", f"must be a non-empty string (e.g. 'answer:') or None, "
-                                               f"got {answer_prefix!r}")  # fmt: skip
+            raise ConfigError(
+                "answer_prefix", f"must be a non-empty string (e.g. 'answer:') or None, got {answer_prefix!r}"
+            )
         self.normalize = NORMALIZERS[normalize]
         self.answer_prefix = answer_prefix
 

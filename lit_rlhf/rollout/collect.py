@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,13 +29,15 @@ Scorer = Callable[..., Tensor]  # (input_ids, attention_mask, prompts, responses
 def repeat_prompts(batch: Mapping[str, Any], times: int) -> dict[str, Any]:
     """``batch`` with every prompt (its ids, mask, text and columns) repeated ``times`` times in a
     row: a group of responses to one prompt (GRPO's G, pass@k's k) is consecutive rows."""
-    return {"prompt_ids": batch["prompt_ids"].repeat_interleave(times, 0),
-            "prompt_mask": batch["prompt_mask"].repeat_interleave(times, 0),
-            "prompts": [p for p in batch["prompts"] for _ in range(times)],
-            "columns": {k: [x for x in v for _ in range(times)] for k, v in (batch.get("columns") or {}).items()}}  # fmt: skip
+    return {
+        "prompt_ids": batch["prompt_ids"].repeat_interleave(times, 0),
+        "prompt_mask": batch["prompt_mask"].repeat_interleave(times, 0),
+        "prompts": [p for p in batch["prompts"] for _ in range(times)],
+        "columns": {k: [x for x in v for _ in range(times)] for k, v in (batch.get("columns") or {}).items()},
+    }
 
 
-_STOP_IDS: "weakref.WeakKeyDictionary[Any, int | list[int]]" = weakref.WeakKeyDictionary()
+_STOP_IDS: weakref.WeakKeyDictionary[Any, int | list[int]] = weakref.WeakKeyDictionary()
 
 
 def stop_token_ids(tokenizer: Any) -> int | list[int]:
@@ -47,8 +50,10 @@ def stop_token_ids(tokenizer: Any) -> int | list[int]:
     if has_chat_template(tokenizer):
         try:
             ids = [eos, *(i for i in end_of_turn_ids(tokenizer) if i != eos)]
-        except Exception as err:  # noqa: BLE001 - a template that cannot render a one-turn conversation
-            log.warning("the chat template's end-of-turn token could not be found (%s); responses stop at EOS only", err)
+        except Exception as err:
+            log.warning(
+                "the chat template's end-of-turn token could not be found (%s); responses stop at EOS only", err
+            )
     out = ids if ids and len(ids) > 1 else eos
     _STOP_IDS[tokenizer] = out
     return out
@@ -73,8 +78,15 @@ def _eval_forward(model: Any, fn: Callable[[], Tensor]) -> Tensor:
         model.train(was_training)
 
 
-def sample_responses(policy: Any, batch: Mapping[str, Any], tokenizer: Any, gen: GenerationConfig, engine: Any, n: int,
-                     logprob_temperature: float | None) -> tuple[Mapping[str, Any], tuple]:  # fmt: skip
+def sample_responses(
+    policy: Any,
+    batch: Mapping[str, Any],
+    tokenizer: Any,
+    gen: GenerationConfig,
+    engine: Any,
+    n: int,
+    logprob_temperature: float | None,
+) -> tuple[Mapping[str, Any], tuple]:
     """(``batch`` with each prompt repeated ``n`` times, the ``sample`` tuple of its responses): ``n``
     responses per prompt from the vllm ``engine`` (one request each) or, with None, the hf loop
     over ``policy`` on the repeated prompts (its draws exactly as before groups were requests)."""
@@ -127,14 +139,16 @@ def generate_and_score(
         the :class:`Rollout`; fields of models not given are None, ``rewards``/``advantages``/``returns`` too.
     """
     batch, (response_ids, response_mask, ended, sampled_logprobs) = sample_responses(
-        policy, batch, tokenizer, gen, engine, responses_per_prompt, logprob_temperature if sampler_logprobs else None)
+        policy, batch, tokenizer, gen, engine, responses_per_prompt, logprob_temperature if sampler_logprobs else None
+    )
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
     ids, mask = torch.cat([prompt_ids, response_ids], 1), torch.cat([prompt_mask, response_mask], 1)
     width = prompt_ids.shape[1]
 
     def logprobs_of(model: Any) -> Tensor:
-        return _eval_forward(model, lambda: response_logprobs(model, ids, mask, width, logprob_temperature,
-                                                                   padding_free=padding_free)[0])  # fmt: skip
+        return _eval_forward(
+            model, lambda: response_logprobs(model, ids, mask, width, logprob_temperature, padding_free=padding_free)[0]
+        )
 
     texts = decode_responses(tokenizer, response_ids, response_mask, ended)
     prompts = list(batch["prompts"])

@@ -82,7 +82,9 @@ class _Packed:
         if all(b is None for b in biases):
             self.bias = None
         else:
-            self.bias = torch.cat([b if b is not None else weight.new_zeros(m.weight.shape[0]) for m, b in zip(modules, biases)])
+            self.bias = torch.cat(
+                [b if b is not None else weight.new_zeros(m.weight.shape[0]) for m, b in zip(modules, biases)]
+            )
         self.weight = mkldnn_reorder_linear_weight(weight.detach(), rows)
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -95,8 +97,15 @@ class _PackedLayer:
     def __init__(self, layer: Any, rows: int) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = _Packed([attn.q_proj, attn.k_proj, attn.v_proj], rows)
-        self.heads, self.kv_heads = attn.q_proj.weight.shape[0] // attn.head_dim, attn.k_proj.weight.shape[0] // attn.head_dim
-        self.o, self.gate_up, self.down = _Packed([attn.o_proj], rows), _Packed([mlp.gate_proj, mlp.up_proj], rows), _Packed([mlp.down_proj], rows)
+        self.heads, self.kv_heads = (
+            attn.q_proj.weight.shape[0] // attn.head_dim,
+            attn.k_proj.weight.shape[0] // attn.head_dim,
+        )
+        self.o, self.gate_up, self.down = (
+            _Packed([attn.o_proj], rows),
+            _Packed([mlp.gate_proj, mlp.up_proj], rows),
+            _Packed([mlp.down_proj], rows),
+        )
         self.intermediate = mlp.gate_proj.weight.shape[0]
 
 
@@ -114,13 +123,23 @@ def _inlinable(layer: Any) -> bool:
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
     except AttributeError:
         return False
-    if not all(type(m) is torch.nn.Linear for m in linears) or not all(type(n).__name__ in _INLINE_NORMS for n in norms):
+    if not all(type(m) is torch.nn.Linear for m in linears) or not all(
+        type(n).__name__ in _INLINE_NORMS for n in norms
+    ):
         return False
     return not any(has_forward_hooks(m) for m in layer.modules())
 
 
-def _inline_layer(layer: Any, cache_layer: Any, hidden: Tensor, mask: Tensor, cos: Tensor, sin_signed: Tensor,
-                  attention: Any, packed: _PackedLayer | None = None) -> Tensor:  # fmt: skip
+def _inline_layer(
+    layer: Any,
+    cache_layer: Any,
+    hidden: Tensor,
+    mask: Tensor,
+    cos: Tensor,
+    sin_signed: Tensor,
+    attention: Any,
+    packed: _PackedLayer | None = None,
+) -> Tensor:
     """One decoding step of a Llama-layout decoder layer (``LlamaDecoderLayer.forward`` with its
     attention, rotary, RMSNorm and MLP), without the module calls, decorators and keyword plumbing
     around every op. ``hidden`` is (B, 1, hidden size); ``cos``/``sin_signed`` are (B, 1, 1, head
@@ -193,9 +212,16 @@ class LayerStep:
             self.attention = attention_interface(model.config, eager)
         self.packed: list[_PackedLayer | None] = [None] * len(self.layers)
         self.packed_head: _Packed | None = None
-        if rows is not None and any(self.inline) and prepack_supported(self.embed.weight) and self._room_to_prepack(model):
+        if (
+            rows is not None
+            and any(self.inline)
+            and prepack_supported(self.embed.weight)
+            and self._room_to_prepack(model)
+        ):
             try:
-                self.packed = [_PackedLayer(layer, rows) if inline else None for layer, inline in zip(self.layers, self.inline)]
+                self.packed = [
+                    _PackedLayer(layer, rows) if inline else None for layer, inline in zip(self.layers, self.inline)
+                ]
                 if type(self.head) is torch.nn.Linear and not has_forward_hooks(self.head):
                     self.packed_head = _Packed([self.head], rows)
             except RuntimeError as err:  # a oneDNN build without these kernels for this CPU: plain products
@@ -218,18 +244,28 @@ class LayerStep:
             return True
         if model not in _PREPACK_SKIPPED:
             _PREPACK_SKIPPED.add(model)
-            log.warning("prepacking %s's decoding weights would take %.1f GiB of the %.1f GiB of memory available; "
-                        "decoding with F.linear (algo.generation.prepack=false silences this)", type(model).__name__,
-                        need / 2**30, available / 2**30)  # fmt: skip
+            log.warning(
+                "prepacking %s's decoding weights would take %.1f GiB of the %.1f GiB of memory available; "
+                "decoding with F.linear (algo.generation.prepack=false silences this)",
+                type(model).__name__,
+                need / 2**30,
+                available / 2**30,
+            )
         return False
 
     @staticmethod
     def supported(model: Any) -> bool:
         inner = getattr(model, "model", None)
         parts = ("embed_tokens", "rotary_emb", "layers", "norm")
-        if inner is None or not all(hasattr(inner, a) for a in parts) or getattr(model, "get_output_embeddings", None) is None:
+        if (
+            inner is None
+            or not all(hasattr(inner, a) for a in parts)
+            or getattr(model, "get_output_embeddings", None) is None
+        ):
             return False
-        return getattr(inner.rotary_emb, "rope_type", "default") == "default" and model.get_output_embeddings() is not None
+        return (
+            getattr(inner.rotary_emb, "rope_type", "default") == "default" and model.get_output_embeddings() is not None
+        )
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, **kwargs: Any) -> Any:
         from types import SimpleNamespace
@@ -242,17 +278,33 @@ class LayerStep:
         own = None if all(self.inline) else (cos, self.sin[position_ids])  # for layers that run their forward
         for layer, inline, packed in zip(self.layers, self.inline, self.packed):
             if inline:
-                hidden = _inline_layer(layer, cache.layers[layer.self_attn.layer_idx], hidden, attention_mask, rotary_cos,
-                                       rotary_sin, self.attention, packed)  # fmt: skip
+                hidden = _inline_layer(
+                    layer,
+                    cache.layers[layer.self_attn.layer_idx],
+                    hidden,
+                    attention_mask,
+                    rotary_cos,
+                    rotary_sin,
+                    self.attention,
+                    packed,
+                )
             else:
-                hidden = layer(hidden, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-                               position_embeddings=own, **{cache_keyword(): cache})  # fmt: skip
+                hidden = layer(
+                    hidden,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=True,
+                    position_embeddings=own,
+                    **{cache_keyword(): cache},
+                )
         last = self.norm(hidden[:, -1:])
-        return SimpleNamespace(logits=self.head(last) if self.packed_head is None else self.packed_head(last), cache=cache)
+        return SimpleNamespace(
+            logits=self.head(last) if self.packed_head is None else self.packed_head(last), cache=cache
+        )
 
 
 # per model: {prepacked: verdict} (the prepacked and the exact step round differently: each is judged on its own)
-_VERDICTS: "weakref.WeakKeyDictionary[Any, dict[bool, bool]]" = weakref.WeakKeyDictionary()
+_VERDICTS: weakref.WeakKeyDictionary[Any, dict[bool, bool]] = weakref.WeakKeyDictionary()
 
 
 def layer_step_verdict(model: Any, prepacked: bool) -> bool | None:
@@ -260,7 +312,8 @@ def layer_step_verdict(model: Any, prepacked: bool) -> bool | None:
     True / False once judged (:func:`layer_step_ok`, on the model's first decoding step), None before."""
     return _VERDICTS.get(model, {}).get(prepacked)
 
-_PREPACK_SKIPPED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models told once that their copy would not fit
+
+_PREPACK_SKIPPED: weakref.WeakSet[Any] = weakref.WeakSet()  # models told once that their copy would not fit
 
 
 def _available_memory() -> int | None:
@@ -275,9 +328,9 @@ def _available_memory() -> int | None:
 
 def layer_step_ok(model: Any, step: LayerStep, kwargs: dict[str, Any]) -> tuple[bool, Any]:
     """Whether ``step`` decodes ``model`` as its own forward does, decided once per model (and per
-    prepacked / exact step) on its first decoding step: both run the same step (the layer step first, its cache entries then
-    overwritten by the model's), logits compared at 1e-4 (fp32) / 2e-2 (half) of their scale.
-    Returns the verdict and the model's own output for this step."""
+    prepacked / exact step) on its first decoding step: both run the same step (the layer step
+    first, its cache entries then overwritten by the model's), logits compared at 1e-4 (fp32) /
+    2e-2 (half) of their scale. Returns the verdict and the model's own output for this step."""
     cache = kwargs[cache_keyword()]
     lengths = [layer.length for layer in cache.layers]
     failure = None
@@ -301,6 +354,9 @@ def layer_step_ok(model: Any, step: LayerStep, kwargs: dict[str, Any]) -> tuple[
     if verdict:
         log.info("layer-level decoding of %s matches its forward (max |Δ| %.1e)", type(model).__name__, gap)
     else:
-        log.warning("layer-level decoding of %s differs from its forward by %.3g; decoding with its forward",
-                    type(model).__name__, gap)  # fmt: skip
+        log.warning(
+            "layer-level decoding of %s differs from its forward by %.3g; decoding with its forward",
+            type(model).__name__,
+            gap,
+        )
     return verdict, out

@@ -10,8 +10,9 @@ with n = k samples it is the fraction of problems with at least one correct samp
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,8 +35,10 @@ class VerifiableEval:
         """Means over the batch's prompts: pass@k and mean@k by lit_rlhf.core.passk from the k
         samples of each prompt (with n = k samples, pass@k is the share of prompts with a correct one)."""
         k = self.sample_correct.shape[1]
-        out = {"greedy_accuracy": float(self.greedy_correct.float().mean()),
-               "greedy_length": float(self.greedy_length.float().mean())}  # fmt: skip
+        out = {
+            "greedy_accuracy": float(self.greedy_correct.float().mean()),
+            "greedy_length": float(self.greedy_length.float().mean()),
+        }
         if k:
             rows = self.sample_correct.tolist()
             out[f"pass@{k}"] = pass_at_k_batch(rows, k)
@@ -44,19 +47,44 @@ class VerifiableEval:
 
 
 @torch.no_grad()
-def evaluate_verifiable(policy: Any, batch: Mapping[str, Any], tokenizer: Any, gen: GenerationConfig, scorer: Any,
-                        k: int, correct_at: float = 1.0, padding_free: bool = False,
-                        engine: Any = None) -> VerifiableEval:  # fmt: skip
+def evaluate_verifiable(
+    policy: Any,
+    batch: Mapping[str, Any],
+    tokenizer: Any,
+    gen: GenerationConfig,
+    scorer: Any,
+    k: int,
+    correct_at: float = 1.0,
+    padding_free: bool = False,
+    engine: Any = None,
+) -> VerifiableEval:
     """Greedy decoding of every prompt of ``batch`` (``gen`` with ``do_sample=False``) and ``k``
     samples per prompt with ``gen`` (one request of k rows per prompt), scored by ``scorer`` with
     the batch's columns (the ground truth) through the one rollout path (``engine``: its sampler,
     None = the hf loop)."""
-    greedy = generate_and_score(policy, batch, tokenizer, replace(gen, do_sample=False), scorer=scorer,
-                                policy_logprobs=False, padding_free=padding_free, engine=engine)  # fmt: skip
+    greedy = generate_and_score(
+        policy,
+        batch,
+        tokenizer,
+        replace(gen, do_sample=False),
+        scorer=scorer,
+        policy_logprobs=False,
+        padding_free=padding_free,
+        engine=engine,
+    )
     b = greedy.scores.shape[0]
     if k:
-        samples = generate_and_score(policy, batch, tokenizer, gen, scorer=scorer, policy_logprobs=False,
-                                     padding_free=padding_free, engine=engine, responses_per_prompt=k)  # fmt: skip
+        samples = generate_and_score(
+            policy,
+            batch,
+            tokenizer,
+            gen,
+            scorer=scorer,
+            policy_logprobs=False,
+            padding_free=padding_free,
+            engine=engine,
+            responses_per_prompt=k,
+        )
         sample_correct = (samples.scores >= correct_at).view(b, k)
     else:
         sample_correct = torch.zeros(b, 0, dtype=torch.bool)

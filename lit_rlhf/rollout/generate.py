@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lit_rlhf.core.masked import position_ids_from_mask
-from lit_rlhf.rollout.config import GenerationConfig  # noqa: F401  (re-exported)
+from lit_rlhf.rollout.config import GenerationConfig
 from lit_rlhf.rollout.decode_step import LayerStep, layer_step_ok, layer_step_verdict
 from lit_rlhf.utils.compat.transformers import cache_keyword, output_cache
 
-
-StopIds = Union[int, Sequence[int]]
+StopIds = int | Sequence[int]
 """EOS, or EOS and the chat template's end-of-turn token(s) (rollout/collect.py: stop_token_ids)."""
 
 
@@ -173,8 +173,15 @@ def _all_ranks_done(done: bool, device: torch.device) -> bool:
     return flag.item() == 0
 
 
-def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: StopIds,
-            pad_id: int, logprob_temperature: float | None = None) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
+def _decode(
+    model: Any,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    gen: GenerationConfig,
+    eos_id: StopIds,
+    pad_id: int,
+    logprob_temperature: float | None = None,
+) -> tuple[list[Tensor], list[Tensor]]:
     """The decoding loop of :func:`sample`: prefill, then one token per forward; (B,) tokens per
     step, and with ``logprob_temperature`` each token's log-prob under the model's logits divided
     by it (the sampler's own log-probs: the same distribution the trainer recomputes)."""
@@ -183,8 +190,14 @@ def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: Generation
     mask = prompt_mask.long()
     positions = position_ids_from_mask(mask)
     cache = _preallocated_cache(model, prompt_ids.shape[1] + gen.max_new_tokens)
-    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-                **{cache_keyword(): cache})  # fmt: skip
+    out = model(
+        input_ids=prompt_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_keyword(): cache},
+    )
     logits = out.logits[:, -1].float()
     next_pos = positions[:, -1:] + 1
     seen = None
@@ -220,8 +233,13 @@ def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: Generation
         if table is None:
             mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=device)], 1)
         step_mask = mask if table is None else table[..., : prompt_ids.shape[1] + step + 1]
-        kwargs = {"input_ids": nxt[:, None], "attention_mask": step_mask, "position_ids": next_pos, "use_cache": True,
-                  cache_keyword(): output_cache(out)}  # fmt: skip
+        kwargs = {
+            "input_ids": nxt[:, None],
+            "attention_mask": step_mask,
+            "position_ids": next_pos,
+            "use_cache": True,
+            cache_keyword(): output_cache(out),
+        }
         if forward is None:
             ok, out = layer_step_ok(model, step_fn, kwargs)  # out: the model's own, for this step
             forward = step_fn if ok else model
@@ -230,14 +248,21 @@ def _decode(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: Generation
         logits = out.logits[:, -1].float()
         next_pos = next_pos + 1
     if not bool(torch.isfinite(mass)):
-        raise RuntimeError("sampling: the policy's next-token probabilities are not finite (NaN or inf logits): "
-                           "its weights or the prompts' activations have diverged")  # fmt: skip
+        raise RuntimeError(
+            "sampling: the policy's next-token probabilities are not finite (NaN or inf logits): "
+            "its weights or the prompts' activations have diverged"
+        )
     return tokens, logps
 
 
 @torch.no_grad()
 def sample(
-    model: Any, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: StopIds, pad_id: int,
+    model: Any,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    gen: GenerationConfig,
+    eos_id: StopIds,
+    pad_id: int,
     logprob_temperature: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Generate responses for a left-padded batch of prompts with the KV cache.

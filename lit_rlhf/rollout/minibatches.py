@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
 
-def iterate_minibatches(n: int, size: int, epochs: int, generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
+def iterate_minibatches(
+    n: int, size: int, epochs: int, generator: torch.Generator | None = None
+) -> Iterator[torch.Tensor]:
     """``epochs`` passes over ``range(n)``, each shuffled and cut into index tensors of ``size``
     (the last one smaller when ``size`` does not divide ``n``)."""
     for _ in range(epochs):

@@ -8,7 +8,8 @@ So for a prompt of width P: ``full[:, P - 1 : -1]`` lines up with the response t
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,8 +25,9 @@ def _takes_logits_to_keep(model: Any) -> bool:
         return False
 
 
-def response_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, prompt_width: int,
-                    padding_free: bool = False) -> Tensor:  # fmt: skip
+def response_logits(
+    model: Any, input_ids: Tensor, attention_mask: Tensor, prompt_width: int, padding_free: bool = False
+) -> Tensor:
     """(B, R, V) logits that predict the R response tokens of ``input_ids`` (B, P + R).
 
     The LM head runs on those R positions only (``logits_to_keep``) where the model supports it:
@@ -42,8 +44,12 @@ def response_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, promp
     response_width = input_ids.shape[1] - prompt_width
     if _takes_logits_to_keep(model):
         kwargs["logits_to_keep"] = response_width + 1  # positions P-1 … T-1; the last predicts nothing
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
-                **kwargs)  # fmt: skip
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        **kwargs,
+    )
     return out.logits[:, -(response_width + 1) : -1]
 
 
@@ -65,9 +71,15 @@ def _packed_response_logits(model: Any, input_ids: Tensor, attention_mask: Tenso
 
 
 def response_logprobs(
-    model: Any, input_ids: Tensor, attention_mask: Tensor, prompt_width: int, temperature: float = 1.0,
-    with_entropy: bool = False, entropy_grad: bool = True, padding_free: bool = False,
-) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    prompt_width: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    padding_free: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """(B, R) log π(y_t | x, y_<t) of the response tokens (and (B, R) entropies if asked).
 
     ``temperature`` divides the logits first (1.0 = the model's own distribution, the default
@@ -92,8 +104,9 @@ def response_values(critic: Any, input_ids: Tensor, attention_mask: Tensor, prom
     return critic(input_ids, attention_mask)[:, prompt_width - 1 : -1]
 
 
-def append_eos_to_truncated(input_ids: Tensor, attention_mask: Tensor, ended: Tensor, eos_id: int,
-                            pad_id: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+def append_eos_to_truncated(
+    input_ids: Tensor, attention_mask: Tensor, ended: Tensor, eos_id: int, pad_id: int
+) -> tuple[Tensor, Tensor]:
     """(B, T) right-padded sequences → the same with an EOS after every response that has none
     (docs/algorithms.md §1: the reward model reads x + y + EOS; it was never trained on anything else).
 
@@ -104,7 +117,9 @@ def append_eos_to_truncated(input_ids: Tensor, attention_mask: Tensor, ended: Te
         return input_ids, attention_mask
     add = ~ended.to(torch.bool)
     col_ids = torch.where(add, torch.full_like(input_ids[:, 0], eos_id), torch.full_like(input_ids[:, 0], pad_id))
-    return torch.cat([input_ids, col_ids[:, None]], 1), torch.cat([attention_mask, add.to(attention_mask.dtype)[:, None]], 1)
+    return torch.cat([input_ids, col_ids[:, None]], 1), torch.cat(
+        [attention_mask, add.to(attention_mask.dtype)[:, None]], 1
+    )
 
 
 class ModelScorer:
@@ -120,11 +135,20 @@ class ModelScorer:
         self.tokenizer = reward_tokenizer
         self.template = template
         self.max_length = max_length
-        self.same_vocab = reward_model.kind == "causal_lm" and reward_tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+        self.same_vocab = (
+            reward_model.kind == "causal_lm" and reward_tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+        )
 
     @torch.no_grad()
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], responses: Sequence[str],
-                 ended: Tensor, columns: Mapping[str, Sequence[Any]] | None = None) -> Tensor:  # fmt: skip
+    def __call__(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        ended: Tensor,
+        columns: Mapping[str, Sequence[Any]] | None = None,
+    ) -> Tensor:
         """(B,) scores; ``columns`` (the rows' dataset columns) are not read by a reward model."""
         if self.same_vocab:  # a truncated response gets the end token its template closes responses with
             end = self.template.end_ids(self.tokenizer)[0] if self.template is not None else self.tokenizer.eos_token_id
@@ -169,21 +193,30 @@ class CallableScorer:
         self.error_example: str | None = None
         self._accepts = _keyword_names(fn)
 
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], responses: Sequence[str],
-                 ended: Tensor, columns: Mapping[str, Sequence[Any]] | None = None) -> Tensor:  # fmt: skip
+    def __call__(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        ended: Tensor,
+        columns: Mapping[str, Sequence[Any]] | None = None,
+    ) -> Tensor:
         kwargs = {k: list(v) for k, v in (columns or {}).items() if self._accepts is None or k in self._accepts}
         try:
             values = self.fn(list(prompts), list(responses), ended.tolist(), **kwargs)
-        except Exception as err:  # noqa: BLE001 - any failure of user code is reported by name
+        except Exception as err:
             raise RewardFunctionError(f"reward function {self.name} raised {type(err).__name__}: {err}") from err
         try:
             out = torch.as_tensor(values, dtype=torch.float32, device=input_ids.device).flatten()
         except (TypeError, ValueError, RuntimeError) as err:
-            raise RewardFunctionError(f"reward function {self.name} returned {type(values).__name__}, not numbers "
-                                      f"({err})") from err  # fmt: skip
+            raise RewardFunctionError(
+                f"reward function {self.name} returned {type(values).__name__}, not numbers ({err})"
+            ) from err
         if out.numel() != len(responses):
-            raise RewardFunctionError(f"reward function {self.name} returned {out.numel()} values for "
-                                      f"{len(responses)} responses")  # fmt: skip
+            raise RewardFunctionError(
+                f"reward function {self.name} returned {out.numel()} values for {len(responses)} responses"
+            )
         errors = int(getattr(self.fn, "last_errors", 0) or 0)
         if errors:
             self.errors += errors
@@ -217,8 +250,15 @@ class WeightedScorer:
         self.parts = list(parts)
         self.components: dict[str, Tensor] = {}
 
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], responses: Sequence[str],
-                 ended: Tensor, columns: Mapping[str, Sequence[Any]] | None = None) -> Tensor:  # fmt: skip
+    def __call__(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        ended: Tensor,
+        columns: Mapping[str, Sequence[Any]] | None = None,
+    ) -> Tensor:
         total = None
         self.components = {}
         for name, weight, scorer in self.parts:

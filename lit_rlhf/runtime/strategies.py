@@ -5,7 +5,8 @@ docs/scaling.md §4). The private APIs of Lightning and DeepSpeed they need are 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
@@ -41,11 +42,15 @@ class RLHFFSDPStrategy(FSDPStrategy):
         from hydra.utils import get_class
 
         if kwargs.get("auto_wrap_policy") is not None:
-            raise ValueError("RLHFFSDPStrategy builds its own wrapping policy: pass strategy.wrap_layers "
-                             "(the transformer-block classes), not auto_wrap_policy")  # fmt: skip
+            raise ValueError(
+                "RLHFFSDPStrategy builds its own wrapping policy: pass strategy.wrap_layers "
+                "(the transformer-block classes), not auto_wrap_policy"
+            )
         if str(kwargs.get("sharding_strategy", "FULL_SHARD")).upper().split(".")[-1].lstrip("_").startswith("HYBRID"):
-            raise ValueError("strategy.sharding_strategy: hybrid sharding is not supported by lit_rlhf's "
-                             "gradient-norm reduction; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD")  # fmt: skip
+            raise ValueError(
+                "strategy.sharding_strategy: hybrid sharding is not supported by lit_rlhf's "
+                "gradient-norm reduction; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD"
+            )
         check_fsdp_setup_model()  # the Lightning method this class overrides must still exist
         self.wrap_layers = tuple(get_class(name) for name in wrap_layers)
         if activation_checkpointing:
@@ -65,16 +70,21 @@ class RLHFFSDPStrategy(FSDPStrategy):
         seen: dict[int, str] = {}
         for name, m in model.named_modules(remove_duplicate=False):
             if id(m) in seen and any(True for _ in m.parameters(recurse=False)):
-                raise ValueError(f"FSDP: '{seen[id(m)]}' is also registered as '{name}': FSDP cannot shard a module "
-                                 "with two parents")  # fmt: skip
+                raise ValueError(
+                    f"FSDP: '{seen[id(m)]}' is also registered as '{name}': FSDP cannot shard a module with two parents"
+                )
             seen.setdefault(id(m), name)
         lora = [name for name, child in model.named_children() if has_lora(child)]
         if lora:
-            raise ValueError(f"FSDP: {lora} carry LoRA adapters, which lit_rlhf does not run under FSDP; use "
-                             "strategy=deepspeed_stage_2/3 or auto/ddp, or model.lora.enabled=false")  # fmt: skip
+            raise ValueError(
+                f"FSDP: {lora} carry LoRA adapters, which lit_rlhf does not run under FSDP; use "
+                "strategy=deepspeed_stage_2/3 or auto/ddp, or model.lora.enabled=false"
+            )
         if any(True for _ in model.parameters(recurse=False)):
-            raise ValueError(f"FSDP: {type(model).__name__} holds parameters of its own; lit_rlhf shards the models "
-                             "it holds as children, each its own FSDP root")  # fmt: skip
+            raise ValueError(
+                f"FSDP: {type(model).__name__} holds parameters of its own; lit_rlhf shards the models "
+                "it holds as children, each its own FSDP root"
+            )
         for p in model.parameters():  # FSDP turns sharded parameters into flat 1-D views: keep the shape built
             if not hasattr(p, "built_ndim"):  # (a second setup sees the flat views)
                 p.built_ndim = p.ndim
@@ -83,10 +93,14 @@ class RLHFFSDPStrategy(FSDPStrategy):
             if isinstance(child, FullyShardedDataParallel) or not any(True for _ in child.parameters()):
                 continue
             unit = FullyShardedDataParallel(
-                module=child, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
-                sharding_strategy=self.sharding_strategy, device_id=self.fsdp_device_id(), auto_wrap_policy=policy,
+                module=child,
+                cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy,
+                device_id=self.fsdp_device_id(),
+                auto_wrap_policy=policy,
                 **self.kwargs,
-            )  # fmt: skip
+            )
             setup_activation_checkpointing(unit, self)
             setattr(model, name, unit)
         # FSDP placed the units (on the device, or on the CPU under cpu_offload). What it would have

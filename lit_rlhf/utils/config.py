@@ -13,7 +13,8 @@ import dataclasses
 import difflib
 import types
 import typing
-from typing import Any, Literal, Mapping, TypeVar, Union, get_args, get_origin
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 T = TypeVar("T")
 
@@ -26,7 +27,7 @@ class ConfigError(ValueError):
         self.message = message
         super().__init__(f"{key}: {message}" if key else message)
 
-    def under(self, prefix: str) -> "ConfigError":
+    def under(self, prefix: str) -> ConfigError:
         """The same error with ``prefix.`` in front of its key."""
         key = f"{prefix}.{self.key}" if prefix and self.key else (prefix or self.key)
         return ConfigError(key, self.message)
@@ -156,9 +157,7 @@ def build_config(cls: type[T], values: Mapping[str, Any] | None, prefix: str = "
             from lit_rlhf.utils.secrets import top_level_hint
 
             hint += top_level_hint(key)
-            raise ConfigError(
-                key, f"unknown key for {cls.__name__}.{hint} Allowed keys: {', '.join(sorted(fields))}"
-            )
+            raise ConfigError(key, f"unknown key for {cls.__name__}.{hint} Allowed keys: {', '.join(sorted(fields))}")
         default = _default_of(fields[name])
         if dataclasses.is_dataclass(default) and isinstance(value, Mapping):
             # a partial nested mapping overrides the field's OWN default (e.g. PPO's rollout
@@ -205,7 +204,9 @@ def check(condition: bool, key: str, message: str) -> None:
         raise ConfigError(key, message)
 
 
-def resolve_config(cls: type[T], config: T | Mapping[str, Any] | None, kwargs: Mapping[str, Any], prefix: str = "") -> T:
+def resolve_config(
+    cls: type[T], config: T | Mapping[str, Any] | None, kwargs: Mapping[str, Any], prefix: str = ""
+) -> T:
     """A component's config from either a ready dataclass, a mapping, or keyword arguments.
 
     Lets users write ``SFTDataModule(SFTDataConfig(...))``, ``SFTDataModule(batch_size=8)`` or

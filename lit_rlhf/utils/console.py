@@ -41,8 +41,12 @@ def one_line_per_event() -> None:
         logger = logging.getLogger(name)  # the same object the library gets when it is imported later
         if not any(isinstance(f, DropMessages) for f in logger.filters):
             logger.addFilter(DropMessages(prefixes))
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")  # fmt: skip
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
     if not logging.getLogger().handlers:
         return  # no Hydra logging (`--plan`, tests): Lightning's handlers are the only console output
     import lightning  # noqa: F401  (its import adds the handler removed here)

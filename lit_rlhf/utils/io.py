@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def atomic_write(path: str, write: Callable[[Any], None], mode: str = "wb") -> None:

@@ -17,13 +17,18 @@ from hydra.experimental.callback import Callback
 
 # Matched against a key's last name (``logger.api_key`` → ``api_key``): access tokens are named as
 # such (``hf_token``, ``token``), so ``max_new_tokens``, ``pad_token`` or ``tokenizer`` keep their values.
-SECRET = re.compile(r"api[_-]?key|secret|passw(or)?d|credential|(^|[_-])(hf|auth|access|api|bearer|wandb|github|hub)[_-]token$"
-                    r"|^token$", re.IGNORECASE)
+SECRET = re.compile(
+    r"api[_-]?key|secret|passw(or)?d|credential|(^|[_-])(hf|auth|access|api|bearer|wandb|github|hub)[_-]token$"
+    r"|^token$",
+    re.IGNORECASE,
+)
 
 
 def is_secret(key: object) -> bool:
     """Whether a config key (dotted or not; ``+``/``~`` prefixes allowed) names a secret."""
     return bool(SECRET.search(str(key).lstrip("+~").rsplit(".", 1)[-1]))
+
+
 MASK = "***"
 
 
@@ -33,8 +38,10 @@ def top_level_hint(key: str) -> str:
     name = key.rsplit(".", 1)[-1]
     if "." not in key or not is_secret(name):
         return ""
-    return (f" A secret goes at the top level: +{name}=… (masked in .hydra/, the logged config and W&B's "
-            f"command line), used where it is needed as ${{{name}}}.")  # fmt: skip
+    return (
+        f" A secret goes at the top level: +{name}=… (masked in .hydra/, the logged config and W&B's "
+        f"command line), used where it is needed as ${{{name}}}."
+    )
 
 
 def mask_override(override: str) -> str:

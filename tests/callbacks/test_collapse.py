@@ -48,18 +48,27 @@ def test_length_drift_in_sigmas_of_the_baseline():
     d = CollapseDetector(length_sigmas=4.0, min_length_sigma=1.0, patience=1, min_signals=1)
     # baseline lengths 10, 10.5, 10, 10.5, 10: mean 10.2, pstdev 0.245 -> floor 1.0 -> bound 4.0
     assert stream(d, baseline(5) + [dict(HEALTHY, **{LENGTH: 14.1})]) == []
-    trig = stream(CollapseDetector(length_sigmas=4.0, patience=1, min_signals=1), baseline(5) + [dict(HEALTHY, **{LENGTH: 14.3})])
+    trig = stream(
+        CollapseDetector(length_sigmas=4.0, patience=1, min_signals=1), baseline(5) + [dict(HEALTHY, **{LENGTH: 14.3})]
+    )
     assert len(trig) == 1 and "response length 14.3 drifted" in trig[0][1][0]
 
 
 def test_perplexity_fall():
-    trig = stream(CollapseDetector(ppl_drop=0.5, patience=1, min_signals=1), baseline(5) + [dict(HEALTHY, **{PPL: 2.9})])
+    trig = stream(
+        CollapseDetector(ppl_drop=0.5, patience=1, min_signals=1), baseline(5) + [dict(HEALTHY, **{PPL: 2.9})]
+    )
     assert len(trig) == 1 and trig[0][1][0].startswith("perplexity 2.9 fell below 0.5 x baseline 6")
-    assert stream(CollapseDetector(ppl_drop=0.5, patience=1, min_signals=1), baseline(5) + [dict(HEALTHY, **{PPL: 3.1})]) == []
+    assert (
+        stream(CollapseDetector(ppl_drop=0.5, patience=1, min_signals=1), baseline(5) + [dict(HEALTHY, **{PPL: 3.1})])
+        == []
+    )
 
 
 def test_reward_tail_growth():
-    trig = stream(CollapseDetector(tail_factor=4.0, patience=1, min_signals=1), baseline(5) + [dict(HEALTHY, **{TAIL: 4.5})])
+    trig = stream(
+        CollapseDetector(tail_factor=4.0, patience=1, min_signals=1), baseline(5) + [dict(HEALTHY, **{TAIL: 4.5})]
+    )
     assert len(trig) == 1 and "reward tail ratio 4.5 > 4 x baseline 1" in trig[0][1][0]
 
 
@@ -115,8 +124,11 @@ class FakeModule(torch.nn.Module):
         return old, self.kl_ctl.value
 
     def rl_state_dict(self):
-        return {"iteration": self.rl_iteration, "kl_ctl": self.kl_ctl.state_dict(),
-                "reward_moments": self.reward_moments.state_dict()}  # fmt: skip
+        return {
+            "iteration": self.rl_iteration,
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "reward_moments": self.reward_moments.state_dict(),
+        }
 
     def load_rl_state_dict(self, state):
         self.rl_iteration = state["iteration"]
@@ -126,8 +138,9 @@ class FakeModule(torch.nn.Module):
 
 def fake_trainer(module, tmp_path):
     opt = torch.optim.SGD(module.parameters(), lr=1.0)
-    t = types.SimpleNamespace(callback_metrics={}, should_stop=False, optimizers=[opt], default_root_dir=str(tmp_path),
-                              saved=[])  # fmt: skip
+    t = types.SimpleNamespace(
+        callback_metrics={}, should_stop=False, optimizers=[opt], default_root_dir=str(tmp_path), saved=[]
+    )
     t.save_checkpoint = lambda path: (t.saved.append(path), open(path, "w").close())
     return t
 

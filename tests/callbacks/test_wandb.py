@@ -3,7 +3,14 @@
 import lightning.pytorch as pl
 import pytest
 
-from lit_rlhf.callbacks import KLMonitor, PerplexityMonitor, ResponseLengthMonitor, RewardStatsMonitor, SamplesTable, WandbPanels
+from lit_rlhf.callbacks import (
+    KLMonitor,
+    PerplexityMonitor,
+    ResponseLengthMonitor,
+    RewardStatsMonitor,
+    SamplesTable,
+    WandbPanels,
+)
 from tests.helpers.ppo import data, make
 
 
@@ -15,11 +22,25 @@ def test_ppo_run_fills_the_wandb_dashboard(tmp_path, tokenizer, saved_models):
 
     logger = wandb_logger(save_dir=str(tmp_path), offline=True, project="lit_rlhf_test")
     try:
-        callbacks = [WandbPanels(), KLMonitor(), PerplexityMonitor(), ResponseLengthMonitor(), RewardStatsMonitor(),
-                     SamplesTable(every_n_steps=1, max_rows=2)]  # fmt: skip
-        trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=logger, callbacks=callbacks, log_every_n_steps=1,
-                             enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
-                             default_root_dir=tmp_path)  # fmt: skip
+        callbacks = [
+            WandbPanels(),
+            KLMonitor(),
+            PerplexityMonitor(),
+            ResponseLengthMonitor(),
+            RewardStatsMonitor(),
+            SamplesTable(every_n_steps=1, max_rows=2),
+        ]
+        trainer = pl.Trainer(
+            max_steps=4,
+            accelerator="cpu",
+            logger=logger,
+            callbacks=callbacks,
+            log_every_n_steps=1,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            limit_val_batches=0,
+            default_root_dir=tmp_path,
+        )
         run = logger.experiment
         defined, real_define = [], run.define_metric
         run.define_metric = lambda name, **kw: defined.append((name, kw.get("step_metric"))) or real_define(name, **kw)
@@ -28,8 +49,15 @@ def test_ppo_run_fills_the_wandb_dashboard(tmp_path, tokenizer, saved_models):
         for prefix in ("stability", "reward", "policy", "critic", "perf"):
             assert (f"{prefix}/*", "rl/iteration") in defined, prefix
         summary = dict(run.summary)
-        for key in ("stability/kl", "stability/perplexity", "stability/response_length", "reward/score_mean",
-                    "policy/approx_kl", "critic/explained_variance", "rl/iteration"):  # fmt: skip
+        for key in (
+            "stability/kl",
+            "stability/perplexity",
+            "stability/response_length",
+            "reward/score_mean",
+            "policy/approx_kl",
+            "critic/explained_variance",
+            "rl/iteration",
+        ):
             assert key in summary, key
         assert summary["rl/iteration"] == 2
         assert summary["reward/score_hist"]["_type"] == "histogram"

@@ -22,7 +22,9 @@ def naive_gae(rewards, values, lengths, gamma, lam):
 def test_gae_hand_computed():
     # one row, L = 2: R = [0, 1], V = [0.5, 0.25], γ = 1, λ = 0.5
     # δ1 = 1 + 0 - 0.25 = 0.75; A1 = 0.75; δ0 = 0 + 0.25 - 0.5 = -0.25; A0 = -0.25 + 0.5 * 0.75 = 0.125
-    adv, ret = gae(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[0.5, 0.25, 9.0]]), torch.tensor([[1, 1, 0]]), 1.0, 0.5)
+    adv, ret = gae(
+        torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[0.5, 0.25, 9.0]]), torch.tensor([[1, 1, 0]]), 1.0, 0.5
+    )
     torch.testing.assert_close(adv, torch.tensor([[0.125, 0.75, 0.0]]))
     torch.testing.assert_close(ret, torch.tensor([[0.625, 1.0, 0.0]]))  # values outside the mask never leak in
 
@@ -54,7 +56,9 @@ def test_non_finite_padding_never_reaches_real_tokens():
     values = torch.tensor([[0.5, 0.25, float("nan"), float("-inf")], [0.1, 0.2, 0.3, 0.4]])
     adv, ret = gae(rewards, values, mask, 1.0, 0.5)
     assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
-    clean_adv, clean_ret = gae(torch.where(mask.bool(), rewards, 0.0), torch.where(mask.bool(), values, 0.0), mask, 1.0, 0.5)
+    clean_adv, clean_ret = gae(
+        torch.where(mask.bool(), rewards, 0.0), torch.where(mask.bool(), values, 0.0), mask, 1.0, 0.5
+    )
     torch.testing.assert_close(adv, clean_adv)
     torch.testing.assert_close(ret, clean_ret)
     torch.testing.assert_close(adv[0, :2], torch.tensor([0.125, 0.75]))  # the hand-computed row above
@@ -211,7 +215,9 @@ def naive_whiten(adv, lengths):
 
     tokens = [adv[i][t] for i, n in enumerate(lengths) for t in range(n)]
     mean, var = statistics.mean(tokens), statistics.variance(tokens)
-    return [[(a - mean) / (var + 1e-8) ** 0.5 if t < n else 0.0 for t, a in enumerate(row)] for row, n in zip(adv, lengths)]
+    return [
+        [(a - mean) / (var + 1e-8) ** 0.5 if t < n else 0.0 for t, a in enumerate(row)] for row, n in zip(adv, lengths)
+    ]
 
 
 def random_batch(seed, lengths, width):
@@ -228,8 +234,10 @@ def test_rewards_to_go_match_the_naive_loop_and_ignore_padding(gamma):
 
     lengths = [4, 1, 6, 3]
     _, rewards, mask = random_batch(1, lengths, 6)
-    expected = [[sum(gamma ** (s - t) * rewards[i, s].item() for s in range(t, n)) if t < n else 0.0 for t in range(6)]
-                for i, n in enumerate(lengths)]  # fmt: skip
+    expected = [
+        [sum(gamma ** (s - t) * rewards[i, s].item() for s in range(t, n)) if t < n else 0.0 for t in range(6)]
+        for i, n in enumerate(lengths)
+    ]
     torch.testing.assert_close(rewards_to_go(rewards, mask, gamma), torch.tensor(expected, dtype=torch.float64))
     poisoned = torch.where(mask.bool(), rewards, torch.tensor(float("nan"), dtype=torch.float64))
     torch.testing.assert_close(rewards_to_go(poisoned, mask, gamma), torch.tensor(expected, dtype=torch.float64))
@@ -254,7 +262,9 @@ def test_reinforce_pp_advantages_match_the_paper_formula(whiten, gamma):
     if whiten:  # mean 0, Bessel variance 1 over the response tokens
         tokens = adv[mask.bool()]
         # (masked_whiten takes its moments in float32)
-        assert tokens.mean().item() == pytest.approx(0.0, abs=1e-6) and tokens.var().item() == pytest.approx(1.0, rel=1e-5)
+        assert tokens.mean().item() == pytest.approx(0.0, abs=1e-6) and tokens.var().item() == pytest.approx(
+            1.0, rel=1e-5
+        )
 
 
 def test_reinforce_pp_baseline_is_the_group_mean_subtracted_before_the_shaping_and_the_batch_normalization():

@@ -7,7 +7,8 @@ CODE = r"""
 import sys, importlib, pkgutil
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in {'lightning', 'pytorch_lightning', 'transformers', 'hydra', 'omegaconf', 'wandb', 'deepspeed'}:
+        blocked = {'lightning', 'pytorch_lightning', 'transformers', 'hydra', 'omegaconf', 'wandb', 'deepspeed'}
+        if name.split('.')[0] in blocked:
             raise ImportError('blocked: ' + name)
 sys.meta_path.insert(0, Block())
 import lit_rlhf.core as core

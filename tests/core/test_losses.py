@@ -119,7 +119,9 @@ def test_value_loss_hand_values():
     assert loss.item() == pytest.approx(0.5 * (1 + 1) / 2)
     assert stats["clipfrac"].item() == 0.0
     # clipped branch dominates when V moved away from G: v=-1, old=0 -> clip to -0.2: (−0.2−1)²=1.44 < 4
-    loss, stats = value_loss(torch.tensor([[-1.0]]), torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.ones(1, 1), 0.2)
+    loss, stats = value_loss(
+        torch.tensor([[-1.0]]), torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.ones(1, 1), 0.2
+    )
     assert loss.item() == pytest.approx(0.5 * 4.0) and stats["clipfrac"].item() == 0.0
     loss, stats = value_loss(torch.tensor([[2.0]]), torch.tensor([[0.0]]), torch.tensor([[0.0]]), torch.ones(1, 1), 0.2)
     assert loss.item() == pytest.approx(0.5 * 4.0)
@@ -134,7 +136,9 @@ def test_value_loss_hand_values():
     assert loss.item() == pytest.approx(0.5 * 1.69) and stats["clipfrac"].item() == 1.0
     loss.backward()
     assert v.grad.tolist() == [[0.0, 0.0]]
-    unclipped, _ = value_loss(torch.tensor([[2.0]]), torch.tensor([[0.0]]), torch.tensor([[1.5]]), torch.ones(1, 1), None)
+    unclipped, _ = value_loss(
+        torch.tensor([[2.0]]), torch.tensor([[0.0]]), torch.tensor([[1.5]]), torch.ones(1, 1), None
+    )
     assert unclipped.item() == pytest.approx(0.5 * 0.25)
 
 
@@ -262,5 +266,5 @@ def test_seq_mean_counts_a_row_without_tokens_as_zero():
     loss = torch.tensor([[1.0, 3.0], [9.0, 9.0], [5.0, 0.0]])
     mask = torch.tensor([[1, 1], [0, 0], [1, 0]])
     assert aggregate(loss, mask, "seq_mean").item() == pytest.approx((2.0 + 0.0 + 5.0) / 3)
-    rows = [sum(l * m for l, m in zip(lr, mr)) / max(sum(mr), 1) for lr, mr in zip(loss.tolist(), mask.tolist())]
+    rows = [sum(x * m for x, m in zip(lr, mr)) / max(sum(mr), 1) for lr, mr in zip(loss.tolist(), mask.tolist())]
     assert aggregate(loss, mask, "seq_mean").item() == pytest.approx(sum(rows) / len(rows))

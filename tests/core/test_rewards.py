@@ -27,7 +27,9 @@ def test_reparameterization_updates_moments_before_transforming():
     out = reparameterize_scores(s, m, "normalize", clip=None)
     assert out.tolist() == pytest.approx([(v - 3) / sd for v in (1, 2, 3, 6)], rel=1e-5)
     m2 = RunningMoments()
-    assert reparameterize_scores(s, m2, "scale", clip=None).tolist() == pytest.approx([v / sd for v in (1, 2, 3, 6)], rel=1e-5)
+    assert reparameterize_scores(s, m2, "scale", clip=None).tolist() == pytest.approx(
+        [v / sd for v in (1, 2, 3, 6)], rel=1e-5
+    )
     m3 = RunningMoments()
     clipped = reparameterize_scores(torch.tensor([0.0, 0.0, 0.0, 100.0]), m3, "normalize", clip=1.0)
     assert clipped.max().item() == 1.0 and clipped.min().item() == pytest.approx(-0.5)

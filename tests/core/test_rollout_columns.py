@@ -7,10 +7,17 @@ from lit_rlhf.core.types import Rollout, cat_rollouts
 
 
 def rollout(n, prompt_width, answers):
-    return Rollout(prompt_ids=torch.ones(n, prompt_width, dtype=torch.long), prompt_mask=torch.ones(n, prompt_width),
-                   response_ids=torch.zeros(n, 2, dtype=torch.long), response_mask=torch.ones(n, 2),
-                   ended=torch.ones(n, dtype=torch.bool), scores=torch.arange(n, dtype=torch.float32),
-                   prompts_text=[f"p{a}" for a in answers], responses_text=["r"] * n, columns={"answer": list(answers)})  # fmt: skip
+    return Rollout(
+        prompt_ids=torch.ones(n, prompt_width, dtype=torch.long),
+        prompt_mask=torch.ones(n, prompt_width),
+        response_ids=torch.zeros(n, 2, dtype=torch.long),
+        response_mask=torch.ones(n, 2),
+        ended=torch.ones(n, dtype=torch.bool),
+        scores=torch.arange(n, dtype=torch.float32),
+        prompts_text=[f"p{a}" for a in answers],
+        responses_text=["r"] * n,
+        columns={"answer": list(answers)},
+    )
 
 
 def test_select_and_cat_keep_each_rows_answer():

@@ -20,7 +20,9 @@ def log_sigmoid(x: float) -> float:  # −log(1 + e^−x), stable for either sig
 def random_avg_logps(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(n,) pairs of average per-token log-probs in (−4, −0.01), float64."""
     g = torch.Generator().manual_seed(seed)
-    return -(torch.rand(n, generator=g, dtype=torch.float64) * 4 + 0.01), -(torch.rand(n, generator=g, dtype=torch.float64) * 4 + 0.01)
+    return -(torch.rand(n, generator=g, dtype=torch.float64) * 4 + 0.01), -(
+        torch.rand(n, generator=g, dtype=torch.float64) * 4 + 0.01
+    )
 
 
 # ---------------------------------------------------------------- log(1 − eˣ)
@@ -113,7 +115,9 @@ def test_orpo_matches_the_formula_trl_and_the_numerical_gradient(lam):
     trl_log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
     trl = -c.mean() - lam * torch.nn.functional.logsigmoid(trl_log_odds).mean()
     assert loss.item() == pytest.approx(trl.item(), rel=1e-12)
-    torch.autograd.gradcheck(lambda a, b: orpo_loss(a, b, lam)[0], (c.clone().requires_grad_(), r.clone().requires_grad_()))
+    torch.autograd.gradcheck(
+        lambda a, b: orpo_loss(a, b, lam)[0], (c.clone().requires_grad_(), r.clone().requires_grad_())
+    )
 
 
 # --------------------------------------------------------------------- KTO
@@ -144,8 +148,15 @@ def test_kto_reference_point_hand_values():
 def test_kto_loss_hand_values():
     # r = (1, −1), z = 0.5, β = 1: desirable 1 − σ(0.5) = 0.3775407, undesirable 1 − σ(1.5) = 0.1824255;
     # λ_D = 1, λ_U = 2: (0.3775407 + 2·0.1824255) / 2 = 0.3711959
-    loss, stats = kto_loss(torch.tensor([-2.0, -3.0]), torch.tensor([-3.0, -2.0]), torch.tensor([True, False]),
-                           torch.tensor(0.5), beta=1.0, desirable_weight=1.0, undesirable_weight=2.0)  # fmt: skip
+    loss, stats = kto_loss(
+        torch.tensor([-2.0, -3.0]),
+        torch.tensor([-3.0, -2.0]),
+        torch.tensor([True, False]),
+        torch.tensor(0.5),
+        beta=1.0,
+        desirable_weight=1.0,
+        undesirable_weight=2.0,
+    )
     assert loss.item() == pytest.approx(0.3711959, abs=1e-6)
     assert stats["rewards"].tolist() == [1.0, -1.0] and stats["kl"].item() == 0.5
 
@@ -156,12 +167,17 @@ def test_kto_matches_the_formula_and_its_gradient(beta, wd, wu):
     logps = (-torch.rand(10, generator=g, dtype=torch.float64) * 20).requires_grad_()
     refs = -torch.rand(10, generator=g, dtype=torch.float64) * 20
     labels = torch.rand(10, generator=g) < 0.5
-    kl_p, kl_r = -torch.rand(10, generator=g, dtype=torch.float64) * 20, -torch.rand(10, generator=g, dtype=torch.float64) * 20
+    kl_p, kl_r = (
+        -torch.rand(10, generator=g, dtype=torch.float64) * 20,
+        -torch.rand(10, generator=g, dtype=torch.float64) * 20,
+    )
     z = kto_reference_point(kl_p, kl_r)
     z_naive = max(0.0, sum(a - b for a, b in zip(kl_p.tolist(), kl_r.tolist())) / 10)
     assert z.item() == pytest.approx(z_naive, rel=1e-12)
     loss, _ = kto_loss(logps, refs, labels, z, beta, wd, wu)
-    assert loss.item() == pytest.approx(naive_kto(logps.tolist(), refs.tolist(), labels.tolist(), z_naive, beta, wd, wu), rel=1e-12)
+    assert loss.item() == pytest.approx(
+        naive_kto(logps.tolist(), refs.tolist(), labels.tolist(), z_naive, beta, wd, wu), rel=1e-12
+    )
     loss.backward()
     for i, (lp, rp, good) in enumerate(zip(logps.tolist(), refs.tolist(), labels.tolist())):
         rew = lp - rp  # ∂/∂r of λ(1 − σ(±β(r − z))) = ∓λβσ(u)(1 − σ(u))

@@ -49,16 +49,20 @@ def test_assistant_mask_covers_exactly_the_assistant_turns(chat_tokenizer):
     full = tok.decode(ids)
     masked = [tok.decode([i for i, m in zip(ids, mask) if m][a:b]) for a, b in _runs(mask)]
     if kind == "chatml":
-        assert full == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
-                        "<|im_start|>assistant\nHello, how can I help?<|im_end|>\n<|im_start|>user\nSay yes<|im_end|>\n"
-                        "<|im_start|>assistant\nyes<|im_end|>\n")  # fmt: skip
+        assert full == (
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+            "<|im_start|>assistant\nHello, how can I help?<|im_end|>\n<|im_start|>user\nSay yes<|im_end|>\n"
+            "<|im_start|>assistant\nyes<|im_end|>\n"
+        )
         assert masked == ["Hello, how can I help?<|im_end|>\n", "yes<|im_end|>\n"]
     else:
         assert full.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>")
         assert masked == ["Hello, how can I help?<|eot_id|>", "yes<|eot_id|>"]
     # the prompt before each assistant turn is the template's own generation prompt
     prompt = render_prompt(tok, CONVERSATION[:2])
-    assert prompt.endswith("<|im_start|>assistant\n" if kind == "chatml" else "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert prompt.endswith(
+        "<|im_start|>assistant\n" if kind == "chatml" else "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
 
 
 def _runs(mask):
@@ -83,30 +87,43 @@ def test_end_of_turn_is_the_templates_closing_token(chat_tokenizer):
 def test_hh_dialogue_to_messages():
     text = "\n\nHuman: What is 2+2?\n\nAssistant: 4.\n\nHuman: And 3+3?\n\nAssistant:"
     assert hh_to_messages(text, "f.jsonl:3") == [
-        {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4."},
         {"role": "user", "content": "And 3+3?"},
-    ]  # fmt: skip
+    ]
     # two turns in a row by one side (9 harmless-base rows): one turn, joined by a blank line
-    assert hh_to_messages("\n\nHuman: Hi\n\nAssistant: Hello.\n\nAssistant: Anyone?\n\nHuman: yes\n\nAssistant:", "r") == [
-        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello.\n\nAnyone?"},
+    assert hh_to_messages(
+        "\n\nHuman: Hi\n\nAssistant: Hello.\n\nAssistant: Anyone?\n\nHuman: yes\n\nAssistant:", "r"
+    ) == [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello.\n\nAnyone?"},
         {"role": "user", "content": "yes"},
-    ]  # fmt: skip
+    ]
     with pytest.raises(DataError, match="f.jsonl:4: not an HH-RLHF dialogue"):
         hh_to_messages("Hello\n\nAssistant: hi", "f.jsonl:4")
 
 
-@pytest.mark.parametrize(("messages", "message"), [
-    ([{"role": "user"}], "message 0 needs a role and a content"),
-    ([{"role": "bot", "content": "x"}], "message 0 has role 'bot'"),
-    ([{"role": "user", "content": 3}], "message 0 \\(user\\) content must be a string"),
-    ([{"role": "assistant", "content": "x"}], "message 0 is assistant, expected user"),
-    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "message 1 is user, expected assistant"),
-    ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], "message 1 is system, expected assistant \\(a system message is allowed only first"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": " "}], "message 1 is an empty assistant turn"),
-    ([{"role": "system", "content": "s"}], "a system message alone"),
-    ([], "messages must be a non-empty list"),
-    ("hello", "messages must be a non-empty list"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ([{"role": "user"}], "message 0 needs a role and a content"),
+        ([{"role": "bot", "content": "x"}], "message 0 has role 'bot'"),
+        ([{"role": "user", "content": 3}], "message 0 \\(user\\) content must be a string"),
+        ([{"role": "assistant", "content": "x"}], "message 0 is assistant, expected user"),
+        ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "message 1 is user, expected assistant"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}],
+            "message 1 is system, expected assistant \\(a system message is allowed only first",
+        ),
+        (
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": " "}],
+            "message 1 is an empty assistant turn",
+        ),
+        ([{"role": "system", "content": "s"}], "a system message alone"),
+        ([], "messages must be a non-empty list"),
+        ("hello", "messages must be a non-empty list"),
+    ],
+)
 def test_bad_conversations_name_the_row_and_message(messages, message):
     with pytest.raises(DataError, match=f"data.jsonl:7: {message}"):
         check_messages(messages, "data.jsonl:7")
@@ -143,10 +160,10 @@ def test_conversation_as_an_sft_pair_masks_every_assistant_turn(chat_tokenizer):
 def test_sft_on_a_messages_file_through_train_py(tmp_path):
     """data.sft.format=messages with template=auto: a tiny Llama with the ChatML tokenizer trains on
     a conversations file; a row with its roles out of order is named by file and line."""
+    from transformers import AutoTokenizer
+
     from lit_rlhf.runner import run
     from tests.conftest import compose
-
-    from transformers import AutoTokenizer
 
     tok = make_chat_tokenizer("chatml", tmp_path)
     tok_dir = tmp_path / "tok"
@@ -154,13 +171,28 @@ def test_sft_on_a_messages_file_through_train_py(tmp_path):
     rows = [CONVERSATION, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]] * 8
     good = tmp_path / "chat.jsonl"
     good.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
-    args = ["algo=sft", "model=tiny_llama", f"model.tokenizer={tok_dir}", "data=sft_file", "data.sft.format=messages",
-            "data.sft.template=auto", "data.sft.max_length=64", "data.batch_size=4", "trainer.max_steps=3",
-            "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "logger=none", "model.tiny.hidden_size=32",
-            "model.tiny.num_attention_heads=2", "model.tiny.intermediate_size=64"]  # fmt: skip
+    args = [
+        "algo=sft",
+        "model=tiny_llama",
+        f"model.tokenizer={tok_dir}",
+        "data=sft_file",
+        "data.sft.format=messages",
+        "data.sft.template=auto",
+        "data.sft.max_length=64",
+        "data.batch_size=4",
+        "trainer.max_steps=3",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+        "logger=none",
+        "model.tiny.hidden_size=32",
+        "model.tiny.num_attention_heads=2",
+        "model.tiny.intermediate_size=64",
+    ]
     metrics = run(compose([*args, f"data.sft.source={good}"], tmp_path / "run"))
     assert 0 < metrics["train/loss"] < 100
-    assert AutoTokenizer.from_pretrained(tmp_path / "run" / "policy").chat_template == tok.chat_template  # later stages alike
+    assert (
+        AutoTokenizer.from_pretrained(tmp_path / "run" / "policy").chat_template == tok.chat_template
+    )  # later stages alike
     bad = tmp_path / "bad.jsonl"
     bad.write_text(good.read_text() + json.dumps({"messages": [{"role": "assistant", "content": "x"}]}) + "\n")
     with pytest.raises(DataError, match=r"bad.jsonl:17: message 0 is assistant, expected user"):

@@ -90,13 +90,22 @@ def test_encode_pairs_gives_encode_pairs_ids_row_by_row(tokenizer, tmp_path):
         rows = [json.loads(line) for _, line in zip(range(300), fh)]
     cut = [r["chosen"].rfind("\n\nAssistant:") + len("\n\nAssistant:") for r in rows]
     prompts = [r["chosen"][:k] for r, k in zip(rows, cut)]
-    responses = [r["chosen"][k:].strip() for r, k in zip(rows, cut)] + [r["rejected"][k:].strip() for r, k in zip(rows, cut)]
+    responses = [r["chosen"][k:].strip() for r, k in zip(rows, cut)] + [
+        r["rejected"][k:].strip() for r, k in zip(rows, cut)
+    ]
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"t": r["chosen"]}) + "\n" for r in rows))
     bpe = prepare_tokenizer(train_bpe(BPETokenizerConfig(source=str(tmp_path / "c.jsonl"), vocab_size=400)))
     cases = [(bpe, prompts * 2, responses, name, n) for name in ("dialogue", "human_assistant") for n in (64, 1024)]
     eos = tokenizer.eos_token
-    cases.append((tokenizer, ["the dog", "a", "the happy old dog", "every"], ["sees a cat", "", f"runs {eos}", "the"],
-                  "plain", 4))  # fmt: skip
+    cases.append(
+        (
+            tokenizer,
+            ["the dog", "a", "the happy old dog", "every"],
+            ["sees a cat", "", f"runs {eos}", "the"],
+            "plain",
+            4,
+        )
+    )
     for tok, ps, rs, name, max_length in cases:
         template = get_template(name)
         batched = encode_pairs(tok, ps, rs, template, max_length)

@@ -44,7 +44,8 @@ def test_split_hh_shared_prefix():
 
 @needs_hh
 def test_real_hh_rows_detect_and_split():
-    rows = [json.loads(line) for line in gzip.open(HH, "rt")]
+    with gzip.open(HH, "rt") as fh:
+        rows = [json.loads(line) for line in fh]
     assert len(rows) == 2312
     for i, data in enumerate(rows, start=1):
         row = Row(data, f"hh:{i}", i)
@@ -60,7 +61,9 @@ def test_real_hh_rows_detect_and_split():
 
 
 def test_formats_are_detected_and_parsed(tmp_path, tokenizer):
-    q = write_jsonl(tmp_path / "q.jsonl", [{"question": "the", "response_chosen": "dog", "response_rejected": "cat"}] * 4)
+    q = write_jsonl(
+        tmp_path / "q.jsonl", [{"question": "the", "response_chosen": "dog", "response_rejected": "cat"}] * 4
+    )
     g = write_jsonl(tmp_path / "g.jsonl", [{"prompt": "the", "chosen": "dog", "rejected": "cat"}] * 4)
     for path in (q, g):
         dm = make(tokenizer, source=path, val_fraction=0.0)
@@ -68,13 +71,18 @@ def test_formats_are_detected_and_parsed(tmp_path, tokenizer):
     bad = write_jsonl(tmp_path / "b.jsonl", [{"text": "x"}])
     with pytest.raises(DataError, match=r"b\.jsonl:1: cannot detect the preference format from keys \['text'\]"):
         make(tokenizer, source=bad)
-    wrong = write_jsonl(tmp_path / "w.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}])
+    wrong = write_jsonl(
+        tmp_path / "w.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}]
+    )
     with pytest.raises(DataError, match=r"w\.jsonl:2: missing field 'rejected'"):
         make(tokenizer, source=wrong, format="generic")
 
 
 def test_batch_stacks_chosen_then_rejected(tmp_path, tokenizer):
-    rows = [{"prompt": "the", "chosen": "happy dog", "rejected": "cat"}, {"prompt": "a", "chosen": "cat", "rejected": "sad dog"}]
+    rows = [
+        {"prompt": "the", "chosen": "happy dog", "rejected": "cat"},
+        {"prompt": "a", "chosen": "cat", "rejected": "sad dog"},
+    ]
     dm = make(tokenizer, source=write_jsonl(tmp_path / "g.jsonl", rows), val_fraction=0.0, group_by_length=False)
     batch = next(iter(dm._loader("train", train=False)))
     ids = lambda t: tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -133,7 +141,9 @@ def test_long_pairs_keep_response_cut_prompt(tmp_path, tokenizer):
     rows = [{"prompt": "the happy old dog sees the cat", "chosen": "and the bird", "rejected": "so"}] * 2
     dm = make(tokenizer, source=write_jsonl(tmp_path / "l.jsonl", rows), val_fraction=0.0, max_length=8)
     chosen = dm.splits["train"][0].chosen
-    assert chosen.response_ids == tokenizer("and the bird", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert chosen.response_ids == tokenizer("and the bird", add_special_tokens=False)["input_ids"] + [
+        tokenizer.eos_token_id
+    ]
     assert len(chosen.prompt_ids) + len(chosen.response_ids) == 8 and chosen.prompt_ids[0] == tokenizer.bos_token_id
     assert dm.stats["train_prompts_cut"] == 2
 
@@ -195,7 +205,13 @@ def test_length_grouped_sampler():
     spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
     g = torch.Generator().manual_seed(0)
     rand = torch.randperm(203, generator=g).tolist()
-    rand_spread = sum(max(lengths[i] for i in rand[k : k + 8]) - min(lengths[i] for i in rand[k : k + 8]) for k in range(0, 203, 8)) / 26
+    rand_spread = (
+        sum(
+            max(lengths[i] for i in rand[k : k + 8]) - min(lengths[i] for i in rand[k : k + 8])
+            for k in range(0, 203, 8)
+        )
+        / 26
+    )
     assert spread < rand_spread / 3
     s.set_epoch(1)
     assert list(s) != order

@@ -44,14 +44,17 @@ def test_a_prompt_outside_the_task_is_refused(task, bad):
         task.parse(bad)
 
 
-@pytest.mark.parametrize(("response", "answer"), [
-    ("7 + 5 = 2 ; answer: 2", "2"),
-    ("answer: 13", "13"),
-    ("7 + 5 = 2 ; answer: 2 ;", None),        # something after the answer
-    ("answer: 2 answer: 2", None),            # two answer lines
-    ("7 + 5 = 2 ;", None),                    # no answer line
-    ("answer:", None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("response", "answer"),
+    [
+        ("7 + 5 = 2 ; answer: 2", "2"),
+        ("answer: 13", "13"),
+        ("7 + 5 = 2 ; answer: 2 ;", None),  # something after the answer
+        ("answer: 2 answer: 2", None),  # two answer lines
+        ("7 + 5 = 2 ;", None),  # no answer line
+        ("answer:", None),
+    ],
+)
 def test_parse_answer(response, answer):
     assert parse_answer(response) == answer
 
@@ -59,12 +62,12 @@ def test_parse_answer(response, answer):
 def test_checker_and_rewards_agree_with_hand_written_cases(task):
     prompts = ["7 + 5 - 3 ="] * 5
     responses = [
-        "7 + 5 = 2 ; 2 - 3 = 9 ; answer: 9",   # right, well-formed
-        "7 + 5 = 3 ; 3 - 3 = 0 ; answer: 0",   # a wrong step: wrong answer, still well-formed working
-        "7 + 5 = 2 ; 2 - 3 = 9 ; answer: 8",   # the answer line does not repeat the last result
-        "answer: 9",                           # right answer without the working
-        "7 + 5 = 2 ; 2 - 3 = 9 ; answer: 9",   # right but cut (no EOS)
-    ]  # fmt: skip
+        "7 + 5 = 2 ; 2 - 3 = 9 ; answer: 9",  # right, well-formed
+        "7 + 5 = 3 ; 3 - 3 = 0 ; answer: 0",  # a wrong step: wrong answer, still well-formed working
+        "7 + 5 = 2 ; 2 - 3 = 9 ; answer: 8",  # the answer line does not repeat the last result
+        "answer: 9",  # right answer without the working
+        "7 + 5 = 2 ; 2 - 3 = 9 ; answer: 9",  # right but cut (no EOS)
+    ]
     ended = [True, True, True, True, False]
     assert answer_reward_fn()(prompts, responses, ended) == [1.0, 0.0, 0.0, 1.0, 0.0]
     assert format_reward_fn()(prompts, responses, ended) == [1.0, 1.0, 0.0, 0.0, 0.0]
@@ -77,7 +80,7 @@ def test_well_formed_checks_the_copy_of_the_prompt(task):
     assert task.well_formed("7 + 5 - 3 =", "7 + 5 = 4 ; 4 - 3 = 1 ; answer: 1")
     assert not task.well_formed("7 + 5 - 3 =", "7 + 5 = 4 ; 4 + 3 = 7 ; answer: 7")  # operator changed
     assert not task.well_formed("7 + 5 - 3 =", "7 + 5 = 4 ; 2 - 3 = 9 ; answer: 9")  # left operand not carried
-    assert not task.well_formed("7 + 5 - 3 =", "7 + 5 = 2 ; answer: 2")               # a step missing
+    assert not task.well_formed("7 + 5 - 3 =", "7 + 5 = 2 ; answer: 2")  # a step missing
     assert not task.well_formed("7 + 5 - 3 =", "7 + 5 = 2 ; 2 - 3 = 19 ; answer: 19")  # not below the modulus
     assert not task.well_formed("not a problem", "answer: 1")
 
@@ -136,11 +139,14 @@ def test_splits_are_disjoint_and_the_data_is_deterministic():
     assert set(steps) == {2, 3, 4}
 
 
-@pytest.mark.parametrize(("key", "value", "message"), [
-    ("operators", "+/", re.escape("operators: must be distinct characters of '+-*', got '+/'")),
-    ("operators", "++", "operators: must be distinct"),
-    ("max_steps", 1, "max_steps: must be >= min_steps=2"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("operators", "+/", re.escape("operators: must be distinct characters of '+-*', got '+/'")),
+        ("operators", "++", "operators: must be distinct"),
+        ("max_steps", 1, "max_steps: must be >= min_steps=2"),
+    ],
+)
 def test_bad_task_config_names_the_key(key, value, message):
     with pytest.raises(ConfigError, match=message):
         ReasoningTask(ReasoningTaskConfig(**{key: value}))

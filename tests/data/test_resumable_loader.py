@@ -32,8 +32,12 @@ def test_epoch_sampler_is_a_function_of_seed_and_epoch():
     other.set_epoch(2)
     assert list(other) == first  # a fresh sampler (a resumed process): the same order
     # neighbouring (seed, epoch) pairs are independent streams, unlike manual_seed(seed + epoch)
-    assert torch.equal(torch.randperm(50, generator=epoch_generator(1, 0)), torch.randperm(50, generator=epoch_generator(1, 0)))
-    assert not torch.equal(torch.randperm(50, generator=epoch_generator(1, 0)), torch.randperm(50, generator=epoch_generator(0, 1)))
+    assert torch.equal(
+        torch.randperm(50, generator=epoch_generator(1, 0)), torch.randperm(50, generator=epoch_generator(1, 0))
+    )
+    assert not torch.equal(
+        torch.randperm(50, generator=epoch_generator(1, 0)), torch.randperm(50, generator=epoch_generator(0, 1))
+    )
 
 
 def test_epoch_sampler_with_replacement_draws_num_samples():

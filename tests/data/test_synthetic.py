@@ -16,9 +16,9 @@ from lit_rlhf.data.synthetic import (
     gold_reward_fn,
 )
 
-
 # module-scoped fixtures (runs shared by several tests): one pytest worker runs the whole file
 pytestmark = pytest.mark.xdist_group("synthetic_task")
+
 
 @pytest.fixture(scope="module")
 def task():

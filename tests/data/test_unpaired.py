@@ -31,17 +31,31 @@ def test_pairs_split_into_desirable_and_undesirable_examples_with_mismatched_kl_
     """Pairs (p0: w0 > l0), (p1: w1 > l1), (p2: w2 > l2) → examples w0 w1 w2 (desirable) then l0 l1 l2;
     the KL row of example i is its prompt with example i − 1's completion (cyclically): by hand,
     (p0, l2), (p1, w0), (p2, w1), (p0, w2), (p1, l0), (p2, l1)."""
-    rows = [{"prompt": "the dog", "chosen": "sees a cat", "rejected": "cat"},
-            {"prompt": "a bird", "chosen": "helps", "rejected": "sad bird"},
-            {"prompt": "my house", "chosen": "warm house", "rejected": "house house"}]  # fmt: skip
+    rows = [
+        {"prompt": "the dog", "chosen": "sees a cat", "rejected": "cat"},
+        {"prompt": "a bird", "chosen": "helps", "rejected": "sad bird"},
+        {"prompt": "my house", "chosen": "warm house", "rejected": "house house"},
+    ]
     dm = make(tokenizer, source=write_jsonl(tmp_path / "p.jsonl", rows))
     ex = dm.splits["train"]
     got = [(e.prompt, text(tokenizer, e.completion.response_ids), e.desirable) for e in ex]
-    assert got == [("the dog", "sees a cat", True), ("a bird", "helps", True), ("my house", "warm house", True),
-                   ("the dog", "cat", False), ("a bird", "sad bird", False), ("my house", "house house", False)]  # fmt: skip
+    assert got == [
+        ("the dog", "sees a cat", True),
+        ("a bird", "helps", True),
+        ("my house", "warm house", True),
+        ("the dog", "cat", False),
+        ("a bird", "sad bird", False),
+        ("my house", "house house", False),
+    ]
     kl = [(text(tokenizer, e.kl.prompt_ids), text(tokenizer, e.kl.response_ids)) for e in ex]
-    assert kl == [("the dog", "house house"), ("a bird", "sees a cat"), ("my house", "helps"),
-                  ("the dog", "warm house"), ("a bird", "cat"), ("my house", "sad bird")]  # fmt: skip
+    assert kl == [
+        ("the dog", "house house"),
+        ("a bird", "sees a cat"),
+        ("my house", "helps"),
+        ("the dog", "warm house"),
+        ("a bird", "cat"),
+        ("my house", "sad bird"),
+    ]
     assert [e.index for e in ex] == list(range(6))
     assert (dm.stats["train_examples"], dm.stats["train_desirable"]) == (6, 3)
     # one batch: completion rows, then their KL rows; labels and positions ride along
@@ -49,14 +63,21 @@ def test_pairs_split_into_desirable_and_undesirable_examples_with_mismatched_kl_
     assert batch["input_ids"].shape[0] == 8 and batch["desirable"].tolist() == [True, True, True, False]
     resp = [text(tokenizer, row[m.bool()].tolist()) for row, m in zip(batch["input_ids"], batch["response_mask"])]
     assert resp == ["sees a cat", "helps", "warm house", "cat", "house house", "sees a cat", "helps", "warm house"]
-    assert batch["pair_index"].tolist() == [0, 1, 2, 3] and batch["prompts"] == ["the dog", "a bird", "my house", "the dog"]
+    assert batch["pair_index"].tolist() == [0, 1, 2, 3] and batch["prompts"] == [
+        "the dog",
+        "a bird",
+        "my house",
+        "the dog",
+    ]
 
 
 def test_unpaired_rows_are_detected_parsed_and_their_kl_rows_skip_the_same_prompt(tmp_path, tokenizer):
-    rows = [{"prompt": "the dog", "completion": "sees a cat", "label": True},
-            {"prompt": "the dog", "completion": "cat cat", "label": False},
-            {"prompt": "a bird", "completion": "helps", "label": True},
-            {"prompt": "a bird", "completion": "sad", "label": False}]  # fmt: skip
+    rows = [
+        {"prompt": "the dog", "completion": "sees a cat", "label": True},
+        {"prompt": "the dog", "completion": "cat cat", "label": False},
+        {"prompt": "a bird", "completion": "helps", "label": True},
+        {"prompt": "a bird", "completion": "sad", "label": False},
+    ]
     path = write_jsonl(tmp_path / "u.jsonl", rows)
     assert detect_format(Row(rows[0], "u.jsonl:1", 1)) == "unpaired"
     dm = make(tokenizer, source=path)
@@ -81,7 +102,11 @@ def test_bad_unpaired_rows_are_named_or_counted(tmp_path, tokenizer, caplog):
     no_prompt = write_jsonl(tmp_path / "p.jsonl", [good, {"completion": "b", "label": True}])
     with pytest.raises(DataError, match=r"p\.jsonl:2: missing field 'prompt'"):
         make(tokenizer, source=no_prompt, format="unpaired")
-    rows = [good, {"prompt": "a bird", "completion": "  ", "label": False}, {"prompt": "a bird", "completion": "helps", "label": False}]
+    rows = [
+        good,
+        {"prompt": "a bird", "completion": "  ", "label": False},
+        {"prompt": "a bird", "completion": "helps", "label": False},
+    ]
     path = write_jsonl(tmp_path / "e.jsonl", rows)
     with caplog.at_level(logging.INFO, logger="lit_rlhf.data.preference"):
         dm = make(tokenizer, source=path)
@@ -97,6 +122,10 @@ def test_embedded_pairs_split_and_count(tokenizer):
     dm = make(tokenizer, n_train=40, n_val=8, n_test=4, batch_size=8)
     assert {s: len(v) for s, v in dm.splits.items()} == {"train": 80, "val": 16, "test": 8}
     pairs, ex = dm.pairs["train"], dm.examples["train"]
-    assert [(e.prompt, e.completion) for e in ex] == [(p.prompt, p.chosen) for p in pairs] + [(p.prompt, p.rejected) for p in pairs]
-    assert all(e.kl.prompt_ids == e.completion.prompt_ids for e in dm.splits["train"])  # same prompt, another completion
+    assert [(e.prompt, e.completion) for e in ex] == [(p.prompt, p.chosen) for p in pairs] + [
+        (p.prompt, p.rejected) for p in pairs
+    ]
+    assert all(
+        e.kl.prompt_ids == e.completion.prompt_ids for e in dm.splits["train"]
+    )  # same prompt, another completion
     assert parse_example(Row({"prompt": "a", "completion": "b", "label": False}, "w")).desirable is False

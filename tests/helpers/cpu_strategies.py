@@ -21,12 +21,17 @@ def cpu_strategy(kind: str, micro_batch: int) -> Any:
         return cpu_fsdp_strategy()
     from tests.helpers.deepspeed_cpu import CPUDeepSpeedStrategy
 
-    return CPUDeepSpeedStrategy(config={
-        # ZeRO-3 with no persistence threshold: every parameter partitioned, even the tiny ones
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0} if kind == "deepspeed3"
-        else {"stage": 2}, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
-        "train_micro_batch_size_per_gpu": micro_batch,
-    })  # fmt: skip
+    return CPUDeepSpeedStrategy(
+        config={
+            # ZeRO-3 with no persistence threshold: every parameter partitioned, even the tiny ones
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}
+            if kind == "deepspeed3"
+            else {"stage": 2},
+            "gradient_clipping": 1.0,
+            "zero_allow_untested_optimizer": True,
+            "train_micro_batch_size_per_gpu": micro_batch,
+        }
+    )
 
 
 def run_parser(models_help: str, extra: list[tuple[str, dict[str, Any]]] = ()) -> argparse.ArgumentParser:

@@ -1,7 +1,8 @@
 """Run a few DPO steps under DDP or (CPU) DeepSpeed ZeRO-2 with N processes, then one validation;
 each rank writes its final policy parameters and the logged metrics to OUT/rank<r>.pt.
 
-    python tests/helpers/dpo_multiproc.py --strategy ddp --devices 2 --models DIR --out DIR [--precompute] [--loss-type kto]
+    python tests/helpers/dpo_multiproc.py --strategy ddp --devices 2 --models DIR --out DIR \
+        [--precompute] [--loss-type kto]
 
 With ``--loss-type kto`` each rank also records, for every KTO reference point it computed, its own
 KL rows' (sum, count) and the z_ref it used (which must be the mean over BOTH ranks' rows).
@@ -30,8 +31,9 @@ from lit_rlhf.modules.dpo import DPOModule  # noqa: E402
 from lit_rlhf.utils.config import build_config  # noqa: E402
 from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args, run_parser, wrapper_name  # noqa: E402
 
-
-PARSER = run_parser("folder with policy/", [("--precompute", {"action": "store_true"}), ("--loss-type", {"default": "sigmoid"})])
+PARSER = run_parser(
+    "folder with policy/", [("--precompute", {"action": "store_true"}), ("--loss-type", {"default": "sigmoid"})]
+)
 
 
 def main() -> None:
@@ -42,13 +44,25 @@ def main() -> None:
 
 def run(args) -> None:
     policy = os.path.join(args.models, "policy")
-    cfg = build_config(DPOConfig, {"policy_path": policy, "lr": 1e-3, "warmup_steps": 0, "drift_prompts": 4,
-                                   "precompute_ref_logprobs": args.precompute, "generation": {"max_new_tokens": 6},
-                                   "loss_type": args.loss_type}, "algo")  # fmt: skip
+    cfg = build_config(
+        DPOConfig,
+        {
+            "policy_path": policy,
+            "lr": 1e-3,
+            "warmup_steps": 0,
+            "drift_prompts": 4,
+            "precompute_ref_logprobs": args.precompute,
+            "generation": {"max_new_tokens": 6},
+            "loss_type": args.loss_type,
+        },
+        "algo",
+    )
     spec = DPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=policy))
     tok = build_tokenizer(spec)
     module = DPOModule(cfg, model=spec, tokenizer=tok)
-    data = PreferenceDataModule(n_train=64, n_val=16, n_test=8, batch_size=4, unpaired=args.loss_type == "kto").connect(tok)
+    data = PreferenceDataModule(n_train=64, n_val=16, n_test=8, batch_size=4, unpaired=args.loss_type == "kto").connect(
+        tok
+    )
     reference_points = []  # KTO: (this rank's sum, count, the z_ref used) per call
     import lit_rlhf.modules.dpo as dpo
 
@@ -67,19 +81,38 @@ def run(args) -> None:
             wrapper.append(wrapper_name(trainer, module.policy))
 
     trainer = pl.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=4, logger=False, log_every_n_steps=2,
-        enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0, check_val_every_n_epoch=None,
-        val_check_interval=4, default_root_dir=args.out, gradient_clip_val=0.5 if args.strategy == "fsdp" else None, callbacks=[KLMonitor(), ResponseLengthMonitor(), Wrapper()],
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=4,
+        logger=False,
+        log_every_n_steps=2,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        check_val_every_n_epoch=None,
+        val_check_interval=4,
+        default_root_dir=args.out,
+        gradient_clip_val=0.5 if args.strategy == "fsdp" else None,
+        callbacks=[KLMonitor(), ResponseLengthMonitor(), Wrapper()],
+    )
     try:
         trainer.fit(module, data)
     finally:
         dpo.kto_reference_point = kto_reference_point
     params = {k: v.detach().float().cpu().clone() for k, v in module.policy.state_dict().items()}
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    torch.save({"params": params, "metrics": metrics, "world_size": trainer.world_size, "global_step": trainer.global_step,
-                "wrapper": wrapper[0], "reference_points": reference_points},
-               os.path.join(args.out, f"rank{trainer.global_rank}.pt"))  # fmt: skip
+    torch.save(
+        {
+            "params": params,
+            "metrics": metrics,
+            "world_size": trainer.world_size,
+            "global_step": trainer.global_step,
+            "wrapper": wrapper[0],
+            "reference_points": reference_points,
+        },
+        os.path.join(args.out, f"rank{trainer.global_rank}.pt"),
+    )
 
 
 if __name__ == "__main__":

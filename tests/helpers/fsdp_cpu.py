@@ -29,8 +29,12 @@ def _full_state_dict_context_without_offload(module: Any, world_size: int, rank0
     from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    return FSDP.state_dict_type(module, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=rank0_only),
-                                FullOptimStateDictConfig(rank0_only=rank0_only))  # fmt: skip
+    return FSDP.state_dict_type(
+        module,
+        StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(rank0_only=rank0_only),
+        FullOptimStateDictConfig(rank0_only=rank0_only),
+    )
 
 
 def _copy_gathered_optimizer_states() -> None:
@@ -67,4 +71,6 @@ class CPUFSDPStrategy(RLHFFSDPStrategy):
 def cpu_fsdp_strategy(**kwargs: Any) -> CPUFSDPStrategy:
     """``conf/strategy/fsdp.yaml``'s wrapping (Llama decoder blocks) and sharding, over gloo."""
     kwargs.setdefault("wrap_layers", ["transformers.models.llama.modeling_llama.LlamaDecoderLayer"])
-    return CPUFSDPStrategy(process_group_backend="gloo", sharding_strategy="FULL_SHARD", state_dict_type="full", **kwargs)
+    return CPUFSDPStrategy(
+        process_group_backend="gloo", sharding_strategy="FULL_SHARD", state_dict_type="full", **kwargs
+    )

@@ -57,16 +57,35 @@ def uneven_reward():
 # the algorithm-defining values of conf/algo/{reinforce_pp,remax}.yaml (tests/modules/test_reinforce_presets.py
 # checks the presets), with 2 minibatches for REINFORCE++
 PRESETS = {
-    "reinforce_pp": {"num_generations": 1, "advantage_baseline": "none", "scale_rewards": False, "whiten_advantages": True,
-                     "kl_placement": "reward", "kl_estimator": "k1", "kl_coef": 0.05, "minibatch_size": 4},
-    "remax": {"num_generations": 1, "advantage_baseline": "greedy", "scale_rewards": False, "kl_placement": "reward",
-              "kl_estimator": "k1", "kl_coef": 0.05},
-}  # fmt: skip
+    "reinforce_pp": {
+        "num_generations": 1,
+        "advantage_baseline": "none",
+        "scale_rewards": False,
+        "whiten_advantages": True,
+        "kl_placement": "reward",
+        "kl_estimator": "k1",
+        "kl_coef": 0.05,
+        "minibatch_size": 4,
+    },
+    "remax": {
+        "num_generations": 1,
+        "advantage_baseline": "greedy",
+        "scale_rewards": False,
+        "kl_placement": "reward",
+        "kl_estimator": "k1",
+        "kl_coef": 0.05,
+    },
+}
 
 
-PARSER = run_parser("folder with policy/ and rm/", [("--dapo", {"action": "store_true"}),
-                                                    ("--preset", {"choices": sorted(PRESETS), "default": None}),
-                                                    ("--engine", {"choices": ["hf", "vllm"], "default": "hf"})])
+PARSER = run_parser(
+    "folder with policy/ and rm/",
+    [
+        ("--dapo", {"action": "store_true"}),
+        ("--preset", {"choices": sorted(PRESETS), "default": None}),
+        ("--engine", {"choices": ["hf", "vllm"], "default": "hf"}),
+    ],
+)
 
 
 def main() -> None:
@@ -77,13 +96,34 @@ def main() -> None:
 
 def run(args) -> None:
     policy, rm = os.path.join(args.models, "policy"), os.path.join(args.models, "rm")
-    reward = ({"reward_fn": {"_target_": "tests.helpers.grpo_multiproc.uneven_reward"}, "dynamic_sampling": True,
-               "max_resample_rounds": 2} if args.dapo else {"reward_path": rm})  # fmt: skip
-    algo = {"num_generations": 4, "minibatch_size": 4, "num_iterations": 2} if args.preset is None else PRESETS[args.preset]
+    reward = (
+        {
+            "reward_fn": {"_target_": "tests.helpers.grpo_multiproc.uneven_reward"},
+            "dynamic_sampling": True,
+            "max_resample_rounds": 2,
+        }
+        if args.dapo
+        else {"reward_path": rm}
+    )
+    algo = (
+        {"num_generations": 4, "minibatch_size": 4, "num_iterations": 2}
+        if args.preset is None
+        else PRESETS[args.preset]
+    )
     engine = {"engine": args.engine, "vllm": {"kv_cache_gib": 0.0625}}
-    cfg = build_config(GRPOConfig, {"policy_path": policy, "lr": 1e-3, "rollout_batch_size": 8,
-                                    "monitor_sampler": args.engine == "vllm",
-                                    "generation": {"max_new_tokens": 6, **engine}, **algo, **reward}, "algo")  # fmt: skip
+    cfg = build_config(
+        GRPOConfig,
+        {
+            "policy_path": policy,
+            "lr": 1e-3,
+            "rollout_batch_size": 8,
+            "monitor_sampler": args.engine == "vllm",
+            "generation": {"max_new_tokens": 6, **engine},
+            **algo,
+            **reward,
+        },
+        "algo",
+    )
     spec = GRPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=policy))
     tok = build_tokenizer(spec)
     module = GRPOModule(cfg, model=spec, tokenizer=tok)
@@ -99,19 +139,39 @@ def run(args) -> None:
             st, r = outputs["stats"], outputs["rollout"]
             sampling.append({k: float(st[k]) for k in ("grpo/kept_groups", "grpo/resample_rounds") if k in st})
             m = r.response_mask.float()  # this rank's masked sum, sum of squares and count of the advantages
-            last.update(advantages=[float((r.advantages * m).sum()), float((r.advantages**2 * m).sum()), float(m.sum())],
-                        baselines=None if r.baseline_scores is None else r.baseline_scores.tolist(),
-                        prompts=list(r.prompts_text), sampler_kl=float(st.get("rollout/sampler_kl", -1.0)))  # fmt: skip
+            last.update(
+                advantages=[float((r.advantages * m).sum()), float((r.advantages**2 * m).sum()), float(m.sum())],
+                baselines=None if r.baseline_scores is None else r.baseline_scores.tolist(),
+                prompts=list(r.prompts_text),
+                sampler_kl=float(st.get("rollout/sampler_kl", -1.0)),
+            )
 
-    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=8, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
-                         callbacks=[Wrapper()])  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        callbacks=[Wrapper()],
+    )
     trainer.fit(module, data)
     params = {k: v.detach().float().cpu().clone() for k, v in module.actor.state_dict().items()}
-    torch.save({"params": params, "world_size": trainer.world_size, "global_step": trainer.global_step,
-                "iteration": module.rl_iteration, "wrapper": wrapper[0], "sampling": sampling, "extra_batches": module.extra_batches,
-                **last},
-               os.path.join(args.out, f"rank{trainer.global_rank}.pt"))  # fmt: skip
+    torch.save(
+        {
+            "params": params,
+            "world_size": trainer.world_size,
+            "global_step": trainer.global_step,
+            "iteration": module.rl_iteration,
+            "wrapper": wrapper[0],
+            "sampling": sampling,
+            "extra_batches": module.extra_batches,
+            **last,
+        },
+        os.path.join(args.out, f"rank{trainer.global_rank}.pt"),
+    )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,15 @@ def save_tiny_models(tiny_spec, tokenizer, tmp_path):
 
 def make(saved_models, tokenizer, **kw):
     policy, rm = saved_models
-    args = dict(policy_path=policy, reward_path=rm, lr=1e-3, critic_lr=1e-3, rollout_batch_size=8, minibatch_size=4,
-                generation={"max_new_tokens": 8})  # fmt: skip
+    args = dict(
+        policy_path=policy,
+        reward_path=rm,
+        lr=1e-3,
+        critic_lr=1e-3,
+        rollout_batch_size=8,
+        minibatch_size=4,
+        generation={"max_new_tokens": 8},
+    )
     args.update(kw)
     if "reward_fn" in kw:
         args["reward_path"] = None
@@ -43,9 +50,14 @@ def data(tokenizer, batch_size=8, **kw):
 
 
 def fit(module, dm, max_steps, **kw):
-    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, limit_val_batches=0, **kw)  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        **kw,
+    )
     trainer.fit(module, dm)
     return trainer
-
-

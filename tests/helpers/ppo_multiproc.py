@@ -21,7 +21,6 @@ sys.path.insert(0, str(ROOT))  # tests.helpers importable when run as a script
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from lit_rlhf.callbacks.resume import ResumeState  # noqa: E402
@@ -70,9 +69,12 @@ class Dump(pl.Callback):
 
             def before_the_unit(mod, args, kwargs):  # the layer's unit: before it would gather anything
                 if not torch.is_grad_enabled():
-                    self.whole_weights.append(all(
-                        p.shape == self.full_shapes[k.replace("_fsdp_wrapped_module.", "")]
-                        for k, p in actor.named_parameters()))  # fmt: skip
+                    self.whole_weights.append(
+                        all(
+                            p.shape == self.full_shapes[k.replace("_fsdp_wrapped_module.", "")]
+                            for k, p in actor.named_parameters()
+                        )
+                    )
 
             assert type(actor).__name__ == type(first_layer).__name__ == "FullyShardedDataParallel"
             first_layer.register_forward_pre_hook(before_the_unit, prepend=True, with_kwargs=True)
@@ -101,29 +103,45 @@ class Dump(pl.Callback):
             gather = FSDP.state_dict_type(module, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False))
         with gather:
             state = {f"actor.{k}": v.detach().float().cpu().clone() for k, v in module.actor.state_dict().items()}
-            state.update({f"critic.{k}": v.detach().float().cpu().clone() for k, v in module.critic.state_dict().items()})
+            state.update(
+                {f"critic.{k}": v.detach().float().cpu().clone() for k, v in module.critic.state_dict().items()}
+            )
         torch.save(
-            {"params": state, "moments": module.reward_moments.state_dict(), "global_step": trainer.global_step,
-             "world_size": trainer.world_size, "iteration": module.iteration,
-             "kl_ctl": module.kl_ctl.state_dict(), "kl_inputs": self.kl_inputs, "advantages": self.advantages,
-             "whole_weights": self.whole_weights,
-             "logged": {k: float(v) for k, v in trainer.callback_metrics.items()
-                        if k.split("/")[0] in ("policy", "critic", "reward", "perf", "health", "kl_ctl")},
-             "groups": [len(g["params"]) for g in trainer.optimizers[0].param_groups],  # matrices/vectors split
-             "wrapper": type(module.actor if fsdp(trainer) else trainer.strategy.model).__name__,
-             "zero_stage": trainer.strategy.model.zero_optimization_stage()
-             if hasattr(trainer.strategy.model, "zero_optimization_stage") else None},
+            {
+                "params": state,
+                "moments": module.reward_moments.state_dict(),
+                "global_step": trainer.global_step,
+                "world_size": trainer.world_size,
+                "iteration": module.iteration,
+                "kl_ctl": module.kl_ctl.state_dict(),
+                "kl_inputs": self.kl_inputs,
+                "advantages": self.advantages,
+                "whole_weights": self.whole_weights,
+                "logged": {
+                    k: float(v)
+                    for k, v in trainer.callback_metrics.items()
+                    if k.split("/")[0] in ("policy", "critic", "reward", "perf", "health", "kl_ctl")
+                },
+                "groups": [len(g["params"]) for g in trainer.optimizers[0].param_groups],  # matrices/vectors split
+                "wrapper": type(module.actor if fsdp(trainer) else trainer.strategy.model).__name__,
+                "zero_stage": trainer.strategy.model.zero_optimization_stage()
+                if hasattr(trainer.strategy.model, "zero_optimization_stage")
+                else None,
+            },
             os.path.join(self.out, f"rank{trainer.global_rank}.pt"),
-        )  # fmt: skip
+        )
 
 
-PARSER = run_parser("folder with policy/ and rm/", [
-    ("--max-steps", {"type": int, "default": 4}),
-    ("--ckpt-dir", {"help": "save a checkpoint every 2 optimizer steps here"}),
-    ("--resume", {"help": "checkpoint to resume from"}),
-    ("--resume-into", {"help": "then resume a fresh fit from the step-2 checkpoint in --ckpt-dir, ranks here"}),
-    ("--export-dir", {"help": "export the actor here at the end of the fit (algo.export_dir)"}),
-])  # fmt: skip
+PARSER = run_parser(
+    "folder with policy/ and rm/",
+    [
+        ("--max-steps", {"type": int, "default": 4}),
+        ("--ckpt-dir", {"help": "save a checkpoint every 2 optimizer steps here"}),
+        ("--resume", {"help": "checkpoint to resume from"}),
+        ("--resume-into", {"help": "then resume a fresh fit from the step-2 checkpoint in --ckpt-dir, ranks here"}),
+        ("--export-dir", {"help": "export the actor here at the end of the fit (algo.export_dir)"}),
+    ],
+)
 
 
 def main() -> None:
@@ -143,12 +161,27 @@ def run(args) -> None:
 def fit(args, out: str, resume: str | None, ckpt_dir: str | None, export_dir: str | None) -> None:
     os.makedirs(out, exist_ok=True)
     policy, rm = os.path.join(args.models, "policy"), os.path.join(args.models, "rm")
-    cfg = build_config(PPOConfig, {
-        "policy_path": policy, "reward_path": rm, "lr": 1e-3, "critic_lr": 1e-3, "rollout_batch_size": 8, "minibatch_size": 4,
-        "score_norm": "normalize", "kl_coef": 0.05, "generation": {"max_new_tokens": 8},
-        "adaptive_kl": True, "kl_target": 0.01, "kl_horizon": 100, "whiten_advantages": True, "advantage_clip": None,
-        "export_dir": export_dir,
-    }, "algo")  # fmt: skip
+    cfg = build_config(
+        PPOConfig,
+        {
+            "policy_path": policy,
+            "reward_path": rm,
+            "lr": 1e-3,
+            "critic_lr": 1e-3,
+            "rollout_batch_size": 8,
+            "minibatch_size": 4,
+            "score_norm": "normalize",
+            "kl_coef": 0.05,
+            "generation": {"max_new_tokens": 8},
+            "adaptive_kl": True,
+            "kl_target": 0.01,
+            "kl_horizon": 100,
+            "whiten_advantages": True,
+            "advantage_clip": None,
+            "export_dir": export_dir,
+        },
+        "algo",
+    )
     spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=policy))
     tok = build_tokenizer(spec)
     module = PPOModule(cfg, model=spec, tokenizer=tok)
@@ -158,9 +191,16 @@ def fit(args, out: str, resume: str | None, ckpt_dir: str | None, export_dir: st
     if ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps, logger=False,
-        enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, callbacks=callbacks, limit_val_batches=0,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.max_steps,
+        logger=False,
+        enable_checkpointing=bool(ckpt_dir),
+        enable_progress_bar=False,
+        callbacks=callbacks,
+        limit_val_batches=0,
+    )
     trainer.fit(module, data, ckpt_path=resume)
 
 

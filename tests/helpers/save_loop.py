@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
+import torch
 
-from lit_rlhf.runtime.checkpoint_io import AtomicCheckpointIO  # noqa: E402
+from lit_rlhf.runtime.checkpoint_io import AtomicCheckpointIO
 
 
 def save_forever(path: str, report: int) -> None:

@@ -15,7 +15,7 @@ import torch
 
 
 class Snapshot(pl.Callback):
-    runs: list["Snapshot"] = []
+    runs: list[Snapshot] = []
     """Every instance, in creation order (one per ``run``)."""
 
     def __init__(self, out: str | None = None) -> None:
@@ -41,7 +41,9 @@ class Snapshot(pl.Callback):
         """exp(Σ NLL / Σ response tokens) over this rank's validation batches."""
         nll = tokens = 0.0
         for batch in trainer.datamodule.val_dataloader():
-            n, t = module.response_nll({k: v.to(module.device) for k, v in batch.items() if isinstance(v, torch.Tensor)})
+            n, t = module.response_nll(
+                {k: v.to(module.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+            )
             nll, tokens = nll + float(n), tokens + float(t)
         return math.exp(nll / tokens)
 

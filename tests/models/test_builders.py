@@ -79,7 +79,9 @@ def test_spec_validation():
     with pytest.raises(ConfigError, match="model.tokenizer: a tiny model has no tokenizer"):
         build_config(ModelSpec, {"tiny": {}}, "model")
     with pytest.raises(ConfigError, match="model.tiny.hidden_size: must be divisible by num_attention_heads=3"):
-        build_config(ModelSpec, {"tiny": {"hidden_size": 32, "num_attention_heads": 3}, "tokenizer": "synthetic"}, "model")
+        build_config(
+            ModelSpec, {"tiny": {"hidden_size": 32, "num_attention_heads": 3}, "tokenizer": "synthetic"}, "model"
+        )
     with pytest.raises(ConfigError, match="model.dtype: must be one of"):
         build_config(ModelSpec, {"name_or_path": "x", "dtype": "fp8"}, "model")
 
@@ -103,5 +105,6 @@ def test_a_value_transformers_refuses_names_the_key_in_one_line(monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
     with pytest.raises(ModelLoadError) as err:
         build_causal_lm(ModelSpec(name_or_path="some/model", revision="no such"))
-    assert str(err.value) == ("Could not load the model 'some/model' (model.revision): revision 'no such' is not a "
-                              "valid git identifier")
+    assert str(err.value) == (
+        "Could not load the model 'some/model' (model.revision): revision 'no such' is not a valid git identifier"
+    )

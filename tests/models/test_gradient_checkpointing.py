@@ -95,10 +95,15 @@ def test_the_switch_reaches_every_trained_model(tiny_spec, tokenizer, saved_mode
     ppo.configure_model()
     assert ppo.actor.is_gradient_checkpointing and ppo.critic.backbone.is_gradient_checkpointing
     policy = ModelSpec(name_or_path=saved_models[0], gradient_checkpointing=True)
-    dpo = DPOModule(build_config(DPOConfig, {"policy_path": saved_models[0]}, "algo"), model=policy, tokenizer=tokenizer)
+    dpo = DPOModule(
+        build_config(DPOConfig, {"policy_path": saved_models[0]}, "algo"), model=policy, tokenizer=tokenizer
+    )
     dpo.configure_model()
     assert dpo.policy.is_gradient_checkpointing
-    grpo = GRPOModule(build_config(GRPOConfig, {"policy_path": saved_models[0], "reward_path": saved_models[1]}, "algo"),
-                      model=policy, tokenizer=tokenizer)  # fmt: skip
+    grpo = GRPOModule(
+        build_config(GRPOConfig, {"policy_path": saved_models[0], "reward_path": saved_models[1]}, "algo"),
+        model=policy,
+        tokenizer=tokenizer,
+    )
     grpo.configure_model()
     assert grpo.actor.is_gradient_checkpointing

@@ -63,7 +63,9 @@ def test_merged_weights_match_peft_merge_and_the_adapted_model(tiny_spec, tokeni
     merged = merged_state_dict(model)
     assert merged.keys() == base.state_dict().keys()
     # independently: peft's own PeftModel with the same adapter weights, merged by peft
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=SPEC.r, lora_alpha=SPEC.alpha, target_modules="all-linear"))
+    peft_model = get_peft_model(
+        copy.deepcopy(base), LoraConfig(r=SPEC.r, lora_alpha=SPEC.alpha, target_modules="all-linear")
+    )
     ours = model.state_dict()
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -76,7 +78,9 @@ def test_merged_weights_match_peft_merge_and_the_adapted_model(tiny_spec, tokeni
     plain.load_state_dict(merged)
     ids = _ids()
     with torch.no_grad():
-        torch.testing.assert_close(plain(input_ids=ids).logits, model.eval()(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            plain(input_ids=ids).logits, model.eval()(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_adapter_export_loads_with_peft_and_as_a_model_path(tiny_spec, tokenizer, tmp_path):
@@ -92,8 +96,9 @@ def test_adapter_export_loads_with_peft_and_as_a_model_path(tiny_spec, tokenizer
     ids = _ids()
     with torch.no_grad():
         expected = model.eval()(input_ids=ids).logits
-        loaded = PeftModel.from_pretrained(build_causal_lm(ModelSpec(name_or_path=str(tmp_path / "base"))),
-                                           str(tmp_path / "adapter")).eval()  # fmt: skip
+        loaded = PeftModel.from_pretrained(
+            build_causal_lm(ModelSpec(name_or_path=str(tmp_path / "base"))), str(tmp_path / "adapter")
+        ).eval()
         torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
         ours = build_causal_lm(ModelSpec(name_or_path=str(tmp_path / "adapter"))).eval()  # base + adapter, merged
         assert not lora_layers(ours)
@@ -112,8 +117,19 @@ def test_ppo_with_lora_trains_adapters_and_heads_only(saved_models, tokenizer):
     from lit_rlhf.utils.config import build_config
     from tests.helpers.ppo import data, fit
 
-    cfg = build_config(PPOConfig, dict(policy_path=saved_models[0], reward_path=saved_models[1], lr=1e-2, critic_lr=1e-2,
-                                       rollout_batch_size=8, minibatch_size=4, generation={"max_new_tokens": 6}), "algo")  # fmt: skip
+    cfg = build_config(
+        PPOConfig,
+        dict(
+            policy_path=saved_models[0],
+            reward_path=saved_models[1],
+            lr=1e-2,
+            critic_lr=1e-2,
+            rollout_batch_size=8,
+            minibatch_size=4,
+            generation={"max_new_tokens": 6},
+        ),
+        "algo",
+    )
     spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path="unused", lora=SPEC))
     module = PPOModule(cfg, model=spec, tokenizer=tokenizer)
     fit(module, data(tokenizer), max_steps=4)
@@ -150,15 +166,30 @@ def test_every_stage_trains_lora_through_the_config(stage, tmp_path, saved_model
     from tests.conftest import compose
 
     policy, rm = f"algo.policy_path={saved_models[0]}", f"algo.reward_path={saved_models[1]}"
-    extra = {"sft": ["experiment=sft_synthetic_tiny", "model.tiny.hidden_size=32", "model.tiny.num_attention_heads=2"],
-             "rm": ["experiment=rm_synthetic_tiny", "model.tiny=null", "model.tokenizer=null",
-                    f"model.name_or_path={saved_models[0]}"],
-             "dpo": ["experiment=dpo_synthetic_tiny", policy],
-             "grpo": ["experiment=grpo_synthetic_tiny", policy, rm, "validate_before_fit=false"],
-             "reinforce_pp": ["experiment=reinforce_pp_synthetic_tiny", policy, rm, "validate_before_fit=false"],
-             "remax": ["experiment=remax_synthetic_tiny", policy, rm, "validate_before_fit=false"]}[stage]  # fmt: skip
-    cfg = compose([*extra, "model.lora.enabled=true", "model.lora.r=4", "debug=fdr", "trainer.enable_progress_bar=false",
-                   "logger=none"], tmp_path)  # fmt: skip
+    extra = {
+        "sft": ["experiment=sft_synthetic_tiny", "model.tiny.hidden_size=32", "model.tiny.num_attention_heads=2"],
+        "rm": [
+            "experiment=rm_synthetic_tiny",
+            "model.tiny=null",
+            "model.tokenizer=null",
+            f"model.name_or_path={saved_models[0]}",
+        ],
+        "dpo": ["experiment=dpo_synthetic_tiny", policy],
+        "grpo": ["experiment=grpo_synthetic_tiny", policy, rm, "validate_before_fit=false"],
+        "reinforce_pp": ["experiment=reinforce_pp_synthetic_tiny", policy, rm, "validate_before_fit=false"],
+        "remax": ["experiment=remax_synthetic_tiny", policy, rm, "validate_before_fit=false"],
+    }[stage]
+    cfg = compose(
+        [
+            *extra,
+            "model.lora.enabled=true",
+            "model.lora.r=4",
+            "debug=fdr",
+            "trainer.enable_progress_bar=false",
+            "logger=none",
+        ],
+        tmp_path,
+    )
     metrics = run(cfg)
     assert metrics and all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     out = tmp_path / {"sft": "policy", "rm": "reward_model", "dpo": "policy"}.get(stage, "actor")

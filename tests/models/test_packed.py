@@ -13,8 +13,15 @@ from lit_rlhf.models.packed import packed_logits, packing_verdict, sequence_logp
 
 def tiny_llama(attn: str) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                      max_position_embeddings=64, attn_implementation=attn)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        attn_implementation=attn,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -137,7 +144,12 @@ def test_reward_model_and_critic_score_the_same_packed():
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     from transformers import BertConfig, BertModel
 
-    encoder = RewardModel(BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                               intermediate_size=32)), "encoder", "mean")  # fmt: skip
+    encoder = RewardModel(
+        BertModel(
+            BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+        ),
+        "encoder",
+        "mean",
+    )
     encoder.padding_free = True
     assert encoder(ids, mask).shape == (ids.shape[0],) and packing_verdict(encoder.trunk) is None

@@ -50,7 +50,9 @@ def test_export_reload_identical_scores(tiny_spec, tokenizer, tmp_path):
     torch.testing.assert_close(again(ids, mask), rm(ids, mask))
     assert again.kind == "causal_lm" and again.pooling == "last"
     # a spec pointing at the folder loads the trained model (PPO's reward_path)
-    via_spec = build_reward_model(ModelSpec(name_or_path=str(tmp_path)), build_tokenizer(ModelSpec(name_or_path=str(tmp_path))))
+    via_spec = build_reward_model(
+        ModelSpec(name_or_path=str(tmp_path)), build_tokenizer(ModelSpec(name_or_path=str(tmp_path)))
+    )
     torch.testing.assert_close(via_spec.eval()(ids, mask), rm(ids, mask))
 
 
@@ -83,8 +85,12 @@ def test_untied_lm_head_is_frozen_where_unused(tokenizer):
     from lit_rlhf.models.value import ValueModel
     from lit_rlhf.modules.reward_model import RewardModelModule
 
-    untied = ModelSpec(tiny=TinyLlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                            intermediate_size=64, tie_word_embeddings=False), tokenizer="synthetic")  # fmt: skip
+    untied = ModelSpec(
+        tiny=TinyLlamaConfig(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, tie_word_embeddings=False
+        ),
+        tokenizer="synthetic",
+    )
     critic = ValueModel(build_causal_lm(untied, tokenizer))
     assert not critic.backbone.lm_head.weight.requires_grad
     assert critic.backbone.model.embed_tokens.weight.requires_grad
@@ -92,6 +98,13 @@ def test_untied_lm_head_is_frozen_where_unused(tokenizer):
         m = RewardModelModule(model=untied, tokenizer=tokenizer, beta_rm=beta)
         m.configure_model()
         assert m.reward_model.backbone.lm_head.weight.requires_grad is trainable
-    tied = ValueModel(build_causal_lm(ModelSpec(tiny=TinyLlamaConfig(hidden_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, intermediate_size=64), tokenizer="synthetic"), tokenizer))  # fmt: skip
+    tied = ValueModel(
+        build_causal_lm(
+            ModelSpec(
+                tiny=TinyLlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
+                tokenizer="synthetic",
+            ),
+            tokenizer,
+        )
+    )
     assert tied.backbone.lm_head.weight.requires_grad  # tied to the (used) input embedding

@@ -28,8 +28,16 @@ def data(tokenizer, **kw):
 
 
 def fit(module, dm, max_steps, tmp_path, ckpt_path=None, **kw):
-    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, limit_val_batches=0, default_root_dir=tmp_path, **kw)  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+        **kw,
+    )
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     return trainer
 
@@ -68,8 +76,15 @@ def test_steps_change_every_policy_parameter_and_never_the_reference(saved_model
     assert all(torch.equal(ref0[k], v) for k, v in m.frozen["reference"].state_dict().items())
     assert not any(n.startswith("frozen") for n, _ in m.named_parameters())  # never checkpointed
     cm = trainer.callback_metrics
-    for key in ("train/loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                "logps/chosen", "logps/rejected"):  # fmt: skip
+    for key in (
+        "train/loss",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    ):
         assert key in cm and math.isfinite(float(cm[key])), key
     assert float(cm["rewards/margins"]) == pytest.approx(float(cm["rewards/chosen"] - cm["rewards/rejected"]), abs=1e-5)
 
@@ -99,9 +114,16 @@ def test_validation_measures_drift_through_the_monitors(saved_models, tokenizer,
     """Before training the policy IS the reference: KL exactly 0; after training it has drifted."""
     torch.manual_seed(0)
     m = make(saved_models, tokenizer, lr=3e-3)
-    trainer = pl.Trainer(max_steps=8, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, num_sanity_val_steps=0, default_root_dir=tmp_path,
-                         callbacks=[KLMonitor(), PerplexityMonitor(), ResponseLengthMonitor()])  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=8,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+        callbacks=[KLMonitor(), PerplexityMonitor(), ResponseLengthMonitor()],
+    )
     dm = data(tokenizer)
     before = trainer.validate(m, dm, verbose=False)[0]
     assert before["stability/kl"] == pytest.approx(0.0, abs=1e-5) and before["stability/response_length"] > 0
@@ -112,19 +134,34 @@ def test_validation_measures_drift_through_the_monitors(saved_models, tokenizer,
     assert {"val/loss", "val/rewards/accuracies", "val/rewards/margins", "val/logps/chosen"} <= set(after)
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"beta": 0.0}, r"algo.beta: must be > 0.0"),
-    ({"label_smoothing": 0.5}, r"algo.label_smoothing: must be >= 0.0 and < 0.5"),
-    ({"loss_type": "ipo", "label_smoothing": 0.1}, r"algo.label_smoothing: applies to the sigmoid \(DPO\) and simpo losses only"),
-    ({"loss_type": "orpo", "label_smoothing": 0.1}, r"algo.label_smoothing: applies to the sigmoid \(DPO\) and simpo losses only"),
-    ({"loss_type": "hinge"}, r"algo.loss_type: must be one of \['sigmoid', 'ipo', 'simpo', 'orpo', 'kto'\]"),
-    ({"loss_type": "simpo", "reference_path": "/ckpt/ref"}, r"algo.reference_path: loss_type='simpo' is reference-free"),
-    ({"loss_type": "orpo", "precompute_ref_logprobs": True}, r"algo.precompute_ref_logprobs: loss_type='orpo' is reference-free"),
-    ({"gamma_beta_ratio": -0.1}, r"algo.gamma_beta_ratio: must be >= 0.0"),
-    ({"desirable_weight": 0.0}, r"algo.desirable_weight: must be > 0.0"),
-    ({"undesirable_weight": -1.0}, r"algo.undesirable_weight: must be > 0.0"),
-    ({"scheduler": "step"}, r"algo.scheduler: must be one of \['constant', 'linear', 'cosine', 'inverse_sqrt'\]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"beta": 0.0}, r"algo.beta: must be > 0.0"),
+        ({"label_smoothing": 0.5}, r"algo.label_smoothing: must be >= 0.0 and < 0.5"),
+        (
+            {"loss_type": "ipo", "label_smoothing": 0.1},
+            r"algo.label_smoothing: applies to the sigmoid \(DPO\) and simpo losses only",
+        ),
+        (
+            {"loss_type": "orpo", "label_smoothing": 0.1},
+            r"algo.label_smoothing: applies to the sigmoid \(DPO\) and simpo losses only",
+        ),
+        ({"loss_type": "hinge"}, r"algo.loss_type: must be one of \['sigmoid', 'ipo', 'simpo', 'orpo', 'kto'\]"),
+        (
+            {"loss_type": "simpo", "reference_path": "/ckpt/ref"},
+            r"algo.reference_path: loss_type='simpo' is reference-free",
+        ),
+        (
+            {"loss_type": "orpo", "precompute_ref_logprobs": True},
+            r"algo.precompute_ref_logprobs: loss_type='orpo' is reference-free",
+        ),
+        ({"gamma_beta_ratio": -0.1}, r"algo.gamma_beta_ratio: must be >= 0.0"),
+        ({"desirable_weight": 0.0}, r"algo.desirable_weight: must be > 0.0"),
+        ({"undesirable_weight": -1.0}, r"algo.undesirable_weight: must be > 0.0"),
+        ({"scheduler": "step"}, r"algo.scheduler: must be one of \['constant', 'linear', 'cosine', 'inverse_sqrt'\]"),
+    ],
+)
 def test_bad_values_name_the_key(values, message):
     with pytest.raises(ConfigError, match=message):
         build_config(DPOConfig, values, "algo")

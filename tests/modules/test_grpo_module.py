@@ -17,8 +17,14 @@ GOLD = {"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"}
 
 
 def make(saved_models, tokenizer, **kw):
-    args = dict(policy_path=saved_models[0], reward_path=saved_models[1], lr=1e-3, num_generations=4,
-                rollout_batch_size=16, generation={"max_new_tokens": 6})  # fmt: skip
+    args = dict(
+        policy_path=saved_models[0],
+        reward_path=saved_models[1],
+        lr=1e-3,
+        num_generations=4,
+        rollout_batch_size=16,
+        generation={"max_new_tokens": 6},
+    )
     args.update(kw)
     if any(k in kw for k in ("reward_fn", "reward_fns")):
         args["reward_path"] = None
@@ -32,8 +38,15 @@ def data(tokenizer, prompts=4):
 
 
 def fit(module, dm, max_steps, **kw):
-    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, limit_val_batches=0, **kw)  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        **kw,
+    )
     trainer.fit(module, dm)
     return trainer
 
@@ -142,8 +155,13 @@ def test_advantages_are_the_group_relative_rewards_on_every_token(saved_models, 
 def test_dynamic_sampling_keeps_only_groups_with_a_signal(saved_models, tokenizer):
     """A reward that is equal inside every second prompt's group: those groups are dropped, more
     prompts are drawn from the module's own stream, and the counts are logged."""
-    m = make(saved_models, tokenizer, reward_fn={"_target_": "tests.modules.test_grpo_module.half_flat_reward"},
-             dynamic_sampling=True, max_resample_rounds=3)  # fmt: skip
+    m = make(
+        saved_models,
+        tokenizer,
+        reward_fn={"_target_": "tests.modules.test_grpo_module.half_flat_reward"},
+        dynamic_sampling=True,
+        max_resample_rounds=3,
+    )
     keep = Keep()
     trainer = fit(m, data(tokenizer), 1, callbacks=[keep])
     r = keep.outputs[0]["rollout"]
@@ -159,14 +177,19 @@ def half_flat_reward():
     """Rewards equal within the groups of prompts with an even character sum (deterministic), varied otherwise."""
 
     def fn(prompts, responses, ended):
-        return [0.0 if sum(map(ord, p)) % 2 == 0 else float(len(r)) + 0.1 * i
-                for i, (p, r) in enumerate(zip(prompts, responses))]  # fmt: skip
+        return [
+            0.0 if sum(map(ord, p)) % 2 == 0 else float(len(r)) + 0.1 * i
+            for i, (p, r) in enumerate(zip(prompts, responses))
+        ]
 
     return fn
 
 
 def test_weighted_reward_callables_are_logged_by_name(saved_models, tokenizer):
-    fns = [{**GOLD, "weight": 2.0, "name": "gold"}, {"_target_": "tests.modules.test_grpo_module.length_reward", "weight": 0.5}]
+    fns = [
+        {**GOLD, "weight": 2.0, "name": "gold"},
+        {"_target_": "tests.modules.test_grpo_module.length_reward", "weight": 0.5},
+    ]
     m = make(saved_models, tokenizer, reward_fns=fns)
     keep = Keep()
     trainer = fit(m, data(tokenizer), 1, callbacks=[keep])
@@ -190,8 +213,13 @@ def bad_reward(kind):
     return fn
 
 
-@pytest.mark.parametrize("kind, message", [("raise", r"reward function tests.modules.test_grpo_module.bad_reward raised KeyError"),
-                                           ("short", r"returned 15 values for 16 responses")])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("raise", r"reward function tests.modules.test_grpo_module.bad_reward raised KeyError"),
+        ("short", r"returned 15 values for 16 responses"),
+    ],
+)
 def test_a_broken_reward_callable_is_named(saved_models, tokenizer, kind, message):
     m = make(saved_models, tokenizer, reward_fn={"_target_": "tests.modules.test_grpo_module.bad_reward", "kind": kind})
     with pytest.raises(RewardFunctionError, match=message):
@@ -199,7 +227,9 @@ def test_a_broken_reward_callable_is_named(saved_models, tokenizer, kind, messag
 
 
 def test_non_finite_rewards_are_counted_and_skipped(saved_models, tokenizer):
-    m = make(saved_models, tokenizer, reward_fn={"_target_": "tests.modules.test_grpo_module.bad_reward", "kind": "nan"})
+    m = make(
+        saved_models, tokenizer, reward_fn={"_target_": "tests.modules.test_grpo_module.bad_reward", "kind": "nan"}
+    )
     keep = Keep()
     trainer = fit(m, data(tokenizer), 2, callbacks=[keep])
     assert float(trainer.callback_metrics["health/nonfinite_scores"]) == 4  # one per group of 4
@@ -208,12 +238,18 @@ def test_non_finite_rewards_are_counted_and_skipped(saved_models, tokenizer):
     assert (r.advantages[~torch.isfinite(r.scores)] == 0).all()
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"num_generations": 1}, r"algo.num_generations: GRPO compares responses within a group: needs >= 2"),
-    ({"num_generations": 3, "rollout_batch_size": 16}, r"algo.rollout_batch_size: 16 responses do not split into groups of algo.num_generations=3"),
-    ({"clip_eps_high": 0.1}, r"algo.clip_eps_high: must be >= algo.clip_eps_low"),
-    ({"overlong_buffer": 300}, r"algo.overlong_buffer: must not exceed"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"num_generations": 1}, r"algo.num_generations: GRPO compares responses within a group: needs >= 2"),
+        (
+            {"num_generations": 3, "rollout_batch_size": 16},
+            r"algo.rollout_batch_size: 16 responses do not split into groups of algo.num_generations=3",
+        ),
+        ({"clip_eps_high": 0.1}, r"algo.clip_eps_high: must be >= algo.clip_eps_low"),
+        ({"overlong_buffer": 300}, r"algo.overlong_buffer: must not exceed"),
+    ],
+)
 def test_bad_values_name_the_keys(values, message):
     with pytest.raises(ConfigError, match=message):
         build_config(GRPOConfig, {"reward_path": "/rm", **values}, "algo")
@@ -224,12 +260,28 @@ def test_presets_are_values_of_one_config(tmp_path):
     from tests.conftest import compose
 
     base = ["model=llama7b", "algo.reward_path=/rm"]
-    grpo, dapo, dr, rloo = (plan(compose([f"algo={a}", *base], tmp_path)).algo for a in ("grpo", "dapo", "dr_grpo", "rloo"))
-    assert (grpo.kl_coef, grpo.loss_aggregation, grpo.scale_rewards, grpo.num_generations) == (0.04, "seq_mean_token_mean", True, 8)
+    grpo, dapo, dr, rloo = (
+        plan(compose([f"algo={a}", *base], tmp_path)).algo for a in ("grpo", "dapo", "dr_grpo", "rloo")
+    )
+    assert (grpo.kl_coef, grpo.loss_aggregation, grpo.scale_rewards, grpo.num_generations) == (
+        0.04,
+        "seq_mean_token_mean",
+        True,
+        8,
+    )
     assert (dapo.clip_eps_high, dapo.loss_aggregation, dapo.kl_coef, dapo.dynamic_sampling, dapo.overlong_buffer) == (
-        0.28, "token_mean", 0.0, True, 64)
+        0.28,
+        "token_mean",
+        0.0,
+        True,
+        64,
+    )
     assert (dr.scale_rewards, dr.loss_aggregation, rloo.advantage_baseline, rloo.scale_rewards) == (
-        False, "seq_sum_constant", "leave_one_out", False)
+        False,
+        "seq_sum_constant",
+        "leave_one_out",
+        False,
+    )
     assert plan(compose(["algo=grpo", *base], tmp_path)).data.batch_size == 4  # 32 responses = 4 prompts x 8
 
 
@@ -241,8 +293,14 @@ def test_checkpoint_resumes_the_dynamic_sampling_stream(saved_models, tokenizer,
     state = torch.load(tmp_path / "grpo.ckpt", weights_only=True)["lit_rlhf_rl"]
     assert state["extra_batches"] == m.extra_batches > 0 and state["iteration"] == 2
     resumed = make(saved_models, tokenizer, **kw)
-    t2 = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    limit_val_batches=0)  # fmt: skip
+    t2 = pl.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+    )
     t2.fit(resumed, data(tokenizer), ckpt_path=tmp_path / "grpo.ckpt")
     assert resumed.rl_iteration == 3 and resumed.extra_batches > state["extra_batches"]
 
@@ -279,15 +337,36 @@ def test_ground_truth_reaches_the_reward_with_each_prompt_and_errors_are_counted
     prompts = [r["prompt"] for r in SyntheticTask().prompts(40, "train")]
     path = tmp_path / "qa.jsonl"
     path.write_text("".join(json.dumps({"question": p, "answer": len(p.split())}) + "\n" for p in prompts))
-    dm = PromptDataModule(source=str(path), prompt_field="question", answer_field="answer", val_rows="33-40",
-                          train_rows="1-32", batch_size=4).connect(tokenizer)  # fmt: skip
+    dm = PromptDataModule(
+        source=str(path),
+        prompt_field="question",
+        answer_field="answer",
+        val_rows="33-40",
+        train_rows="1-32",
+        batch_size=4,
+    ).connect(tokenizer)
     checker = {"_target_": "tests.modules.test_grpo_module.AnswerChecker", "name": "acc"}
-    m = make(saved_models, tokenizer, reward_fns=[checker], gold_reward_fn={"_target_": checker["_target_"]},
-             dynamic_sampling=True, max_resample_rounds=1, val_pass_k=2)  # fmt: skip
+    m = make(
+        saved_models,
+        tokenizer,
+        reward_fns=[checker],
+        gold_reward_fn={"_target_": checker["_target_"]},
+        dynamic_sampling=True,
+        max_resample_rounds=1,
+        val_pass_k=2,
+    )
     AnswerChecker.seen = []
     keep = Keep()
-    trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, val_check_interval=1, limit_val_batches=1, callbacks=[keep])  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        val_check_interval=1,
+        limit_val_batches=1,
+        callbacks=[keep],
+    )
     trainer.fit(m, dm)
     assert len(AnswerChecker.seen) >= 3 + 3  # 3 iterations (+ resampling rounds) and validation batches
     for ps, answers in AnswerChecker.seen:
@@ -316,8 +395,11 @@ def test_answer_fields_are_read_and_checked(tokenizer, tmp_path):
     assert sorted(zip(batch["prompts"], batch["columns"]["answer"])) == [("a dog", "7"), ("the cat", "72")]
     path.write_text(json.dumps({"q": "x", "a": "no marker"}) + "\n")
     with pytest.raises(DataError, match=r"gsm.jsonl:1: answer field 'a' has no '#### <answer>' line"):
-        PromptDataModule(source=str(path), prompt_field="q", answer_field="a", answer_format="gsm8k",
-                         batch_size=1).connect(tokenizer).setup()  # fmt: skip
+        PromptDataModule(
+            source=str(path), prompt_field="q", answer_field="a", answer_format="gsm8k", batch_size=1
+        ).connect(tokenizer).setup()
     path.write_text(json.dumps({"q": "x", "answer": "1"}) + "\n")
-    with pytest.raises(DataError, match=r"missing answer field 'a' \(data.prompt.answer_field\); the row has: answer, q"):
+    with pytest.raises(
+        DataError, match=r"missing answer field 'a' \(data.prompt.answer_field\); the row has: answer, q"
+    ):
         PromptDataModule(source=str(path), prompt_field="q", answer_field="a", batch_size=1).connect(tokenizer).setup()

@@ -35,11 +35,18 @@ def test_non_finite_rewards_are_skipped_counted_and_stop_the_run_after_k_iterati
 
     class Keep(pl.Callback):
         def on_train_batch_end(self, trainer, module, out, batch, batch_idx):
-            seen.append((float(trainer.callback_metrics["health/nonfinite_scores"]),
-                         [p.detach().clone() for p in module.actor.parameters()]))  # fmt: skip
+            seen.append(
+                (
+                    float(trainer.callback_metrics["health/nonfinite_scores"]),
+                    [p.detach().clone() for p in module.actor.parameters()],
+                )
+            )
 
-    with pytest.raises(NonFiniteTrainingError, match=r"reward_fn tests.modules.test_health.nan_from_call returned NaN or inf "
-                                                      r"for 2 of 8 samples in 3 consecutive iterations"):
+    with pytest.raises(
+        NonFiniteTrainingError,
+        match=r"reward_fn tests.modules.test_health.nan_from_call returned NaN or inf "
+        r"for 2 of 8 samples in 3 consecutive iterations",
+    ):
         fit(m, data(tokenizer), max_steps=20, callbacks=[Keep(), RewardStatsMonitor()], default_root_dir=tmp_path)
     assert [n for n, _ in seen] == [0.0, 0.0, 2.0, 2.0]  # the 5th iteration raised before the callbacks
     assert all(torch.isfinite(p).all() for _, params in seen for p in params)
@@ -66,8 +73,9 @@ def test_nothing_is_exported_with_non_finite_weights(saved_models, tokenizer, tm
     m.configure_model()
     with torch.no_grad():
         next(m.actor.parameters())[0, 0] = float("nan")
-    with pytest.raises(NonFiniteTrainingError, match=r"refusing to write the model to .*actor: \d+ tensors hold NaN/inf \(e.g. \[.model.embed_tokens.weight."):
+    with pytest.raises(
+        NonFiniteTrainingError,
+        match=r"refusing to write the model to .*actor: \d+ tensors hold NaN/inf \(e.g. \[.model.embed_tokens.weight.",
+    ):
         m.export(str(tmp_path / "actor"))
     assert not (tmp_path / "actor").exists()
-
-

@@ -28,8 +28,16 @@ def test_steps_change_actor_and_critic_and_nothing_frozen(saved_models, tokenize
     assert not any(n.startswith("frozen") for n, _ in m.named_parameters())  # not in checkpoints
     for k, v in trainer.callback_metrics.items():
         assert math.isfinite(float(v)), k
-    for key in ("policy/loss", "policy/clipfrac", "policy/approx_kl", "policy/entropy", "critic/loss",
-                "critic/explained_variance", "reward/normalized_mean", "kl_ctl/beta"):  # fmt: skip
+    for key in (
+        "policy/loss",
+        "policy/clipfrac",
+        "policy/approx_kl",
+        "policy/entropy",
+        "critic/loss",
+        "critic/explained_variance",
+        "reward/normalized_mean",
+        "kl_ctl/beta",
+    ):
         assert key in trainer.callback_metrics
 
 
@@ -135,8 +143,15 @@ def test_perf_metrics_are_logged_with_design_names(saved_models, tokenizer):
 
 def test_checkpoint_holds_rl_state_and_resumes(saved_models, tokenizer, tmp_path):
     m = make(saved_models, tokenizer, score_norm="normalize", adaptive_kl=True, kl_coef=0.1, kl_target=1.0)
-    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False, limit_val_batches=0,
-                         default_root_dir=tmp_path, enable_checkpointing=False)  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+        enable_checkpointing=False,
+    )
     trainer.fit(m, data(tokenizer))
     trainer.save_checkpoint(tmp_path / "ppo.ckpt")
     ckpt = torch.load(tmp_path / "ppo.ckpt", weights_only=False)
@@ -145,8 +160,14 @@ def test_checkpoint_holds_rl_state_and_resumes(saved_models, tokenizer, tmp_path
     assert state["kl_ctl"]["value"] == pytest.approx(m.kl_ctl.value) and m.kl_ctl.value != 0.1
     assert all(k.startswith(("actor.", "critic.")) for k in ckpt["state_dict"])
     resumed = make(saved_models, tokenizer, score_norm="normalize", adaptive_kl=True, kl_coef=0.1, kl_target=1.0)
-    t2 = pl.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_progress_bar=False, limit_val_batches=0,
-                    enable_checkpointing=False)  # fmt: skip
+    t2 = pl.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+    )
     t2.fit(resumed, data(tokenizer), ckpt_path=tmp_path / "ppo.ckpt")
     assert t2.global_step == 6 and resumed.iteration == 3 and resumed.reward_moments.count == 24
 
@@ -171,15 +192,31 @@ def test_ppo_max_raises_the_gold_reward(tmp_path, trained_sft):
     from tests.conftest import compose
 
     cfg = compose(
-        ["experiment=ppo_max_synthetic_tiny", f"algo.policy_path={trained_sft[0]}", "algo.reward_path=null",
-         "algo.reward_fn={_target_:lit_rlhf.data.synthetic.gold_reward_fn}", "data.prompt.n_val=128",
-         "data.prompt.eval_batch_size=64", "trainer.accelerator=cpu", "trainer.max_steps=400", "logger=none",
-         "callbacks=none", "trainer.enable_progress_bar=false", "trainer.check_val_every_n_epoch=100"],
+        [
+            "experiment=ppo_max_synthetic_tiny",
+            f"algo.policy_path={trained_sft[0]}",
+            "algo.reward_path=null",
+            "algo.reward_fn={_target_:lit_rlhf.data.synthetic.gold_reward_fn}",
+            "data.prompt.n_val=128",
+            "data.prompt.eval_batch_size=64",
+            "trainer.accelerator=cpu",
+            "trainer.max_steps=400",
+            "logger=none",
+            "callbacks=none",
+            "trainer.enable_progress_bar=false",
+            "trainer.check_val_every_n_epoch=100",
+        ],
         tmp_path / "ppo",
-    )  # fmt: skip
+    )
     _, dm, module = build(cfg)
-    trainer = pl.Trainer(max_steps=400, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, check_val_every_n_epoch=100)  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=400,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        check_val_every_n_epoch=100,
+    )
     before = trainer.validate(module, dm, verbose=False)[0]
     trainer.fit(module, dm)
     after = trainer.validate(module, dm, verbose=False)[0]
@@ -194,12 +231,18 @@ def test_fused_first_forward_is_exact(saved_models, tokenizer):
     results = []
     for fuse in (True, False):
         torch.manual_seed(0)
-        m = make(saved_models, tokenizer, minibatch_size=8, fuse_first_forward=fuse, kl_coef=0.05, score_norm="normalize")
+        m = make(
+            saved_models, tokenizer, minibatch_size=8, fuse_first_forward=fuse, kl_coef=0.05, score_norm="normalize"
+        )
         trainer = fit(m, data(tokenizer), max_steps=2)  # 2 iterations, one optimizer step each
         assert m.fused_first_forward(8) is fuse and trainer.global_step == 2
-        results.append(({k: v.detach().clone() for k, v in m.actor.state_dict().items()},
-                        {k: v.detach().clone() for k, v in m.critic.state_dict().items()},
-                        {k: float(v) for k, v in trainer.callback_metrics.items()}))  # fmt: skip
+        results.append(
+            (
+                {k: v.detach().clone() for k, v in m.actor.state_dict().items()},
+                {k: v.detach().clone() for k, v in m.critic.state_dict().items()},
+                {k: float(v) for k, v in trainer.callback_metrics.items()},
+            )
+        )
     (a1, c1, s1), (a2, c2, s2) = results
     # the same math; the rollout-time passes run under inference mode, whose kernels may round the
     # last bit differently, and Adam's m/√v turns near-zero gradients into up-to-lr steps, so the
@@ -238,7 +281,9 @@ def test_rollout_runs_in_inference_mode_unless_parameters_are_sharded(saved_mode
     import lit_rlhf.rollout.collect as collect
 
     seen, real_sample = [], collect.sample
-    monkeypatch.setattr(collect, "sample", lambda *a, **k: seen.append(torch.is_inference_mode_enabled()) or real_sample(*a, **k))
+    monkeypatch.setattr(
+        collect, "sample", lambda *a, **k: seen.append(torch.is_inference_mode_enabled()) or real_sample(*a, **k)
+    )
     rollout, _ = m.collect(next(iter(dm.train_dataloader())))
     assert seen == [True]
     tensors = [getattr(rollout, f.name) for f in fields(rollout) if isinstance(getattr(rollout, f.name), torch.Tensor)]
@@ -246,9 +291,14 @@ def test_rollout_runs_in_inference_mode_unless_parameters_are_sharded(saved_mode
     fwd = m.policy_forward(rollout)  # token ids enter autograd (embedding saves them)
     (fwd.logprobs.sum() + fwd.values.sum()).backward()
     assert m.actor.get_input_embeddings().weight.grad is not None
-    for strategy, inference in ((SingleDeviceStrategy("cpu"), True), (DDPStrategy(), True),
-                                (DeepSpeedStrategy(stage=2), True), (DeepSpeedStrategy(stage=3), False),
-                                (FSDPStrategy(), False), (RLHFFSDPStrategy(), False)):  # fmt: skip
+    for strategy, inference in (
+        (SingleDeviceStrategy("cpu"), True),
+        (DDPStrategy(), True),
+        (DeepSpeedStrategy(stage=2), True),
+        (DeepSpeedStrategy(stage=3), False),
+        (FSDPStrategy(), False),
+        (RLHFFSDPStrategy(), False),
+    ):
         m._trainer = SimpleNamespace(strategy=strategy)
         with m.rollout_grad_mode():
             assert torch.is_inference_mode_enabled() is inference and not torch.is_grad_enabled(), strategy
@@ -270,8 +320,7 @@ def test_critic_starts_as_a_trainable_copy_of_the_reward_model(saved_models, tok
     with torch.no_grad():
         torch.testing.assert_close(m.critic.eval()(ids, mask)[:, -1], rm(ids, mask))
     frozen = m.frozen["reward"]
-    assert all(not (a is b) and a.data_ptr() != b.data_ptr()
-               for a, b in zip(m.critic.parameters(), frozen.parameters()))  # fmt: skip
+    assert all(a is not b and a.data_ptr() != b.data_ptr() for a, b in zip(m.critic.parameters(), frozen.parameters()))
     assert all(p.requires_grad for p in m.critic.parameters()) and not any(p.requires_grad for p in frozen.parameters())
 
 

@@ -16,12 +16,32 @@ from tests.modules.test_grpo_module import GOLD, Keep, data, fit, make
 
 # what each preset sets over GRPOConfig's defaults that defines the algorithm (the recipe's numbers,
 # lr, β and the minibatch, are checked against the preset files below)
-REINFORCE_PP = dict(num_generations=1, advantage_baseline="none", scale_rewards=False, whiten_advantages=True,
-                    kl_placement="reward", kl_estimator="k1", loss_aggregation="token_mean")  # fmt: skip
-REINFORCE_PP_BASELINE = dict(advantage_baseline="mean", scale_rewards=False, whiten_advantages=True, kl_placement="loss",
-                             kl_estimator="k2", loss_aggregation="token_mean")  # fmt: skip
-REMAX = dict(num_generations=1, advantage_baseline="greedy", scale_rewards=False, whiten_advantages=False,
-             kl_placement="reward", kl_estimator="k1", loss_aggregation="token_mean")  # fmt: skip
+REINFORCE_PP = dict(
+    num_generations=1,
+    advantage_baseline="none",
+    scale_rewards=False,
+    whiten_advantages=True,
+    kl_placement="reward",
+    kl_estimator="k1",
+    loss_aggregation="token_mean",
+)
+REINFORCE_PP_BASELINE = dict(
+    advantage_baseline="mean",
+    scale_rewards=False,
+    whiten_advantages=True,
+    kl_placement="loss",
+    kl_estimator="k2",
+    loss_aggregation="token_mean",
+)
+REMAX = dict(
+    num_generations=1,
+    advantage_baseline="greedy",
+    scale_rewards=False,
+    whiten_advantages=False,
+    kl_placement="reward",
+    kl_estimator="k1",
+    loss_aggregation="token_mean",
+)
 
 
 def lengths_of(r: Rollout) -> list[int]:
@@ -42,10 +62,25 @@ def test_presets_compose_to_the_papers_recipes(tmp_path):
     base = ["model=llama7b", "algo.reward_path=/rm"]
     for preset, keys, recipe in [
         ("reinforce_pp", REINFORCE_PP, dict(lr=5e-7, kl_coef=0.01, minibatch_size=4, num_iterations=1)),
-        ("reinforce_pp_baseline", REINFORCE_PP_BASELINE, dict(lr=5e-7, kl_coef=1e-5, num_generations=8, minibatch_size=None)),
-        ("remax", REMAX, dict(lr=1e-6, kl_coef=0.05, weight_decay=0.1, scheduler="cosine", min_lr_ratio=0.0,
-                              minibatch_size=None, num_iterations=1)),
-    ]:  # fmt: skip
+        (
+            "reinforce_pp_baseline",
+            REINFORCE_PP_BASELINE,
+            dict(lr=5e-7, kl_coef=1e-5, num_generations=8, minibatch_size=None),
+        ),
+        (
+            "remax",
+            REMAX,
+            dict(
+                lr=1e-6,
+                kl_coef=0.05,
+                weight_decay=0.1,
+                scheduler="cosine",
+                min_lr_ratio=0.0,
+                minibatch_size=None,
+                num_iterations=1,
+            ),
+        ),
+    ]:
         cfg = compose([f"algo={preset}", *base], tmp_path)
         assert cfg.algo._target_ == "lit_rlhf.modules.grpo.GRPOModule"
         p = plan(cfg)
@@ -102,13 +137,20 @@ def greedy_gold_scores(saved_models, tokenizer, r: Rollout, max_new_tokens: int)
 
     model = build_causal_lm(ModelSpec(name_or_path=saved_models[0]), tokenizer).eval()
     with torch.no_grad():
-        out = model.generate(input_ids=r.prompt_ids, attention_mask=r.prompt_mask, do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        out = model.generate(
+            input_ids=r.prompt_ids,
+            attention_mask=r.prompt_mask,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     response = out[:, r.prompt_ids.shape[1] :]
     is_eos = response == tokenizer.eos_token_id
     ended = is_eos.any(-1)
-    first_eos = torch.where(ended, is_eos.long().argmax(-1), torch.full_like(ended, response.shape[1] - 1, dtype=torch.long))
+    first_eos = torch.where(
+        ended, is_eos.long().argmax(-1), torch.full_like(ended, response.shape[1] - 1, dtype=torch.long)
+    )
     mask = (torch.arange(response.shape[1])[None] <= first_eos[:, None]).long()
     texts = decode_responses(tokenizer, response, mask, ended)
     return gold_reward_fn()(r.prompts_text, texts, ended.tolist())
@@ -127,7 +169,9 @@ def test_remax_baseline_is_the_greedy_responses_reward_and_is_not_trained_on(sav
     assert r.scores.shape == r.baseline_scores.shape == (4,) and r.response_ids.shape[0] == 4
     expected_baseline = greedy_gold_scores(saved_models, tokenizer, r, 6)
     assert r.baseline_scores.tolist() == pytest.approx(expected_baseline, abs=1e-6)
-    assert float(trainer.callback_metrics["reward/greedy_mean"]) == pytest.approx(statistics.mean(expected_baseline), abs=1e-6)
+    assert float(trainer.callback_metrics["reward/greedy_mean"]) == pytest.approx(
+        statistics.mean(expected_baseline), abs=1e-6
+    )
     expected = naive_kl_shaped(r.scores.tolist(), expected_baseline, k1(r), lengths_of(r), 0.3)
     torch.testing.assert_close(r.advantages.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-5, rtol=1e-5)
 
@@ -161,10 +205,17 @@ def test_remax_samples_the_same_responses_as_a_run_without_the_greedy_decode(sav
 def rollout_by_hand(scores, baseline, lengths, kl_per_token) -> Rollout:
     b, width = len(scores), max(lengths)
     mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
-    return Rollout(prompt_ids=torch.ones(b, 1, dtype=torch.long), prompt_mask=torch.ones(b, 1, dtype=torch.long),
-                   response_ids=torch.ones(b, width, dtype=torch.long), response_mask=mask, ended=torch.ones(b, dtype=torch.bool),
-                   logprobs=torch.full((b, width), kl_per_token) * mask, ref_logprobs=torch.zeros(b, width),
-                   scores=torch.tensor(scores), baseline_scores=None if baseline is None else torch.tensor(baseline))  # fmt: skip
+    return Rollout(
+        prompt_ids=torch.ones(b, 1, dtype=torch.long),
+        prompt_mask=torch.ones(b, 1, dtype=torch.long),
+        response_ids=torch.ones(b, width, dtype=torch.long),
+        response_mask=mask,
+        ended=torch.ones(b, dtype=torch.bool),
+        logprobs=torch.full((b, width), kl_per_token) * mask,
+        ref_logprobs=torch.zeros(b, width),
+        scores=torch.tensor(scores),
+        baseline_scores=None if baseline is None else torch.tensor(baseline),
+    )
 
 
 def test_a_non_finite_reward_or_greedy_reward_leaves_the_score_out(saved_models, tokenizer):
@@ -194,15 +245,30 @@ def test_kl_in_the_loss_leaves_the_advantage_the_groups_and_no_reference_means_n
     torch.testing.assert_close(r.advantages.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"num_generations": 1}, r"algo.num_generations: GRPO compares responses within a group: needs >= 2, got 1 "
-                             r"\(with algo.advantage_baseline=mean"),
-    ({"num_generations": 1, "advantage_baseline": "greedy"}, r"algo.scale_rewards: divides by the group's reward std"),
-    ({**REINFORCE_PP, "dynamic_sampling": True}, r"algo.dynamic_sampling: drops groups whose rewards are all equal"),
-    ({"kl_estimator": "k1"}, r"algo.kl_estimator: k1 in the loss has zero expected gradient"),
-    ({"advantage_baseline": "median"}, r"algo.advantage_baseline: must be one of \['mean', 'leave_one_out', 'greedy', 'none'\]"),
-    ({"kl_placement": "advantage"}, r"algo.kl_placement: must be one of \['loss', 'reward'\]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (
+            {"num_generations": 1},
+            r"algo.num_generations: GRPO compares responses within a group: needs >= 2, got 1 "
+            r"\(with algo.advantage_baseline=mean",
+        ),
+        (
+            {"num_generations": 1, "advantage_baseline": "greedy"},
+            r"algo.scale_rewards: divides by the group's reward std",
+        ),
+        (
+            {**REINFORCE_PP, "dynamic_sampling": True},
+            r"algo.dynamic_sampling: drops groups whose rewards are all equal",
+        ),
+        ({"kl_estimator": "k1"}, r"algo.kl_estimator: k1 in the loss has zero expected gradient"),
+        (
+            {"advantage_baseline": "median"},
+            r"algo.advantage_baseline: must be one of \['mean', 'leave_one_out', 'greedy', 'none'\]",
+        ),
+        ({"kl_placement": "advantage"}, r"algo.kl_placement: must be one of \['loss', 'reward'\]"),
+    ],
+)
 def test_bad_values_name_the_keys(values, message):
     with pytest.raises(ConfigError, match=message):
         build_config(GRPOConfig, {"reward_path": "/rm", **values}, "algo")

@@ -58,8 +58,9 @@ def test_few_steps_change_every_parameter_and_metrics_aggregate(tiny_spec, token
     m = module(tiny_spec, tokenizer, lr=1e-2, beta_rm=1.0, center_coef=0.01, export_dir=str(tmp_path / "rm"))
     before = {k: v.detach().clone() for k, v in m.reward_model.named_parameters()}
     dm = small_data(tokenizer)
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False)  # fmt: skip
+    trainer = pl.Trainer(
+        max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
     trainer.fit(m, dm)
     for name, p in m.reward_model.named_parameters():
         assert not torch.equal(before[name], p.detach()), f"{name} did not change"
@@ -77,19 +78,26 @@ def test_few_steps_change_every_parameter_and_metrics_aggregate(tiny_spec, token
     # test loop: accuracy with its Wilson interval
     trainer.test(m, dm)
     acc = trainer.callback_metrics["test/accuracy"].item()
-    low, high = trainer.callback_metrics["test/accuracy_ci_low"].item(), trainer.callback_metrics["test/accuracy_ci_high"].item()
+    low, high = (
+        trainer.callback_metrics["test/accuracy_ci_low"].item(),
+        trainer.callback_metrics["test/accuracy_ci_high"].item(),
+    )
     assert (low, high) == pytest.approx(wilson_interval(round(acc * 24), 24))
     # export -> reload gives identical scores
     again = load_reward_model(str(tmp_path / "rm")).eval()
     batch = next(iter(dm.val_dataloader()))
-    torch.testing.assert_close(again(batch["input_ids"], batch["attention_mask"]), m(batch["input_ids"], batch["attention_mask"]))
+    torch.testing.assert_close(
+        again(batch["input_ids"], batch["attention_mask"]), m(batch["input_ids"], batch["attention_mask"])
+    )
 
 
 def test_lm_term_needs_a_causal_backbone(tmp_path):
     from lit_rlhf.runner import plan
     from tests.conftest import compose
 
-    with pytest.raises(ConfigError, match=r"algo\.beta_rm: the LM term needs a causal LM backbone; model\.kind=encoder"):
+    with pytest.raises(
+        ConfigError, match=r"algo\.beta_rm: the LM term needs a causal LM backbone; model\.kind=encoder"
+    ):
         plan(compose(["model=minilm_rm", "algo=rm", "algo.beta_rm=1.0"], tmp_path))
 
 
@@ -100,10 +108,17 @@ def test_tiny_rm_reaches_90_percent_of_the_gold_ceiling(tmp_path):
     from tests.conftest import compose
 
     cfg = compose(
-        ["experiment=rm_synthetic_tiny", "trainer.accelerator=cpu", "logger=none", "trainer.enable_progress_bar=false",
-         "data.preference.n_train=6000", "data.preference.n_test=1000", "data.batch_size=32"],
+        [
+            "experiment=rm_synthetic_tiny",
+            "trainer.accelerator=cpu",
+            "logger=none",
+            "trainer.enable_progress_bar=false",
+            "data.preference.n_train=6000",
+            "data.preference.n_test=1000",
+            "data.batch_size=32",
+        ],
         tmp_path,
-    )  # fmt: skip
+    )
     metrics = run(cfg)
     assert metrics["test/accuracy"] >= 0.9 * metrics["test/gold_accuracy"], metrics
     assert (tmp_path / "reward_model" / "reward_config.json").exists()
@@ -119,8 +134,14 @@ def test_wandb_receives_metrics_and_score_histograms(tiny_spec, tokenizer, tmp_p
     logger = wandb_logger(save_dir=str(tmp_path), offline=True, project="lit_rlhf_test")
     try:
         m = module(tiny_spec, tokenizer)
-        trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=logger, enable_checkpointing=False,
-                             enable_progress_bar=False, log_every_n_steps=1)  # fmt: skip
+        trainer = pl.Trainer(
+            max_epochs=1,
+            accelerator="cpu",
+            logger=logger,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            log_every_n_steps=1,
+        )
         trainer.fit(m, small_data(tokenizer))
         summary = dict(logger.experiment.summary)
         assert {"val/accuracy", "val/margin", "val/score_mean", "val/score_std", "rm/accuracy"} <= set(summary)
@@ -137,8 +158,14 @@ def test_export_writes_the_best_checkpoint_not_the_last(tiny_spec, tokenizer, tm
     m = RewardModelModule(model=tiny_spec, tokenizer=tokenizer, lr=3e-3, export_dir=str(tmp_path / "rm"))
     # mode "min": the WORST epoch is "best", so the best checkpoint is surely not the last weights
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val/accuracy", mode="min", save_top_k=1)
-    trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_progress_bar=False,
-                         callbacks=[ckpt], num_sanity_val_steps=0)  # fmt: skip
+    trainer = pl.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[ckpt],
+        num_sanity_val_steps=0,
+    )
     trainer.fit(m, small_data(tokenizer))
     best = torch.load(ckpt.best_model_path, weights_only=False)["state_dict"]
     live = m.reward_model.state_dict()
@@ -170,8 +197,15 @@ def test_training_rm_metrics_aggregate_over_the_logging_window(tiny_spec, tokeni
         return c, r, h
 
     m._scores = spy
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, log_every_n_steps=3, limit_val_batches=0)  # fmt: skip
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        log_every_n_steps=3,
+        limit_val_batches=0,
+    )
     trainer.fit(m, small_data(tokenizer))
     n = len(seen)
     assert n == 8  # 64 pairs / 8: windows [0-2], [3-5], [6-7] (the epoch's last batch closes one)
@@ -183,4 +217,6 @@ def test_training_rm_metrics_aggregate_over_the_logging_window(tiny_spec, tokeni
     assert got["margin"] == pytest.approx((c - r).mean().item(), abs=1e-6)
     assert got["score_mean"] == pytest.approx(both.mean().item(), abs=1e-6)
     assert got["score_std"] == pytest.approx(both.std(unbiased=False).item(), rel=1e-4)
-    assert got["margin"] != pytest.approx((seen[-1][0] - seen[-1][1]).mean().item(), abs=1e-6)  # not the last batch alone
+    assert got["margin"] != pytest.approx(
+        (seen[-1][0] - seen[-1][1]).mean().item(), abs=1e-6
+    )  # not the last batch alone

@@ -27,8 +27,9 @@ def test_the_decoding_loops_logprobs_equal_the_trainers_recomputation(saved_mode
     batch = collate_prompts([(encode_prompt(tokenizer, p, 16)[0], p) for p in prompts], tokenizer.pad_token_id)
     gen = GenerationConfig(max_new_tokens=12, temperature=0.9, top_p=0.9, repetition_penalty=1.1)
     torch.manual_seed(0)
-    r = generate_and_score(policy, batch, tokenizer, gen, logprob_temperature=temperature, padding_free=True,
-                           sampler_logprobs=True)  # fmt: skip
+    r = generate_and_score(
+        policy, batch, tokenizer, gen, logprob_temperature=temperature, padding_free=True, sampler_logprobs=True
+    )
     mask = r.response_mask.bool()
     gap = (r.sampler_logprobs - r.logprobs).abs()[mask]
     assert gap.max().item() < 1e-4 and r.sampler_logprobs[~mask].abs().max().item() == 0.0
@@ -60,11 +61,10 @@ def test_monitor_and_tis_in_ppo(saved_models, tokenizer):
 def test_tis_weights_reach_the_grpo_loss(saved_models, tokenizer, monkeypatch):
     """GRPO takes the same weights (the one iteration's ``importance_weights``): a sampler made to
     disagree by a known amount scales the surrogate exactly as min(e^{gap}, C)."""
+    from lit_rlhf.modules.rl_update import RLUpdateMixin
     from tests.modules.test_grpo_module import data as grpo_data
     from tests.modules.test_grpo_module import fit as grpo_fit
     from tests.modules.test_grpo_module import make as grpo_make
-
-    from lit_rlhf.modules.rl_update import RLUpdateMixin
 
     seen = []
     original = RLUpdateMixin.importance_weights

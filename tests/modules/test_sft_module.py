@@ -52,9 +52,14 @@ def test_few_steps_change_every_parameter_and_validate(tiny_spec, tokenizer, tmp
     before = {k: v.detach().clone() for k, v in m.model.named_parameters()}
     dm = SFTDataModule(n_train=64, n_val=40, batch_size=16, eval_batch_size=16).connect(tokenizer)
     trainer = pl.Trainer(
-        max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, limit_val_batches=3, val_check_interval=4,
-    )  # fmt: skip
+        max_steps=4,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=3,
+        val_check_interval=4,
+    )
     trainer.fit(m, dm)
     for name, p in m.model.named_parameters():
         assert not torch.equal(before[name], p.detach()), f"{name} did not change"
@@ -75,7 +80,9 @@ def test_few_steps_change_every_parameter_and_validate(tiny_spec, tokenizer, tmp
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
-    assert AutoTokenizer.from_pretrained(tmp_path / "policy")("the dog")["input_ids"] == tokenizer("the dog")["input_ids"]
+    assert (
+        AutoTokenizer.from_pretrained(tmp_path / "policy")("the dog")["input_ids"] == tokenizer("the dog")["input_ids"]
+    )
     x = torch.tensor([[2, 5, 9, 30]])
     torch.testing.assert_close(loaded(input_ids=x).logits, m.model(input_ids=x).logits)
 
@@ -125,9 +132,16 @@ def test_fused_adamw_steps_like_the_per_parameter_loop_and_stays_off_under_deeps
     assert opt.defaults["fused"] is True
     params = decay + no_decay
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    loop = torch.optim.AdamW([{"params": twins[: len(opt.param_groups[0]["params"])], "weight_decay": 0.1},
-                              {"params": twins[len(opt.param_groups[0]["params"]):], "weight_decay": 0.0}],
-                             lr=1e-2, betas=opt.defaults["betas"], eps=opt.defaults["eps"], foreach=False)  # fmt: skip
+    loop = torch.optim.AdamW(
+        [
+            {"params": twins[: len(opt.param_groups[0]["params"])], "weight_decay": 0.1},
+            {"params": twins[len(opt.param_groups[0]["params"]) :], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+        betas=opt.defaults["betas"],
+        eps=opt.defaults["eps"],
+        foreach=False,
+    )
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         for p, q in zip(params, twins):
@@ -156,8 +170,14 @@ def test_a_validation_before_fit_leaves_the_metrics_usable_by_the_fit(tiny_spec,
     torch.manual_seed(0)
     m = make_module(tiny_spec, tokenizer, lr=1e-2)
     dm = SFTDataModule(n_train=64, n_val=16, batch_size=16, eval_batch_size=16).connect(tokenizer)
-    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, val_check_interval=4)  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        val_check_interval=4,
+    )
     before = trainer.validate(m, dm, verbose=False)[0]["val/perplexity"]
     trainer.fit(m, dm)
     assert not m.val_nll.sum_value.is_inference()

@@ -45,9 +45,16 @@ def test_reference_free_losses_build_no_reference(loss_type, saved_models, token
     m = make(saved_models, tokenizer, loss_type=loss_type)
     m.build_reference = lambda: pytest.fail("a reference-free loss built a reference")
     assert DPOModule.planned_models(m.config) == [("policy", "trained", saved_models[0])]
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         num_sanity_val_steps=0, default_root_dir=tmp_path,
-                         callbacks=[KLMonitor(), PerplexityMonitor(), ResponseLengthMonitor()])  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+        callbacks=[KLMonitor(), PerplexityMonitor(), ResponseLengthMonitor()],
+    )
     trainer.fit(m, data(tokenizer))
     assert "reference" not in m.frozen
     out = trainer.validate(m, data(tokenizer), verbose=False)[0]
@@ -58,9 +65,16 @@ def test_the_memory_plan_holds_only_the_policy_for_simpo_and_orpo(tmp_path):
     from lit_rlhf.runner import memory_plan
     from tests.conftest import compose
 
-    rows = {a: [r.name for r in memory_plan(compose([f"algo={a}", "model=llama7b"], tmp_path)).rows]
-            for a in ("dpo", "simpo", "orpo", "kto")}  # fmt: skip
-    assert rows == {"dpo": ["policy", "reference"], "simpo": ["policy"], "orpo": ["policy"], "kto": ["policy", "reference"]}
+    rows = {
+        a: [r.name for r in memory_plan(compose([f"algo={a}", "model=llama7b"], tmp_path)).rows]
+        for a in ("dpo", "simpo", "orpo", "kto")
+    }
+    assert rows == {
+        "dpo": ["policy", "reference"],
+        "simpo": ["policy"],
+        "orpo": ["policy"],
+        "kto": ["policy", "reference"],
+    }
 
 
 @pytest.mark.parametrize("loss_type, beta", [("simpo", 2.0), ("orpo", 0.5)])
@@ -75,7 +89,10 @@ def test_simpo_and_orpo_are_their_formulas_on_the_models_own_log_probs(loss_type
     loss, _ = m.pair_loss(batch, "train")
     total = 0.0
     for pair in dm.splits["train"][:8]:
-        (sw, nw), (sl, nl) = alone(m.policy, pair.chosen, tokenizer.pad_token_id), alone(m.policy, pair.rejected, tokenizer.pad_token_id)
+        (sw, nw), (sl, nl) = (
+            alone(m.policy, pair.chosen, tokenizer.pad_token_id),
+            alone(m.policy, pair.rejected, tokenizer.pad_token_id),
+        )
         pw, pl_ = sw / nw, sl / nl
         if loss_type == "simpo":
             total += -log_sigmoid(beta * pw - beta * pl_ - beta * 0.3)
@@ -88,7 +105,8 @@ def test_simpo_and_orpo_are_their_formulas_on_the_models_own_log_probs(loss_type
 def test_kto_is_its_formula_with_the_reference_point_from_mismatched_pairs(saved_models, tokenizer):
     """By hand on a batch of 8 examples: r_i = log π(y_i|x_i) − log π_ref(y_i|x_i) and
     z_ref = max(0, mean_i log π(y'_i|x_i) − log π_ref(y'_i|x_i)) with y'_i the completion of example
-    i − 1 (the data's KL rows; i − 2 … where i − 1 has the same prompt), each log-prob from its own forward; the loss is the mean of
+    i − 1 (the data's KL rows; i − 2 … where i − 1 has the same prompt), each log-prob from its own
+    forward; the loss is the mean of
     λ_D(1 − σ(β(r − z))) over desirable and λ_U(1 − σ(β(z − r))) over undesirable examples.
     The reference is made sharper than the (random, near-uniform) policy: on tokens it does not
     single out, its log-probs are lower on average (Jensen), so z_ref > 0 (the clamp at 0 is covered
@@ -123,8 +141,9 @@ def test_kto_is_its_formula_with_the_reference_point_from_mismatched_pairs(saved
 
 
 @pytest.mark.parametrize("loss_type", ["simpo", "orpo", "kto"])
-def test_steps_change_every_parameter_log_the_family_metrics_and_lower_the_loss_on_a_fixed_batch(loss_type, saved_models,
-                                                                                                  tokenizer, tmp_path):  # fmt: skip
+def test_steps_change_every_parameter_log_the_family_metrics_and_lower_the_loss_on_a_fixed_batch(
+    loss_type, saved_models, tokenizer, tmp_path
+):
     torch.manual_seed(0)
     m = make(saved_models, tokenizer, loss_type=loss_type)
     m.configure_model()
@@ -134,8 +153,11 @@ def test_steps_change_every_parameter_log_the_family_metrics_and_lower_the_loss_
         assert not torch.equal(before[name], p.detach()), f"policy {name} did not change"
     cm = {k: float(v) for k, v in trainer.callback_metrics.items()}
     keys = {"train/loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"}
-    keys |= {"simpo": {"rewards/accuracies"}, "orpo": {"rewards/accuracies", "nll_loss", "log_odds_ratio", "log_odds_chosen"},
-             "kto": {"kl"}}[loss_type]  # fmt: skip
+    keys |= {
+        "simpo": {"rewards/accuracies"},
+        "orpo": {"rewards/accuracies", "nll_loss", "log_odds_ratio", "log_odds_chosen"},
+        "kto": {"kl"},
+    }[loss_type]
     assert keys <= set(cm) and all(math.isfinite(cm[k]) for k in keys), sorted(cm)
     assert cm["rewards/margins"] == pytest.approx(cm["rewards/chosen"] - cm["rewards/rejected"], abs=1e-5)
     if loss_type == "orpo":  # L = L_SFT + λ·L_OR over the same window of pairs, L_OR = −log_odds_ratio
@@ -205,12 +227,34 @@ def test_presets_compose_with_their_papers_recipes(tmp_path):
 
     simpo, orpo, kto = (plan(compose([f"algo={a}", "model=llama7b"], tmp_path)) for a in ("simpo", "orpo", "kto"))
     a = simpo.algo  # Llama-3-8B-Base SimPO: β 2, γ/β 0.5, lr 6e-7, cosine to 0 after 10% warm-up
-    assert (a.loss_type, a.beta, a.gamma_beta_ratio, a.lr, a.scheduler, a.warmup_steps, a.warmup_ratio, a.min_lr_ratio) == (
-        "simpo", 2.0, 0.5, 6e-7, "cosine", 0, 0.1, 0.0)
+    assert (
+        a.loss_type,
+        a.beta,
+        a.gamma_beta_ratio,
+        a.lr,
+        a.scheduler,
+        a.warmup_steps,
+        a.warmup_ratio,
+        a.min_lr_ratio,
+    ) == ("simpo", 2.0, 0.5, 6e-7, "cosine", 0, 0.1, 0.0)
     a = orpo.algo  # Mistral-ORPO-β: λ 0.1, lr 5e-6, inverse sqrt after 200 warm-up steps, from the base model
-    assert (a.loss_type, a.beta, a.lr, a.scheduler, a.warmup_steps, a.policy_path) == ("orpo", 0.1, 5e-6, "inverse_sqrt", 200, None)
+    assert (a.loss_type, a.beta, a.lr, a.scheduler, a.warmup_steps, a.policy_path) == (
+        "orpo",
+        0.1,
+        5e-6,
+        "inverse_sqrt",
+        200,
+        None,
+    )
     a = kto.algo  # HALOs' KTO: β 0.1, λ_D = λ_U = 1, lr 5e-6 after 150 warm-up steps
-    assert (a.loss_type, a.beta, a.desirable_weight, a.undesirable_weight, a.lr, a.warmup_steps) == ("kto", 0.1, 1.0, 1.0, 5e-6, 150)
+    assert (a.loss_type, a.beta, a.desirable_weight, a.undesirable_weight, a.lr, a.warmup_steps) == (
+        "kto",
+        0.1,
+        1.0,
+        1.0,
+        5e-6,
+        150,
+    )
     assert kto.data.unpaired and not simpo.data.unpaired  # KTO reads unpaired examples
     with pytest.raises(ConfigError, match=r"data.preference.unpaired: unpaired examples train algo.loss_type=kto only"):
         plan(compose(["algo=dpo", "model=llama7b", "data.preference.unpaired=true"], tmp_path))
@@ -241,9 +285,17 @@ def test_resume_from_a_checkpoint_ends_where_the_uninterrupted_run_ends(loss_typ
     from tests.test_resume import EVERY_BATCH, assert_same_end, load
 
     pairs = {"simpo": 96, "kto": 48}[loss_type]  # 3 batches of 32 pairs, or of 32 examples (2 per pair)
-    overrides = [f"experiment={loss_type}_synthetic_tiny", f"algo.policy_path={saved_models[0]}", "data.batch_size=32",
-                 f"data.preference.n_train={pairs}", "data.preference.n_val=16", "trainer.max_epochs=2",
-                 "trainer.val_check_interval=2", "algo.drift_prompts=4", *EVERY_BATCH]  # fmt: skip
+    overrides = [
+        f"experiment={loss_type}_synthetic_tiny",
+        f"algo.policy_path={saved_models[0]}",
+        "data.batch_size=32",
+        f"data.preference.n_train={pairs}",
+        "data.preference.n_val=16",
+        "trainer.max_epochs=2",
+        "trainer.val_check_interval=2",
+        "algo.drift_prompts=4",
+        *EVERY_BATCH,
+    ]
     run(compose(overrides, tmp_path / "full"))
     ckpts = sorted((tmp_path / "full" / "checkpoints").glob("b*.ckpt"))
     assert [load(p)["epoch"] for p in ckpts] == [0, 0, 0, 1, 1, 1], [p.name for p in ckpts]
@@ -251,7 +303,9 @@ def test_resume_from_a_checkpoint_ends_where_the_uninterrupted_run_ends(loss_typ
     for name, index in (("mid-epoch", 0), ("epoch boundary", 2)):
         out = tmp_path / f"resumed_{index}"
         run(compose([*overrides, f"ckpt_path={ckpts[index]}"], out))
-        assert_same_end(load(out / "checkpoints" / "last.ckpt"), final, f"{loss_type}, resumed at {ckpts[index].name} ({name})")
+        assert_same_end(
+            load(out / "checkpoints" / "last.ckpt"), final, f"{loss_type}, resumed at {ckpts[index].name} ({name})"
+        )
 
 
 @pytest.mark.parametrize("loss_type", ["simpo", "kto"])
@@ -265,4 +319,7 @@ def test_the_test_loop_reports_held_out_metrics(loss_type, saved_models, tokeniz
     if loss_type == "kto":
         assert "test/kl" in out and not any("accurac" in k for k in out)
     else:
-        assert out["test/pairs"] == 8 and out["test/accuracy_ci_low"] <= out["test/rewards/accuracies"] <= out["test/accuracy_ci_high"]
+        assert (
+            out["test/pairs"] == 8
+            and out["test/accuracy_ci_low"] <= out["test/rewards/accuracies"] <= out["test/accuracy_ci_high"]
+        )

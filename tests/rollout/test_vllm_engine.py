@@ -21,8 +21,10 @@ def vllm_models(tokenizer, tmp_path_factory):
     from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
     from tests.helpers.ppo import save_tiny_models
 
-    spec = ModelSpec(tiny=TinyLlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                          intermediate_size=128), tokenizer="synthetic")  # fmt: skip
+    spec = ModelSpec(
+        tiny=TinyLlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128),
+        tokenizer="synthetic",
+    )
     return save_tiny_models(spec, tokenizer, tmp_path_factory.mktemp("vllm_models"))
 
 
@@ -73,8 +75,16 @@ def test_sampled_logprobs_equal_the_trainers_recomputation(policy, tokenizer):
     batch = prompts_batch(tokenizer)
     gen = GenerationConfig(max_new_tokens=12, temperature=0.9, top_p=0.9, repetition_penalty=1.1)
     torch.manual_seed(0)
-    r = generate_and_score(policy, batch, tokenizer, gen, padding_free=True, sampler_logprobs=True,
-                           engine=engine_of(policy), responses_per_prompt=3)  # fmt: skip
+    r = generate_and_score(
+        policy,
+        batch,
+        tokenizer,
+        gen,
+        padding_free=True,
+        sampler_logprobs=True,
+        engine=engine_of(policy),
+        responses_per_prompt=3,
+    )
     assert r.response_ids.shape[0] == 12 and r.prompts_text[:3] == ["the dog"] * 3
     mask = r.response_mask.bool()
     gap = (r.sampler_logprobs - r.logprobs).abs()[mask]
@@ -124,8 +134,10 @@ def test_a_lora_policy_is_pushed_merged(vllm_models, tokenizer):
     from lit_rlhf.rollout.generate import GenerationConfig
     from lit_rlhf.rollout.vllm_engine import policy_weights
 
-    model = add_lora(build_causal_lm(ModelSpec(name_or_path=vllm_models[0]), tokenizer),
-                     LoraSpec(enabled=True, r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))  # fmt: skip
+    model = add_lora(
+        build_causal_lm(ModelSpec(name_or_path=vllm_models[0]), tokenizer),
+        LoraSpec(enabled=True, r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+    )
     torch.manual_seed(1)
     for name, p in model.named_parameters():
         if "lora_B" in name:
@@ -135,7 +147,9 @@ def test_a_lora_policy_is_pushed_merged(vllm_models, tokenizer):
     q = model.model.layers[0].self_attn.q_proj
     expected = q.base_layer.weight + 2.0 * q.lora_B["default"].weight @ q.lora_A["default"].weight
     torch.testing.assert_close(weights["model.layers.0.self_attn.q_proj.weight"], expected)
-    assert model.config.tie_word_embeddings and torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+    assert model.config.tie_word_embeddings and torch.equal(
+        weights["lm_head.weight"], weights["model.embed_tokens.weight"]
+    )
     batch = prompts_batch(tokenizer)
     gen = GenerationConfig(max_new_tokens=10, do_sample=False)
     hf = generate_and_score(model, batch, tokenizer, gen, policy_logprobs=False).response_ids
@@ -168,7 +182,9 @@ def test_ppo_max_and_dapo_with_the_vllm_engine_train_log_the_mismatch_and_resume
     assert len(ckpts) >= 4
     final = load(tmp_path / "full" / "checkpoints" / "last.ckpt")
     run_cfg(stage, vllm_models, tmp_path / "resumed", f"ckpt_path={ckpts[2]}")
-    assert_same_end(load(tmp_path / "resumed" / "checkpoints" / "last.ckpt"), final, f"{stage} resumed at {ckpts[2].name}")
+    assert_same_end(
+        load(tmp_path / "resumed" / "checkpoints" / "last.ckpt"), final, f"{stage} resumed at {ckpts[2].name}"
+    )
 
 
 def test_pass_at_k_samples_one_request_of_k_per_prompt(policy, tokenizer):
@@ -202,9 +218,15 @@ def test_dpo_drift_sampling_with_the_vllm_engine(vllm_models, tmp_path):
     from tests.conftest import compose
     from tests.test_resume import stage_overrides
 
-    overrides = [*stage_overrides("dpo", vllm_models), "trainer.accelerator=cpu", "logger=none", "trainer.max_epochs=1",
-                 "trainer.enable_progress_bar=false", "algo.generation.engine=vllm",
-                 "algo.generation.vllm.kv_cache_gib=0.0625"]  # fmt: skip
+    overrides = [
+        *stage_overrides("dpo", vllm_models),
+        "trainer.accelerator=cpu",
+        "logger=none",
+        "trainer.max_epochs=1",
+        "trainer.enable_progress_bar=false",
+        "algo.generation.engine=vllm",
+        "algo.generation.vllm.kv_cache_gib=0.0625",
+    ]
     from lit_rlhf.rollout import vllm_engine
 
     metrics = run(compose(overrides, tmp_path))
@@ -226,8 +248,10 @@ def test_the_demo_evaluation_samples_through_the_engine(vllm_models):
     prompts = [r["prompt"] for r in task.prompts(8, "test")]
     gen = GenerationConfig(max_new_tokens=10, do_sample=False, repetition_penalty=1.1)
     policy, rm = vllm_models
-    runs = [evaluate_policies({"SFT": policy, "again": policy}, policy, rm, task, prompts, 4, g)
-            for g in (gen, replace(gen, engine="vllm", vllm=VLLMConfig(**KV)))]  # fmt: skip
+    runs = [
+        evaluate_policies({"SFT": policy, "again": policy}, policy, rm, task, prompts, 4, g)
+        for g in (gen, replace(gen, engine="vllm", vllm=VLLMConfig(**KV)))
+    ]
     assert runs[0] == runs[1] and runs[0]["SFT"]["kl_to_sft"] == 0.0
 
 

@@ -15,7 +15,13 @@ from __future__ import annotations
 from importlib import metadata
 
 #: the versions pyproject.toml pins, which every function here is tested against
-PINNED = {"lightning": "2.6.6", "deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.19.0", "omegaconf": "2.3.1"}
+PINNED = {
+    "lightning": "2.6.6",
+    "deepspeed": "0.19.8",
+    "torch": "2.13.0",
+    "transformers": "5.19.0",
+    "omegaconf": "2.3.1",
+}
 
 
 class CompatError(RuntimeError):
@@ -27,14 +33,16 @@ class CompatError(RuntimeError):
         except metadata.PackageNotFoundError:
             installed = "not installed"
         super().__init__(
-            f"{package} {installed}: {internal} is no longer where lit_rlhf expects it{': ' + detail if detail else ''} "
+            f"{package} {installed}: {internal} is no longer where lit_rlhf expects it"
+            f"{': ' + detail if detail else ''} "
             f"(lit_rlhf is tested with {package}=={PINNED[package]}; install that version, or update "
             f"lit_rlhf/utils/compat/{package}.py)"
         )
 
 
 def private_attr(obj: object, name: str, package: str, where: str) -> object:
-    """``getattr(obj, name)``, or a :class:`CompatError` naming ``where`` (e.g. ``Trainer.fit_loop._combined_loader``)."""
+    """``getattr(obj, name)``, or a :class:`CompatError` naming ``where`` (e.g.
+    ``Trainer.fit_loop._combined_loader``)."""
     try:
         return getattr(obj, name)
     except AttributeError as err:

@@ -9,7 +9,8 @@ from lit_rlhf.utils.compat import private_attr
 
 
 def zero3_offload(engine: Any) -> Any:
-    """The engine optimizer's ``parameter_offload`` (the owner of ZeRO-3's fetch/release hooks), or None (not ZeRO-3)."""
+    """The engine optimizer's ``parameter_offload`` (the owner of ZeRO-3's fetch/release hooks), or
+    None (not ZeRO-3)."""
     return getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
 
 
@@ -24,6 +25,7 @@ def remove_zero3_hooks(offload: Any) -> None:
 
 def register_zero3_hooks(offload: Any) -> None:
     """Put ZeRO-3's hooks back on the module tree (DeepSpeed's own registration)."""
-    register = private_attr(offload, "_register_deepspeed_module", "deepspeed",
-                            "DeepSpeedZeRoOffload._register_deepspeed_module")  # fmt: skip
+    register = private_attr(
+        offload, "_register_deepspeed_module", "deepspeed", "DeepSpeedZeRoOffload._register_deepspeed_module"
+    )
     register(offload.module)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -53,10 +54,15 @@ def setup_activation_checkpointing(unit: Any, strategy: Any) -> None:
     ``FSDPStrategy._setup_model`` does for the module it wraps whole."""
     from lightning.pytorch.strategies import fsdp
 
-    setup = private_attr(fsdp, "_setup_activation_checkpointing", "lightning",
-                         "lightning.pytorch.strategies.fsdp._setup_activation_checkpointing")  # fmt: skip
-    kwargs = private_attr(strategy, "_activation_checkpointing_kwargs", "lightning",
-                          "FSDPStrategy._activation_checkpointing_kwargs")  # fmt: skip
+    setup = private_attr(
+        fsdp,
+        "_setup_activation_checkpointing",
+        "lightning",
+        "lightning.pytorch.strategies.fsdp._setup_activation_checkpointing",
+    )
+    kwargs = private_attr(
+        strategy, "_activation_checkpointing_kwargs", "lightning", "FSDPStrategy._activation_checkpointing_kwargs"
+    )
     setup(unit, kwargs)
 
 

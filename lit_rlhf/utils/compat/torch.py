@@ -13,7 +13,11 @@ def mkldnn_linear_available() -> bool:
     """Whether this torch build has oneDNN's prepacked linear operators (x86-64 CPU wheels do;
     elsewhere the decoding step multiplies with ``F.linear``: a fallback, not an error)."""
     ops = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
 
 
 def mkldnn_reorder_linear_weight(weight: Tensor, rows: int) -> Tensor:
@@ -33,7 +37,9 @@ def global_forward_hooks_active() -> bool:
     from torch.nn.modules import module
 
     hooks = private_attr(module, "_global_forward_hooks", "torch", "torch.nn.modules.module._global_forward_hooks")
-    pre = private_attr(module, "_global_forward_pre_hooks", "torch", "torch.nn.modules.module._global_forward_pre_hooks")
+    pre = private_attr(
+        module, "_global_forward_pre_hooks", "torch", "torch.nn.modules.module._global_forward_pre_hooks"
+    )
     return bool(hooks or pre)
 
 

@@ -4,7 +4,8 @@ attention implementation a model's config selected, as the inlined decoding laye
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from lit_rlhf.utils.compat import private_attr
 
