@@ -21,7 +21,7 @@ PLAN_ONLY = False  # `--plan`: print the memory plan of the composed job and exi
 USER_ERRORS = {
     "lit_rlhf.data.io": "DataError",
     "lit_rlhf.models.builders": "ModelLoadError",
-    "lit_rlhf.rollout.score": "RewardFunctionError",
+    "lit_rlhf.rollout.scorers": "RewardFunctionError",
     "lit_rlhf.modules.health": "NonFiniteTrainingError",
 }
 

@@ -359,7 +359,7 @@ def evaluate_policies(
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.rollout.collect import generate_and_score
     from lit_rlhf.rollout.generate import GenerationConfig
-    from lit_rlhf.rollout.score import ModelScorer
+    from lit_rlhf.rollout.scorers import ModelScorer
     from lit_rlhf.rollout.vllm_engine import engine_for
 
     tok = build_tokenizer(ModelSpec(name_or_path=sft_path))

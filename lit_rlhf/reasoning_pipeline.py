@@ -130,7 +130,7 @@ def evaluate_reasoning(
     from lit_rlhf.models.builders import build_causal_lm, build_tokenizer, freeze
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.rollout.evaluate import evaluate_verifiable
-    from lit_rlhf.rollout.score import CallableScorer
+    from lit_rlhf.rollout.scorers import CallableScorer
     from lit_rlhf.rollout.vllm_engine import engine_for
 
     chat = get_template(template)

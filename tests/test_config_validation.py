@@ -165,19 +165,19 @@ def test_reward_callables_are_checked_item_by_item(values, expected):
     """Each entry of algo.reward_fns (and reward_fn, gold_reward_fn) is checked before anything is
     built, its factory imported and its arguments matched to the factory's signature: Hydra's
     instantiate never meets a bad one (it would fail with a traceback when the stage builds)."""
-    from lit_rlhf.modules.configs import GRPOConfig
+    from lit_rlhf.modules.configs import CriticFreeConfig
 
     with pytest.raises(ConfigError) as err:
-        build_config(GRPOConfig, values, "algo")
+        build_config(CriticFreeConfig, values, "algo")
     assert str(err.value).startswith(expected), str(err.value)
     assert "\n" not in str(err.value)
 
 
 def test_good_reward_callables_pass():
-    from lit_rlhf.modules.configs import GRPOConfig
+    from lit_rlhf.modules.configs import CriticFreeConfig
 
     fns = [{"_target_": GOLD, "weight": 2, "name": "gold"}, {"_target_": GOLD, "weight": -0.5, "task_config": None}]
-    assert build_config(GRPOConfig, {"reward_fns": fns}, "algo").reward_fns[0]["weight"] == 2
+    assert build_config(CriticFreeConfig, {"reward_fns": fns}, "algo").reward_fns[0]["weight"] == 2
 
 
 @pytest.mark.parametrize(

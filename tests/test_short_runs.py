@@ -74,19 +74,19 @@ def test_rl_stages_keep_a_csv_log_beside_any_logger_and_sft_does_not_get_one(tmp
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     from lit_rlhf.callbacks import StabilityReport
-    from lit_rlhf.modules.grpo import GRPOModule
+    from lit_rlhf.modules.critic_free import CriticFreeModule
     from lit_rlhf.modules.sft import SFTModule
     from lit_rlhf.runner import with_stability_csv
 
     trainer_cfg = {"default_root_dir": str(tmp_path)}
     tb = TensorBoardLogger(str(tmp_path))
-    loggers = with_stability_csv([tb], [StabilityReport()], GRPOModule, trainer_cfg)
+    loggers = with_stability_csv([tb], [StabilityReport()], CriticFreeModule, trainer_cfg)
     assert loggers[0] is tb and isinstance(loggers[1], CSVLogger)
     assert os.path.normpath(loggers[1].log_dir) == str(
         tmp_path / "csv"
     )  # where StabilityReport and lit_rlhf.report look
     assert with_stability_csv([], [StabilityReport()], SFTModule, trainer_cfg) == []
-    assert with_stability_csv([], [], GRPOModule, trainer_cfg) == []  # callbacks=none: no PNG to draw
+    assert with_stability_csv([], [], CriticFreeModule, trainer_cfg) == []  # callbacks=none: no PNG to draw
 
 
 @pytest.mark.slow

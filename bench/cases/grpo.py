@@ -1,4 +1,4 @@
-"""GRPO: lit_rlhf's ``GRPOModule`` against TRL's ``GRPOTrainer``, in separate processes (``grpo_ours``,
+"""GRPO: lit_rlhf's ``CriticFreeModule`` against TRL's ``GRPOTrainer``, in separate processes (``grpo_ours``,
 ``grpo_trl``) and in one process with their steps alternating (``grpo_paired``, :class:`Alternation`)."""
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ def _grpo_ours(models: Path, s: dict, n: int, callbacks: list) -> Any:
     from lit_rlhf.data.prompts import PromptDataModule
     from lit_rlhf.models.builders import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
-    from lit_rlhf.modules.configs import GRPOConfig
-    from lit_rlhf.modules.grpo import GRPOModule
+    from lit_rlhf.modules.configs import CriticFreeConfig
+    from lit_rlhf.modules.critic_free import CriticFreeModule
     from lit_rlhf.utils.config import build_config
 
     cfg = build_config(
-        GRPOConfig,
+        CriticFreeConfig,
         dict(
             policy_path=str(models / "policy"),
             reward_fn={"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"},
@@ -50,9 +50,9 @@ def _grpo_ours(models: Path, s: dict, n: int, callbacks: list) -> Any:
         ),
         "algo",
     )
-    spec = GRPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=str(models / "policy")))
+    spec = CriticFreeModule.resolve_model_spec(cfg, ModelSpec(name_or_path=str(models / "policy")))
     tok = build_tokenizer(spec)
-    module = GRPOModule(cfg, model=spec, tokenizer=tok)
+    module = CriticFreeModule(cfg, model=spec, tokenizer=tok)
     data = PromptDataModule(n_train=s["batch"] * 50, n_val=0, batch_size=s["batch"] // GRPO_G).connect(tok)
     trainer = pl.Trainer(
         max_steps=n,
@@ -73,7 +73,7 @@ def _grpo_trl(models: Path, s: dict, n: int, callbacks: list) -> Any:
     checkpointing."""
     trl_path()
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import CriticFreeConfig, GRPOTrainer
 
     from lit_rlhf.data.synthetic import SyntheticTask, gold_reward_fn
     from lit_rlhf.models.builders import build_tokenizer
@@ -88,7 +88,7 @@ def _grpo_trl(models: Path, s: dict, n: int, callbacks: list) -> Any:
     def reward(prompts, completions, **kw):
         return gold(prompts, completions, [True] * len(completions))
 
-    args = GRPOConfig(
+    args = CriticFreeConfig(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=s["batch"],
         num_generations=GRPO_G,
@@ -118,7 +118,7 @@ def _grpo_trl(models: Path, s: dict, n: int, callbacks: list) -> Any:
 
 
 def case_grpo_ours(models: Path, s: dict) -> dict:
-    """lit_rlhf ``GRPOModule`` iterations through Lightning's Trainer (:func:`_grpo_ours`), timed per
+    """lit_rlhf ``CriticFreeModule`` iterations through Lightning's Trainer (:func:`_grpo_ours`), timed per
     iteration, with the phase breakdown (rollout vs update) from the module's own perf metrics."""
     import lightning.pytorch as pl
 

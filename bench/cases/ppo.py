@@ -20,8 +20,8 @@ def case_floor(models: Path, s: dict) -> dict:
     from lit_rlhf.models.reward import load_reward_model
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.models.value import ValueModel
+    from lit_rlhf.rollout.forward import response_logprobs, response_values
     from lit_rlhf.rollout.generate import GenerationConfig, sample
-    from lit_rlhf.rollout.score import response_logprobs, response_values
 
     spec = ModelSpec(name_or_path=str(models / "policy"))
     tok = build_tokenizer(spec)

@@ -127,7 +127,7 @@ class CollapseAlarm(pl.Callback):
     Actions: ``warn`` (log the reasons, count in ``alarm/triggers``), ``stop`` (save a checkpoint
     ``collapse-step<N>.ckpt`` next to the other checkpoints and stop cleanly), ``rollback``
     (restore the snapshot of the last healthy iteration — module weights, optimizer state and the
-    module's RL state (:meth:`~lit_rlhf.modules.rl.RLModule.rl_state_dict`: iteration, β, running
+    module's RL state (:meth:`~lit_rlhf.callbacks.protocol.RLStage.rl_state_dict`: iteration, β, running
     reward statistics), kept in CPU memory every ``snapshot_every`` healthy iterations — then
     multiply β by ``beta_factor``; the step budget and lr schedule go on). An iteration is healthy
     when it is not alarming, including while an alarm waits out its patience. Every trigger is

@@ -16,16 +16,15 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
 
+from lit_rlhf.callbacks.protocol import rl_stage
+
 
 def _rl_module(trainer: pl.Trainer) -> Any:
-    from lit_rlhf.modules.rl import RLModule
-
-    module = trainer.lightning_module
-    return module if isinstance(module, RLModule) else None
+    return rl_stage(trainer.lightning_module)
 
 
 class RLProgressBar(TQDMProgressBar):
-    """TQDM progress bar that speaks in RL iterations for :class:`~lit_rlhf.modules.rl.RLModule`s."""
+    """TQDM progress bar that speaks in RL iterations for RL stages (:class:`~lit_rlhf.callbacks.protocol.RLStage`)."""
 
     @property
     def total_train_batches(self) -> int | float:

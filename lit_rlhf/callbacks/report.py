@@ -57,11 +57,11 @@ class WandbPanels(pl.Callback):
     each) plots against ``rl/iteration``, the RL step, rather than W&B's internal step."""
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from lit_rlhf.modules.rl import RLModule
+        from lit_rlhf.callbacks.protocol import RLStage
         from lit_rlhf.utils.loggers import wandb_loggers
 
         # only RL stages log rl/iteration: SFT and RM panels keep W&B's own step
-        if not (trainer.is_global_zero and isinstance(pl_module, RLModule)):
+        if not (trainer.is_global_zero and isinstance(pl_module, RLStage)):
             return
         for lg in wandb_loggers(trainer.loggers):
             run = lg.experiment

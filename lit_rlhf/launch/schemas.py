@@ -30,7 +30,7 @@ SCHEMAS = {
     "rm": "lit_rlhf.modules.configs:RMConfig",
     "ppo": "lit_rlhf.modules.configs:PPOConfig",
     "dpo": "lit_rlhf.modules.configs:DPOConfig",
-    "grpo": "lit_rlhf.modules.configs:GRPOConfig",
+    "grpo": "lit_rlhf.modules.configs:CriticFreeConfig",
     "pipeline": "lit_rlhf.pipeline:DemoConfig",
     "reasoning_pipeline": "lit_rlhf.reasoning_pipeline:ReasoningConfig",
     "model": "lit_rlhf.models.spec:ModelSpec",
@@ -49,7 +49,7 @@ STAGE_SCHEMAS = {
     "lit_rlhf.modules.reward_model.RewardModelModule": "rm",
     "lit_rlhf.modules.ppo.PPOModule": "ppo",
     "lit_rlhf.modules.dpo.DPOModule": "dpo",
-    "lit_rlhf.modules.grpo.GRPOModule": "grpo",
+    "lit_rlhf.modules.critic_free.CriticFreeModule": "grpo",
 }
 # and, by schema, the data section each reads (its ``data_kind``): runner.check_before_imports lists a job's
 # missing inputs and checks its algo.* values before torch and Lightning are imported

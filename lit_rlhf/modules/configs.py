@@ -420,7 +420,7 @@ class DPOConfig(OptimConfig):
 
 
 @dataclass
-class GRPOConfig(RLConfig):
+class CriticFreeConfig(RLConfig):
     """Critic-free RL (docs/algorithms.md §6): GRPO; DAPO, Dr. GRPO, RLOO, REINFORCE++ (and its
     group-baseline variant) and ReMax are presets of it. Defaults: GRPO as in DeepSeekMath (β 0.04
     with k3 in the loss, lr 1e-6, per-sequence mean then batch mean, advantages scaled by the group
@@ -511,3 +511,7 @@ class GRPOConfig(RLConfig):
             "overlong_buffer",
             "must not exceed the overlong max length (algo.overlong_max_length or algo.generation.max_new_tokens)",
         )
+
+
+GRPOConfig = CriticFreeConfig
+"""The former name of :class:`CriticFreeConfig`."""

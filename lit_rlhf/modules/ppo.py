@@ -104,7 +104,7 @@ class PPOModule(RLModule):
     def entropy_in_loss(self) -> bool:
         return bool(self.config.entropy_coef)
 
-    # --------------------------------------------------------------- phase 2
+    # ---------------------------------------------------------------- 2. advantages
     @torch.no_grad()
     def compute_advantages(self, rollout: Rollout) -> dict[str, Tensor]:
         """Fill ``rewards``, ``advantages`` and ``returns`` (docs/algorithms.md §2.2–§2.5); returns
@@ -131,7 +131,7 @@ class PPOModule(RLModule):
         rollout.advantages = advantages
         return {"reward/normalized_mean": scores[valid].mean() if valid.any() else scores.new_tensor(0.0)}
 
-    # --------------------------------------------------------------- phase 3
+    # -------------------------------------------------------------------- 3. update
     def ptx_term(self, ptx: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """Token-mean LM loss of the actor on an SFT batch (PPO-ptx, docs/algorithms.md §2.6)."""
         logits = self.actor(input_ids=ptx["input_ids"], attention_mask=ptx["attention_mask"]).logits

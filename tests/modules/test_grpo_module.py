@@ -1,4 +1,4 @@
-"""GRPOModule on tiny models: groups, the KL switch, dynamic sampling, reward callables, errors."""
+"""CriticFreeModule on tiny models: groups, the KL switch, dynamic sampling, reward callables, errors."""
 
 import math
 
@@ -8,9 +8,9 @@ import torch
 
 from lit_rlhf.data.prompts import PromptDataModule
 from lit_rlhf.models.spec import ModelSpec
-from lit_rlhf.modules.configs import GRPOConfig
-from lit_rlhf.modules.grpo import GRPOModule
-from lit_rlhf.rollout.score import RewardFunctionError
+from lit_rlhf.modules.configs import CriticFreeConfig
+from lit_rlhf.modules.critic_free import CriticFreeModule
+from lit_rlhf.rollout.scorers import RewardFunctionError
 from lit_rlhf.utils.config import ConfigError, build_config
 
 GOLD = {"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"}
@@ -28,9 +28,9 @@ def make(saved_models, tokenizer, **kw):
     args.update(kw)
     if any(k in kw for k in ("reward_fn", "reward_fns")):
         args["reward_path"] = None
-    cfg = build_config(GRPOConfig, args, "algo")
-    spec = GRPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path="the model group, unused"))
-    return GRPOModule(cfg, model=spec, tokenizer=tokenizer)
+    cfg = build_config(CriticFreeConfig, args, "algo")
+    spec = CriticFreeModule.resolve_model_spec(cfg, ModelSpec(name_or_path="the model group, unused"))
+    return CriticFreeModule(cfg, model=spec, tokenizer=tokenizer)
 
 
 def data(tokenizer, prompts=4):
@@ -94,8 +94,8 @@ def test_beta_zero_still_monitors_the_kl_unless_switched_off(saved_models, token
     keep = Keep()
     trainer = fit(off, data(tokenizer), 1, callbacks=[keep])
     assert "reference" not in off.frozen and keep.outputs[0]["rollout"].ref_logprobs is None
-    assert [n for n, _, _ in GRPOModule.planned_models(off.config)] == ["actor", "reward model"]
-    assert [n for n, _, _ in GRPOModule.planned_models(m.config)] == ["actor", "reference", "reward model"]
+    assert [n for n, _, _ in CriticFreeModule.planned_models(off.config)] == ["actor", "reward model"]
+    assert [n for n, _, _ in CriticFreeModule.planned_models(m.config)] == ["actor", "reference", "reward model"]
 
 
 def test_a_rollback_raises_the_beta_that_the_next_loss_uses(saved_models, tokenizer, monkeypatch):
@@ -252,7 +252,7 @@ def test_non_finite_rewards_are_counted_and_skipped(saved_models, tokenizer):
 )
 def test_bad_values_name_the_keys(values, message):
     with pytest.raises(ConfigError, match=message):
-        build_config(GRPOConfig, {"reward_path": "/rm", **values}, "algo")
+        build_config(CriticFreeConfig, {"reward_path": "/rm", **values}, "algo")
 
 
 def test_presets_are_values_of_one_config(tmp_path):

@@ -1,4 +1,4 @@
-"""REINFORCE++, REINFORCE++-baseline and ReMax: presets of GRPOModule (docs/algorithms.md §6.1, §6.2),
+"""REINFORCE++, REINFORCE++-baseline and ReMax: presets of CriticFreeModule (docs/algorithms.md §6.1, §6.2),
 checked number by number against the papers' formulas (written out as loops in
 tests/core/test_advantages.py) on the module's own rollouts, with β read from the KL controller."""
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from lit_rlhf.core.types import Rollout
-from lit_rlhf.modules.configs import GRPOConfig
-from lit_rlhf.modules.grpo import GRPOModule
+from lit_rlhf.modules.configs import CriticFreeConfig
+from lit_rlhf.modules.critic_free import CriticFreeModule
 from lit_rlhf.utils.config import ConfigError, build_config
 from tests.core.test_advantages import naive_kl_shaped, naive_whiten
 from tests.modules.test_grpo_module import GOLD, Keep, data, fit, make
 
-# what each preset sets over GRPOConfig's defaults that defines the algorithm (the recipe's numbers,
+# what each preset sets over CriticFreeConfig's defaults that defines the algorithm (the recipe's numbers,
 # lr, β and the minibatch, are checked against the preset files below)
 REINFORCE_PP = dict(
     num_generations=1,
@@ -53,7 +53,7 @@ def k1(r: Rollout) -> list[list[float]]:
 
 
 def test_presets_compose_to_the_papers_recipes(tmp_path):
-    """Each preset is values of the one GRPOConfig (the GRPOModule target, no new module), with its
+    """Each preset is values of the one CriticFreeConfig (the CriticFreeModule target, no new module), with its
     paper's estimator and the recipe its YAML cites; the prompt loader's batch is rollout / G."""
     from lit_rlhf.runner import plan
     from lit_rlhf.utils.config import to_dict
@@ -82,15 +82,15 @@ def test_presets_compose_to_the_papers_recipes(tmp_path):
         ),
     ]:
         cfg = compose([f"algo={preset}", *base], tmp_path)
-        assert cfg.algo._target_ == "lit_rlhf.modules.grpo.GRPOModule"
+        assert cfg.algo._target_ == "lit_rlhf.modules.critic_free.CriticFreeModule"
         p = plan(cfg)
         typed = to_dict(p.algo)
         assert {k: typed[k] for k in {**keys, **recipe}} == {**keys, **recipe}, preset
         assert p.data.batch_size * p.algo.num_generations == p.algo.rollout_batch_size == 32
-        assert [n for n, _, _ in GRPOModule.planned_models(p.algo)] == ["actor", "reference", "reward model"]
+        assert [n for n, _, _ in CriticFreeModule.planned_models(p.algo)] == ["actor", "reference", "reward model"]
     # REINFORCE++ and ReMax are fused (one pass over one minibatch) only where the recipe has one step
-    assert GRPOModule(plan(compose(["algo=remax", *base], tmp_path)).algo).fused_first_forward(32)
-    assert not GRPOModule(plan(compose(["algo=reinforce_pp", *base], tmp_path)).algo).fused_first_forward(32)
+    assert CriticFreeModule(plan(compose(["algo=remax", *base], tmp_path)).algo).fused_first_forward(32)
+    assert not CriticFreeModule(plan(compose(["algo=reinforce_pp", *base], tmp_path)).algo).fused_first_forward(32)
 
 
 def test_reinforce_pp_advantages_are_the_papers_with_the_controllers_beta(saved_models, tokenizer):
@@ -179,7 +179,7 @@ def test_remax_baseline_is_the_greedy_responses_reward_and_is_not_trained_on(sav
 def test_remax_samples_the_same_responses_as_a_run_without_the_greedy_decode(saved_models, tokenizer):
     """Greedy decoding draws no random numbers: with the same seed ReMax's sampled responses are those
     of REINFORCE++ (no baseline), and one greedy decode per prompt is the only extra sampling."""
-    import lit_rlhf.modules.grpo as grpo_module
+    import lit_rlhf.modules.critic_free as grpo_module
 
     calls = []
     real = grpo_module.generate_and_score
@@ -271,6 +271,6 @@ def test_kl_in_the_loss_leaves_the_advantage_the_groups_and_no_reference_means_n
 )
 def test_bad_values_name_the_keys(values, message):
     with pytest.raises(ConfigError, match=message):
-        build_config(GRPOConfig, {"reward_path": "/rm", **values}, "algo")
-    build_config(GRPOConfig, {"reward_path": "/rm", **REINFORCE_PP}, "algo")  # k1 in the reward is fine
-    build_config(GRPOConfig, {"reward_path": "/rm", **REMAX}, "algo")
+        build_config(CriticFreeConfig, {"reward_path": "/rm", **values}, "algo")
+    build_config(CriticFreeConfig, {"reward_path": "/rm", **REINFORCE_PP}, "algo")  # k1 in the reward is fine
+    build_config(CriticFreeConfig, {"reward_path": "/rm", **REMAX}, "algo")

@@ -61,13 +61,13 @@ def test_monitor_and_tis_in_ppo(saved_models, tokenizer):
 def test_tis_weights_reach_the_grpo_loss(saved_models, tokenizer, monkeypatch):
     """GRPO takes the same weights (the one iteration's ``importance_weights``): a sampler made to
     disagree by a known amount scales the surrogate exactly as min(e^{gap}, C)."""
-    from lit_rlhf.modules.rl_update import RLUpdateMixin
+    from lit_rlhf.modules.rl import RLModule
     from tests.modules.test_grpo_module import data as grpo_data
     from tests.modules.test_grpo_module import fit as grpo_fit
     from tests.modules.test_grpo_module import make as grpo_make
 
     seen = []
-    original = RLUpdateMixin.importance_weights
+    original = RLModule.importance_weights
 
     def shifted(self, mb, mask):  # the sampler 0.3 nats less likely than the trainer on every token
         mb.sampler_logprobs = mb.logprobs - 0.3
@@ -75,7 +75,7 @@ def test_tis_weights_reach_the_grpo_loss(saved_models, tokenizer, monkeypatch):
         seen.append((w, mask))
         return w
 
-    monkeypatch.setattr(RLUpdateMixin, "importance_weights", shifted)
+    monkeypatch.setattr(RLModule, "importance_weights", shifted)
     m = grpo_make(saved_models, tokenizer, rollout_correction="tis", tis_cap=1.2)
     trainer = grpo_fit(m, grpo_data(tokenizer), max_steps=1)
     assert trainer.global_step == 1 and seen

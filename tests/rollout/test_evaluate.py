@@ -13,7 +13,7 @@ from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.rollout.collect import generate_and_score
 from lit_rlhf.rollout.config import GenerationConfig
 from lit_rlhf.rollout.evaluate import evaluate_verifiable
-from lit_rlhf.rollout.score import CallableScorer
+from lit_rlhf.rollout.scorers import CallableScorer
 
 
 class Recorder:

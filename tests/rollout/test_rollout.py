@@ -6,9 +6,8 @@ import torch
 from lit_rlhf.core.masked import position_ids_from_mask
 from lit_rlhf.data.collate import pad
 from lit_rlhf.models.builders import build_causal_lm
+from lit_rlhf.rollout.forward import response_logprobs
 from lit_rlhf.rollout.generate import GenerationConfig, response_mask_from_eos, sample
-from lit_rlhf.rollout.minibatches import iterate_minibatches
-from lit_rlhf.rollout.score import response_logprobs
 from lit_rlhf.utils.compat.transformers import cache_keyword
 
 
@@ -46,13 +45,6 @@ def test_sampling_stops_at_any_stop_id(policy, tokenizer):
         assert resp_mask[row].tolist()[:n] == [1] * n and not any(resp_mask[row].tolist()[n:])
         assert resp[row, :n].tolist() == toks[:n] and bool(ended[row]) == (stop_tok in toks)
     assert ended[0] and int(resp_mask[0].sum()) <= 3
-
-
-def test_minibatches_cover_every_index_once_per_epoch():
-    g = torch.Generator().manual_seed(0)
-    mbs = list(iterate_minibatches(10, 4, 2, g))
-    assert [len(m) for m in mbs] == [4, 4, 2, 4, 4, 2]
-    assert sorted(torch.cat(mbs[:3]).tolist()) == list(range(10)) == sorted(torch.cat(mbs[3:]).tolist())
 
 
 @pytest.fixture
@@ -455,7 +447,7 @@ def test_layers_with_hooks_adapters_or_another_layout_are_not_inlined():
 def test_response_logits_same_with_and_without_logits_to_keep(policy):
     """The LM head on the response positions only gives the logits a full forward gives there;
     models whose forward has no ``logits_to_keep`` get the full forward, sliced."""
-    from lit_rlhf.rollout.score import _takes_logits_to_keep, response_logits
+    from lit_rlhf.rollout.forward import _takes_logits_to_keep, response_logits
 
     class NoKeep(torch.nn.Module):
         def __init__(self, inner):
@@ -483,7 +475,7 @@ def test_truncated_responses_are_scored_with_an_eos_like_the_retokenizing_path(t
     scores that decoding + re-tokenizing (encode_pair appends the EOS) gives, truncated rows too."""
     from lit_rlhf.data.templates import get_template
     from lit_rlhf.models.reward import build_reward_model
-    from lit_rlhf.rollout.score import ModelScorer, append_eos_to_truncated
+    from lit_rlhf.rollout.scorers import ModelScorer, append_eos_to_truncated
 
     eos, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     ids = torch.tensor([[pad_id, 7, 8, 20, 21, eos], [4, 5, 6, 22, 23, 24]])

@@ -194,7 +194,7 @@ def test_pass_at_k_samples_one_request_of_k_per_prompt(policy, tokenizer):
     from lit_rlhf.rollout.collect import generate_and_score
     from lit_rlhf.rollout.config import GenerationConfig
     from lit_rlhf.rollout.evaluate import evaluate_verifiable
-    from lit_rlhf.rollout.score import CallableScorer
+    from lit_rlhf.rollout.scorers import CallableScorer
     from tests.rollout.test_evaluate import Recorder
 
     prompts = ["the dog", "a small cat", "every happy bird sings"]

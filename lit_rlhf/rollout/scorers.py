@@ -1,8 +1,10 @@
-"""No-grad scoring of a generated batch: log-probs (actor, reference), values (critic), scores.
+"""Reward scorers: (B,) scores of a rollout's responses, from a frozen reward model
+(:class:`ModelScorer`), a Python reward function (:class:`CallableScorer`: the embedded task's gold
+reward, the verifiers of lit_rlhf.rewards), or a weighted sum of such functions
+(:class:`WeightedScorer`, ``algo.reward_fns``).
 
-Every per-token quantity is read at the position BEFORE the token it scores: logits at t−1
-predict token t, and V(s_t) is the value of the prefix that ends just before response token t.
-So for a prompt of width P: ``full[:, P - 1 : -1]`` lines up with the response tokens.
+Every scorer is called as ``scorer(input_ids, attention_mask, prompts, responses, ended, columns=…)``
+and answers :meth:`take_errors` (responses a function could not check, by component name).
 """
 
 from __future__ import annotations
@@ -13,95 +15,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-
-from lit_rlhf.core.logprobs import entropy_from_logits, logprobs_from_logits
-from lit_rlhf.core.masked import position_ids_from_mask
-
-
-def _takes_logits_to_keep(model: Any) -> bool:
-    try:
-        return "logits_to_keep" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def response_logits(
-    model: Any, input_ids: Tensor, attention_mask: Tensor, prompt_width: int, padding_free: bool = False
-) -> Tensor:
-    """(B, R, V) logits that predict the R response tokens of ``input_ids`` (B, P + R).
-
-    The LM head runs on those R positions only (``logits_to_keep``) where the model supports it:
-    with long prompts and large vocabularies, prompt-position logits are most of the LM head's
-    time and memory, and nothing reads them. With ``padding_free`` the forward runs on the packed
-    real tokens (lit_rlhf/models/packed.py; the LM head only at real response tokens) and padded
-    response positions get zero logits (every reader masks them).
-    """
-    if padding_free:
-        packed = _packed_response_logits(model, input_ids, attention_mask, prompt_width)
-        if packed is not None:
-            return packed
-    kwargs: dict[str, Any] = {}
-    response_width = input_ids.shape[1] - prompt_width
-    if _takes_logits_to_keep(model):
-        kwargs["logits_to_keep"] = response_width + 1  # positions P-1 … T-1; the last predicts nothing
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        **kwargs,
-    )
-    return out.logits[:, -(response_width + 1) : -1]
-
-
-def _packed_response_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, prompt_width: int) -> Tensor | None:
-    """:func:`response_logits` through one packed forward, or None where the model fails its check."""
-    from lit_rlhf.models.packed import packed_logits, packing_ok
-
-    b, t = input_ids.shape
-    r = t - prompt_width
-    # response token j of row i is scored by the logits at column P - 1 + j, when both are real
-    scored = attention_mask[:, prompt_width:].bool() & attention_mask[:, prompt_width - 1 : -1].bool()
-    rows, cols = scored.nonzero(as_tuple=True)
-    predicting = rows * t + prompt_width - 1 + cols
-    if not packing_ok(model, input_ids, attention_mask, predicting):
-        return None
-    logits = packed_logits(model, input_ids, attention_mask, predicting)
-    out = logits.new_zeros(b * r, logits.shape[-1]).index_copy(0, rows * r + cols, logits)
-    return out.view(b, r, -1)
-
-
-def response_logprobs(
-    model: Any,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    prompt_width: int,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    entropy_grad: bool = True,
-    padding_free: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """(B, R) log π(y_t | x, y_<t) of the response tokens (and (B, R) entropies if asked).
-
-    ``temperature`` divides the logits first (1.0 = the model's own distribution, the default
-    in docs/algorithms.md §2; the sampling temperature is the alternative). ``padding_free``:
-    see :func:`response_logits` (values at padded positions differ; real ones do not).
-    """
-    logits = response_logits(model, input_ids, attention_mask, prompt_width, padding_free)
-    if temperature != 1.0:
-        logits = logits / temperature
-    labels = input_ids[:, prompt_width:]
-    logprobs = logprobs_from_logits(logits, labels)
-    if not with_entropy:
-        return logprobs, None
-    if entropy_grad:
-        return logprobs, entropy_from_logits(logits)
-    with torch.no_grad():
-        return logprobs, entropy_from_logits(logits.detach())
-
-
-def response_values(critic: Any, input_ids: Tensor, attention_mask: Tensor, prompt_width: int) -> Tensor:
-    """(B, R) V(s_t) for the states before each response token."""
-    return critic(input_ids, attention_mask)[:, prompt_width - 1 : -1]
 
 
 def append_eos_to_truncated(
@@ -168,6 +81,10 @@ class ModelScorer:
         device = input_ids.device
         return self.model(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float()
 
+    def take_errors(self) -> dict[str, tuple[int, str | None]]:
+        """A reward model scores every response: nothing to count (see :meth:`CallableScorer.take_errors`)."""
+        return {}
+
 
 class RewardFunctionError(RuntimeError):
     """A reward callable failed or returned something that is not one number per response."""
@@ -223,10 +140,10 @@ class CallableScorer:
             self.error_example = self.error_example or getattr(self.fn, "last_error_example", None)
         return out
 
-    def take_errors(self) -> tuple[int, str | None]:
-        """Responses the function could not check since the last call of this method (scored 0),
-        and the first error message among them."""
-        out = (self.errors, self.error_example)
+    def take_errors(self) -> dict[str, tuple[int, str | None]]:
+        """{short name: (responses the function could not check since the last call of this method
+        (scored 0), the first error message among them)}."""
+        out = {self.name.rsplit(".", 1)[-1]: (self.errors, self.error_example)}
         self.errors, self.error_example = 0, None
         return out
 
@@ -270,4 +187,22 @@ class WeightedScorer:
     def take_errors(self) -> dict[str, tuple[int, str | None]]:
         """Per component: responses its function could not check since the last call (see
         :meth:`CallableScorer.take_errors`)."""
-        return {name: scorer.take_errors() for name, _, scorer in self.parts if hasattr(scorer, "take_errors")}
+        return {name: next(iter(scorer.take_errors().values()), (0, None)) for name, _, scorer in self.parts}
+
+
+def callable_scorer(spec: Mapping[str, Any]) -> CallableScorer:
+    """The scorer of one ``{_target_: factory, **kwargs}`` reward (``algo.reward_fn``,
+    ``algo.gold_reward_fn``), checked at start by ``modules/configs.py: check_reward_specs``."""
+    from hydra.utils import instantiate
+
+    return CallableScorer(instantiate(spec), spec["_target_"])
+
+
+def weighted_scorer(specs: Sequence[Mapping[str, Any]]) -> WeightedScorer:
+    """Σ_k w_k · reward_k of ``algo.reward_fns`` (each ``{_target_, weight: 1.0, name: <factory's name>}``)."""
+    parts = []
+    for spec in specs:
+        spec = dict(spec)
+        weight, name = float(spec.pop("weight", 1.0)), spec.pop("name", None)
+        parts.append((name or spec["_target_"].rsplit(".", 1)[-1], weight, callable_scorer(spec)))
+    return WeightedScorer(parts)

@@ -1,5 +1,5 @@
-"""``GRPOModule``: critic-free RL — GRPO, and DAPO, Dr. GRPO, RLOO, REINFORCE++ (-baseline) and
-ReMax as its presets (docs/algorithms.md §6).
+"""``CriticFreeModule``: critic-free RL — GRPO, DAPO, Dr. GRPO, RLOO, REINFORCE++ (-baseline) and ReMax,
+each a preset of this one module (docs/algorithms.md §6). ``GRPOModule`` is its former name, kept as an alias.
 
 The RL iteration is :class:`~lit_rlhf.modules.rl.RLModule`'s; GRPO supplies what differs:
 
@@ -36,7 +36,7 @@ from lit_rlhf.core.losses import ppo_policy_loss
 from lit_rlhf.core.masked import masked_mean
 from lit_rlhf.core.rewards import overlong_penalty
 from lit_rlhf.core.types import Rollout, cat_rollouts
-from lit_rlhf.modules.configs import GRPOConfig
+from lit_rlhf.modules.configs import CriticFreeConfig
 from lit_rlhf.modules.rl import PolicyForward, RLModule
 from lit_rlhf.rollout.collect import generate_and_score
 from lit_rlhf.utils.distributed import all_reduce_min, all_reduce_sum
@@ -44,18 +44,18 @@ from lit_rlhf.utils.distributed import all_reduce_min, all_reduce_sum
 AGGREGATION = {"seq_mean_token_mean": "seq_mean", "token_mean": "token_mean", "seq_sum_constant": "seq_sum_const"}
 
 
-class GRPOModule(RLModule):
-    """Group-relative policy optimization of ``self.actor``; ``data_kind = "prompt"``."""
+class CriticFreeModule(RLModule):
+    """Critic-free policy optimization of ``self.actor`` (GRPO and its family); ``data_kind = "prompt"``."""
 
-    config_class = GRPOConfig
+    config_class = CriticFreeConfig
 
-    def __init__(self, config: GRPOConfig | None = None, model: Any = None, tokenizer: Any = None, **kwargs: Any):
+    def __init__(self, config: CriticFreeConfig | None = None, model: Any = None, tokenizer: Any = None, **kwargs: Any):
         super().__init__(config, model, tokenizer, **kwargs)
         self._extra_prompts: Any = None  # dynamic sampling's own prompt stream
         self.extra_batches = 0  # prompt batches drawn from it (checkpointed: a resume skips them)
 
     @classmethod
-    def prompts_per_iteration(cls, config: GRPOConfig) -> int:
+    def prompts_per_iteration(cls, config: CriticFreeConfig) -> int:
         return config.rollout_batch_size // config.num_generations
 
     # ------------------------------------------------------------------ models
@@ -79,7 +79,7 @@ class GRPOModule(RLModule):
     def minibatch_rows(self, n: int) -> int:
         return self.config.minibatch_size or n
 
-    # --------------------------------------------------------------- phase 1
+    # ------------------------------------------------------------------- 1. collect
     def sample(self, batch: dict[str, Any], policy_logprobs: bool = True) -> Rollout:
         """:meth:`RLModule.sample`; with ``advantage_baseline=greedy`` (ReMax) each row also gets the
         score of the greedy response to its prompt (``baseline_scores``), decoded first, so that the
@@ -121,7 +121,7 @@ class GRPOModule(RLModule):
         ``groups_wanted`` groups are kept or ``max_resample_rounds`` extra batches were drawn.
         Under several processes every rank samples again while any rank is short (sampling is
         collective), and all ranks train on the fewest groups any rank kept."""
-        c: GRPOConfig = self.config
+        c: CriticFreeConfig = self.config
         g = c.num_generations
         kept, dropped, rounds = [], 0, 0
         while True:
@@ -162,14 +162,14 @@ class GRPOModule(RLModule):
         batch = next(self._extra_prompts)
         return self.trainer.strategy.batch_to_device(batch)
 
-    # --------------------------------------------------------------- phase 2
+    # ---------------------------------------------------------------- 2. advantages
     @torch.no_grad()
     def compute_advantages(self, rollout: Rollout) -> dict[str, Tensor]:
         """Overlong shaping, the baseline, then the token advantages (docs/algorithms.md §6): the
         sequence advantage on every token (KL in the loss), or the return-to-go of the KL-shaped
         reward (KL in the reward: REINFORCE++, ReMax, β from the controller); whitened over all
         ranks with ``whiten_advantages``. Fills ``rollout.advantages`` and ``rollout.rewards``."""
-        c: GRPOConfig = self.config
+        c: CriticFreeConfig = self.config
         self.health.count_scores(rollout.scores)
         valid = torch.isfinite(rollout.scores)
         rewards = rollout.scores
@@ -201,13 +201,13 @@ class GRPOModule(RLModule):
         )
         return stats
 
-    # --------------------------------------------------------------- phase 3
+    # -------------------------------------------------------------------- 3. update
     def minibatch_loss(
         self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None = None
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Clipped surrogate (+ β·KL when ``kl_placement=loss``), both with the configured aggregation
         (``ptx``: unused)."""
-        c: GRPOConfig = self.config
+        c: CriticFreeConfig = self.config
         mask = mb.valid_mask  # responses without a finite reward are left out
         agg, constant = AGGREGATION[c.loss_aggregation], float(c.generation.max_new_tokens)
         loss, pg = ppo_policy_loss(
@@ -257,3 +257,7 @@ def _cycle(loader: Any, skip: int = 0) -> Any:
                 yield batch
         skip = 0
         epoch += 1
+
+
+GRPOModule = CriticFreeModule
+"""The former name of :class:`CriticFreeModule`."""
