@@ -73,6 +73,7 @@ def run_variant(variant: str, folder: Path) -> dict:
     from omegaconf import OmegaConf
 
     from lit_rlhf.data.prompts import PromptDataModule
+    from lit_rlhf.launch.presets import preset
     from lit_rlhf.memory_plan import estimate
     from lit_rlhf.models.builders import build_tokenizer
     from lit_rlhf.models.spec import LoraSpec, ModelSpec
@@ -83,24 +84,27 @@ def run_variant(variant: str, folder: Path) -> dict:
     s = SHAPE
     cfg = build_config(
         PPOConfig,
-        dict(
-            policy_path=str(folder / "policy"),
-            reward_path=str(folder / "rm"),
-            export_dir=None,
-            rollout_batch_size=s["batch"],
-            minibatch_size=s["batch"] // 4,
-            lr=1e-5,
-            critic_lr=1e-5,
-            score_norm="normalize",
-            kl_coef=0.05,
-            critic_warmup_steps=0,
-            generation={
-                "max_new_tokens": s["new_tokens"],
-                "top_p": 1.0,
-                "top_k": 0,
-                "engine": "vllm" if variant == "vllm" else "hf",
-                "vllm": {"gpu_memory_utilization": 0.3},
-            },
+        preset(
+            "ppo",
+            dict(
+                policy_path=str(folder / "policy"),
+                reward_path=str(folder / "rm"),
+                export_dir=None,
+                rollout_batch_size=s["batch"],
+                minibatch_size=s["batch"] // 4,
+                lr=1e-5,
+                critic_lr=1e-5,
+                score_norm="normalize",
+                kl_coef=0.05,
+                critic_warmup_steps=0,
+                generation={
+                    "max_new_tokens": s["new_tokens"],
+                    "top_p": 1.0,
+                    "top_k": 0,
+                    "engine": "vllm" if variant == "vllm" else "hf",
+                    "vllm": {"gpu_memory_utilization": 0.3},
+                },
+            ),
         ),
         "algo",
     )

@@ -6,6 +6,7 @@ from typing import Literal
 import pytest
 from omegaconf import OmegaConf
 
+from lit_rlhf.launch.presets import preset
 from lit_rlhf.modules.configs import SFTConfig
 from lit_rlhf.utils.config import ConfigError, build_config, check
 
@@ -71,7 +72,7 @@ def test_warmup_steps_take_precedence_over_the_presets_ratio():
     """The presets carry a warm-up ratio; setting warmup_steps must not conflict with it."""
     from lit_rlhf.modules.sft import SFTModule
 
-    m = SFTModule(build_config(SFTConfig, {"warmup_steps": 10, "lr": 1.0}, "algo"))
+    m = SFTModule(build_config(SFTConfig, preset("sft", warmup_steps=10, lr=1.0), "algo"))
     assert m.config.warmup_ratio == 0.03  # the preset's ratio is still there ...
     assert [m.lr_factor(s, 1000) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])  # ... the steps win
 

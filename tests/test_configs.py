@@ -186,7 +186,7 @@ def test_typo_and_bad_values_fail_before_any_model_is_built(tmp_path, monkeypatc
     cases = {
         "algo.lrr=0.1": r"algo\.lrr: unknown key for SFTConfig\. Did you mean 'lr'\?",
         "algo.lr=-1": r"algo\.lr: must be > 0\.0, got -1\.0",
-        "algo.scheduler=step": r"algo\.scheduler: must be one of \['constant', 'linear', 'cosine'\]",
+        "algo.scheduler=step": r"algo\.scheduler: must be one of \['constant', 'linear', 'cosine', 'inverse_sqrt'\]",
         "model.tiny.hidden_size=30": r"model\.tiny\.hidden_size: must be divisible",
         "data.sft.batch_size=0": r"data\.sft\.batch_size: must be >= 1, got 0",
         "data.sft.max_lenght=3": r"data\.sft\.max_lenght: unknown key .* Did you mean 'max_length'",

@@ -22,6 +22,7 @@ def case_dpo_ours(models: Path, s: dict, precompute: bool = False) -> dict:
     import lightning.pytorch as pl
 
     from lit_rlhf.data.preference import PreferenceDataModule
+    from lit_rlhf.launch.presets import preset
     from lit_rlhf.models.builders import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.modules.configs import DPOConfig
@@ -30,13 +31,16 @@ def case_dpo_ours(models: Path, s: dict, precompute: bool = False) -> dict:
 
     cfg = build_config(
         DPOConfig,
-        dict(
-            policy_path=str(models / "policy"),
-            lr=1e-6,
-            warmup_steps=0,
-            drift_prompts=0,
-            precompute_ref_logprobs=precompute,
-            ref_cache=tempfile.mktemp(suffix=".pt"),
+        preset(
+            "dpo",
+            dict(
+                policy_path=str(models / "policy"),
+                lr=1e-6,
+                warmup_steps=0,
+                drift_prompts=0,
+                precompute_ref_logprobs=precompute,
+                ref_cache=tempfile.mktemp(suffix=".pt"),
+            ),
         ),
         "algo",
     )

@@ -24,6 +24,7 @@ def _grpo_ours(models: Path, s: dict, n: int, callbacks: list) -> Any:
     import lightning.pytorch as pl
 
     from lit_rlhf.data.prompts import PromptDataModule
+    from lit_rlhf.launch.presets import preset
     from lit_rlhf.models.builders import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.modules.configs import CriticFreeConfig
@@ -32,21 +33,24 @@ def _grpo_ours(models: Path, s: dict, n: int, callbacks: list) -> Any:
 
     cfg = build_config(
         CriticFreeConfig,
-        dict(
-            policy_path=str(models / "policy"),
-            reward_fn={"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"},
-            lr=1e-6,
-            num_generations=GRPO_G,
-            rollout_batch_size=s["batch"],
-            kl_coef=0.04,
-            export_dir=None,
-            generation={
-                "max_new_tokens": s["new_tokens"],
-                "temperature": 0.7,
-                "top_p": 1.0,
-                "top_k": 0,
-                "repetition_penalty": 1.0,
-            },
+        preset(
+            "grpo",
+            dict(
+                policy_path=str(models / "policy"),
+                reward_fn={"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"},
+                lr=1e-6,
+                num_generations=GRPO_G,
+                rollout_batch_size=s["batch"],
+                kl_coef=0.04,
+                export_dir=None,
+                generation={
+                    "max_new_tokens": s["new_tokens"],
+                    "temperature": 0.7,
+                    "top_p": 1.0,
+                    "top_k": 0,
+                    "repetition_penalty": 1.0,
+                },
+            ),
         ),
         "algo",
     )
@@ -73,7 +77,7 @@ def _grpo_trl(models: Path, s: dict, n: int, callbacks: list) -> Any:
     checkpointing."""
     trl_path()
     from datasets import Dataset
-    from trl import CriticFreeConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer
 
     from lit_rlhf.data.synthetic import SyntheticTask, gold_reward_fn
     from lit_rlhf.models.builders import build_tokenizer
@@ -88,7 +92,7 @@ def _grpo_trl(models: Path, s: dict, n: int, callbacks: list) -> Any:
     def reward(prompts, completions, **kw):
         return gold(prompts, completions, [True] * len(completions))
 
-    args = CriticFreeConfig(
+    args = GRPOConfig(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=s["batch"],
         num_generations=GRPO_G,

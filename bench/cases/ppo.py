@@ -77,6 +77,7 @@ def case_ppo_ours(models: Path, s: dict, engine: str = "hf") -> dict:
     import yaml
 
     from lit_rlhf.data.prompts import PromptDataModule
+    from lit_rlhf.launch.presets import preset
     from lit_rlhf.models.builders import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.modules.configs import PPOConfig
@@ -112,7 +113,7 @@ def case_ppo_ours(models: Path, s: dict, engine: str = "hf") -> dict:
             "vllm": {"kv_cache_gib": 0.5},
         },
     )
-    cfg = build_config(PPOConfig, values, "algo")
+    cfg = build_config(PPOConfig, preset("ppo", values), "algo")
     spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=str(models / "policy")))
     tok = build_tokenizer(spec)
     module = PPOModule(cfg, model=spec, tokenizer=tok)
@@ -207,6 +208,7 @@ def case_ppo_memory(models: Path, s: dict, lora: bool) -> dict:
     import lightning.pytorch as pl
 
     from lit_rlhf.data.prompts import PromptDataModule
+    from lit_rlhf.launch.presets import preset
     from lit_rlhf.models.builders import build_tokenizer
     from lit_rlhf.models.spec import LoraSpec, ModelSpec
     from lit_rlhf.modules.configs import PPOConfig
@@ -220,18 +222,21 @@ def case_ppo_memory(models: Path, s: dict, lora: bool) -> dict:
         build_models(folder, shape)
     cfg = build_config(
         PPOConfig,
-        dict(
-            policy_path=str(folder / "policy"),
-            reward_path=str(folder / "rm"),
-            export_dir=None,
-            rollout_batch_size=shape["batch"],
-            minibatch_size=shape["batch"],
-            ppo_epochs=1,
-            score_norm="normalize",
-            kl_coef=0.05,
-            lr=1e-5,
-            critic_lr=1e-5,
-            generation={"max_new_tokens": shape["new_tokens"], "top_p": 1.0, "top_k": 0},
+        preset(
+            "ppo",
+            dict(
+                policy_path=str(folder / "policy"),
+                reward_path=str(folder / "rm"),
+                export_dir=None,
+                rollout_batch_size=shape["batch"],
+                minibatch_size=shape["batch"],
+                ppo_epochs=1,
+                score_norm="normalize",
+                kl_coef=0.05,
+                lr=1e-5,
+                critic_lr=1e-5,
+                generation={"max_new_tokens": shape["new_tokens"], "top_p": 1.0, "top_k": 0},
+            ),
         ),
         "algo",
     )

@@ -1,9 +1,14 @@
 """Typed, validated configs of every stage (``algo.*`` keys); each field's default and meaning.
 
-The dataclass defaults ARE the presets' base values: they are registered as Hydra schemas
-(lit_rlhf/launch/schemas.py), so ``conf/algo/*.yaml`` lists only what differs from them and
-``--cfg job`` shows every key. Defaults are the published recipes for real LMs (7B scale,
-docs/algorithms.md §3); values for the tiny embedded-task model live in conf/experiment/*_tiny.yaml.
+Each field is declared once, in the class where it belongs: :class:`OptimConfig` (optimizer and
+schedule) ← :class:`StageConfig` (+ the export) ← every stage; :class:`PolicyConfig` (the policy
+a preference or RL stage trains, its forwards and its sampling) ← :class:`DPOConfig` and
+:class:`RLConfig` (the reward, the KL, the clipped surrogate, the minibatches and whitening every RL
+stage shares) ← :class:`PPOConfig`, :class:`CriticFreeConfig`. The classes are registered as Hydra
+schemas (lit_rlhf/launch/schemas.py) that every ``conf/algo/*.yaml`` preset starts from: the
+dataclass defaults are the values stages share, and each preset sets its paper's recipe for real
+LMs (7B scale, docs/algorithms.md §3) over them, so ``--cfg job`` shows every key and where a
+recipe number comes from (the tiny embedded-task model's values live in conf/experiment/*_tiny.yaml).
 
 Built by ``lit_rlhf.utils.config.build_config``: a typo'd key, a wrong type or an out-of-range
 value fails at start naming the key (``algo.lr: must be > 0, got -1.0``), before any model is built.
@@ -23,7 +28,7 @@ class OptimConfig:
     """AdamW + warm-up + decay schedule, shared by every trainable stage."""
 
     lr: float = field(default=1e-4, metadata={"gt": 0.0})
-    """Peak learning rate (after warm-up)."""
+    """Peak learning rate (after warm-up); PPO's is the actor's (``critic_lr`` the critic's)."""
     weight_decay: float = field(default=0.0, metadata={"ge": 0.0})
     """AdamW decoupled weight decay, on weight matrices only (never norms or biases)."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -32,8 +37,10 @@ class OptimConfig:
     """AdamW ε."""
     optimizer: Literal["adamw", "cpu_adam"] = "adamw"
     """"cpu_adam" = DeepSpeedCPUAdam, required by ZeRO optimizer offload."""
-    scheduler: Literal["constant", "linear", "cosine"] = "cosine"
-    """Decay after warm-up, down to ``min_lr_ratio × lr`` at the last step."""
+    scheduler: Literal["constant", "linear", "cosine", "inverse_sqrt"] = "cosine"
+    """lr after warm-up: constant; linear or cosine decay down to ``min_lr_ratio × lr`` at the last
+    step; inverse_sqrt = lr·sqrt(w / step) after w warm-up steps (transformers' inverse_sqrt
+    schedule, timescale w, or 10,000 without warm-up; ORPO's recipe)."""
     warmup_steps: int = field(default=0, metadata={"ge": 0})
     """Linear warm-up optimizer steps; > 0 takes precedence over warmup_ratio (as in transformers)."""
     warmup_ratio: float = field(default=0.0, metadata={"ge": 0.0, "le": 1.0})
@@ -46,32 +53,36 @@ class OptimConfig:
 
 
 @dataclass
-class SFTConfig(OptimConfig):
-    """Supervised fine-tuning: token-mean NLL of the response tokens (prompt masked out).
-    Defaults: the Llama-2 SFT recipe (lr 2e-5, cosine, weight decay 0.1; Touvron et al. 2023 §3.1)."""
+class StageConfig(OptimConfig):
+    """What every stage shares: its optimization and where its trained model goes."""
 
-    lr: float = field(default=2e-5, metadata={"gt": 0.0})
-    """Peak learning rate."""
-    weight_decay: float = field(default=0.1, metadata={"ge": 0.0})
-    """AdamW weight decay on weight matrices."""
-    warmup_ratio: float = field(default=0.03, metadata={"ge": 0.0, "le": 1.0})
-    """Warm-up as a fraction of all optimizer steps."""
     export_dir: str | None = None
-    """Where the trained model and tokenizer are saved with ``save_pretrained`` at the end of
-    fit (later stages load it by path); None = no export."""
+    """Where the trained model (and tokenizer) is saved with ``save_pretrained`` at the end of fit,
+    atomically (later stages load it by path); None = no export."""
 
 
 @dataclass
-class RMConfig(OptimConfig):
-    """Pairwise reward model (docs/algorithms.md §1): Bradley–Terry + optional LM and centering terms.
-    Defaults: the Llama-2 reward-model recipe (lr 1e-5, 3% warm-up, cosine to 10%, weight decay 0.1)."""
+class PaddingFreeConfig:
+    """The switch of the stages whose causal-LM forwards can run without padding."""
 
-    lr: float = field(default=1e-5, metadata={"gt": 0.0})
-    """Peak learning rate."""
-    weight_decay: float = field(default=0.1, metadata={"ge": 0.0})
-    """AdamW weight decay on weight matrices."""
-    warmup_ratio: float = field(default=0.03, metadata={"ge": 0.0, "le": 1.0})
-    """Warm-up as a fraction of all optimizer steps."""
+    padding_free: bool = True
+    """Run causal-LM forwards (policy, reference, critic, reward model) on the packed real tokens of
+    their sequences, without padding (docs/architecture.md, "Padding-free forwards"); each model is
+    checked against the padded forward on its first batch and keeps the padded one if they disagree.
+    Encoders always run padded."""
+
+
+@dataclass
+class SFTConfig(StageConfig):
+    """Supervised fine-tuning: token-mean NLL of the response tokens (prompt masked out). The preset
+    (conf/algo/sft.yaml) is the Llama-2 SFT recipe (Touvron et al. 2023 §3.1)."""
+
+
+@dataclass
+class RMConfig(StageConfig, PaddingFreeConfig):
+    """Pairwise reward model (docs/algorithms.md §1): Bradley–Terry + optional LM and centering terms.
+    The preset (conf/algo/rm.yaml) is the Llama-2 reward-model recipe."""
+
     beta_rm: float = field(default=0.0, metadata={"ge": 0.0})
     """Weight of the LM loss on the chosen response (MOSS-RLHF uses 1; needs a causal LM backbone)."""
     center_coef: float = field(default=0.0, metadata={"ge": 0.0})
@@ -80,13 +91,8 @@ class RMConfig(OptimConfig):
     """Hidden state the head reads: auto = last non-pad token (causal LM) or mean (encoder)."""
     head_init_std: float | None = field(default=None, metadata={"gt": 0.0})
     """Std of the head's initial weights; None = 1/sqrt(hidden + 1)."""
-    export_dir: str | None = None
-    """``save_pretrained`` folder of the trained reward model (backbone + head + reward_config.json)."""
     export_best: bool = True
     """Export the best checkpoint by validation accuracy (when checkpointing monitors it), not the last."""
-    padding_free: bool = True
-    """Run a causal-LM trunk on the packed real tokens of the pairs, without padding (docs/architecture.md,
-    "Padding-free forwards"; checked once against the padded forward). Encoders always run padded."""
 
 
 def _rollout_generation() -> GenerationConfig:
@@ -95,12 +101,21 @@ def _rollout_generation() -> GenerationConfig:
 
 
 @dataclass
-class RLConfig(OptimConfig):
-    """What every RL stage shares (PPO, GRPO and their presets): models, reward, rollout, KL, export."""
+class PolicyConfig(StageConfig, PaddingFreeConfig):
+    """What the stages that train a policy share (the DPO family and RL): the policy, its sampling."""
 
     policy_path: str | None = None
-    """The SFT model to train (``save_pretrained`` folder or hub id): actor init AND frozen
-    reference. None = the ``model`` group's model (``model=llama7b`` names it)."""
+    """The SFT model to train (``save_pretrained`` folder or hub id): the policy's initial weights
+    AND the frozen reference's. None = the ``model`` group's model (``model=llama7b`` names it)."""
+    generation: GenerationConfig = field(default_factory=_rollout_generation)
+    """Sampling settings: the RL rollouts (validation samples with them too), DPO's drift measurement."""
+
+
+@dataclass
+class RLConfig(PolicyConfig):
+    """What every RL stage shares (PPO, the critic-free family): reward, rollout, KL, the clipped
+    surrogate, minibatches and whitening."""
+
     reward_path: str | None = None
     """A saved reward model (algo=rm's export_dir): the frozen scorer (and, for PPO, the critic init)."""
     reward_fn: dict | None = None
@@ -121,9 +136,9 @@ class RLConfig(OptimConfig):
     reward_max_length: int = field(default=1024, metadata={"ge": 8})
     """Max tokens when a reward model with its own tokenizer re-tokenizes prompt + response."""
     rollout_batch_size: int = field(default=32, metadata={"ge": 1})
-    """Prompts sampled per RL iteration and process (the rollout buffer; sets the prompt loader's batch)."""
-    generation: GenerationConfig = field(default_factory=_rollout_generation)
-    """Sampling settings of the rollouts (validation samples with them too)."""
+    """Responses sampled per RL iteration and process (the rollout buffer; sets the prompt loader's batch)."""
+    minibatch_size: int | None = field(default=None, metadata={"ge": 1})
+    """Responses per optimizer step; None = the whole rollout (one step per pass)."""
     logprobs_at_sampling_temperature: bool = False
     """False: log-probs at temperature 1 (docs/algorithms.md §2.1); True: logits / sampling temperature."""
     monitor_sampler: bool = False
@@ -135,19 +150,19 @@ class RLConfig(OptimConfig):
     (truncated importance sampling, Yao et al. 2025; docs/algorithms.md §2.10); none = no correction."""
     tis_cap: float = field(default=2.0, metadata={"gt": 0.0})
     """C of the truncated importance weights (Yao et al. use 2)."""
-    padding_free: bool = True
-    """Run the policy, reference, critic and a causal reward model on the packed real tokens of the
-    rollouts, without padding (docs/architecture.md, "Padding-free forwards"); each model is checked
-    against the padded forward once and keeps it if they disagree."""
     max_grad_norm: float | None = field(default=1.0, metadata={"gt": 0.0})
     """Global grad-norm clip over everything trained (DeepSpeed strategies clip in their config)."""
     max_bad_iterations: int = field(default=3, metadata={"ge": 1})
     """Consecutive iterations with non-finite rewards or skipped (non-finite) updates that stop the run
     with an error naming the cause (each one alone is a counted skip)."""
     kl_coef: float = field(default=0.0, metadata={"ge": 0.0})
-    """β of the KL(π‖π_ref) term (its initial value: the KL controller owns it during training); 0 = none."""
+    """β of the KL(π‖π_ref) term (its initial value: the KL controller owns it during training); 0 =
+    no KL term (the reference is still loaded to monitor the KL unless algo.monitor_kl=false)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """Per-token KL estimator (docs/algorithms.md §2.3)."""
+    """Per-token KL estimator (docs/algorithms.md §2.3; k3: DeepSeekMath's loss term)."""
+    kl_placement: Literal["reward", "loss"] = "reward"
+    """reward: −β·kl_t on every response token of the reward (PPO, REINFORCE++, ReMax; docs/algorithms.md
+    §2.2, §6.1); loss: β·KL(π_θ‖π_ref) added to the policy loss (GRPO; k2/k3 only)."""
     monitor_kl: bool = True
     """With β = 0, still load the frozen reference (the starting policy) to log ``stability/kl`` and
     ``val/kl``, and so that a collapse rollback's raise of β can act. False with β = 0: no reference
@@ -158,11 +173,16 @@ class RLConfig(OptimConfig):
     """Adaptive β: target sequence KL (nats per response)."""
     kl_horizon: int = field(default=10000, metadata={"ge": 1})
     """Adaptive β: samples over which β moves by at most ±20%."""
+    clip_eps_low: float = field(default=0.2, metadata={"gt": 0.0, "lt": 1.0})
+    """Policy ratio clip below: ρ ≥ 1 − ε_low."""
+    clip_eps_high: float = field(default=0.2, metadata={"gt": 0.0})
+    """Policy ratio clip above: ρ ≤ 1 + ε_high (> ε_low = clip-higher; DAPO: 0.28)."""
+    whiten_advantages: bool = False
+    """Whiten the advantages to mean 0, std 1 over the whole rollout of ALL ranks before the
+    minibatches (PPO's GAE advantages, REINFORCE++'s global normalization); false = as computed."""
     fuse_first_forward: bool = True
     """With one pass over one minibatch (and no dropout), take the old log-probs (and PPO's old
     values) from the first training forward instead of separate rollout passes: exact, and cheaper."""
-    export_dir: str | None = None
-    """``save_pretrained`` folder of the final policy."""
 
     def validate(self) -> None:
         super().validate()
@@ -174,6 +194,17 @@ class RLConfig(OptimConfig):
             f"and algo.reward_fns (weighted callables); got {rewards or 'none'}",
         )
         check_reward_specs(self.reward_fn, self.reward_fns, self.gold_reward_fn)
+        check(
+            self.clip_eps_high >= self.clip_eps_low,
+            "clip_eps_high",
+            f"must be >= algo.clip_eps_low ({self.clip_eps_low}), got {self.clip_eps_high}",
+        )
+        check(
+            not (self.kl_placement == "loss" and self.kl_estimator == "k1" and self.kl_coef > 0),
+            "kl_estimator",
+            "k1 in the loss has zero expected gradient on-policy (it does not pull towards the "
+            "reference): use k2 or k3 with algo.kl_placement=loss, or kl_placement=reward",
+        )
 
 
 REWARD_FNS_OWN_KEYS = ("weight", "name")
@@ -273,23 +304,18 @@ def _import_target(path: str, key: str) -> object:
 
 @dataclass
 class PPOConfig(RLConfig):
-    """PPO / PPO-max for language models (docs/algorithms.md §2–§3). Every switch is a key; the
-    defaults are vanilla PPO with the 7B recipe; conf/algo/{ppo_max,ppo_moss_release}.yaml set values."""
+    """PPO / PPO-max for language models (docs/algorithms.md §2–§3). Every switch is a key;
+    conf/algo/ppo.yaml is vanilla PPO with the MOSS-RLHF 7B recipe, conf/algo/{ppo_max,ppo_moss_release}.yaml
+    the switches of PPO-max over it."""
 
     # ---- models
     critic_path: str | None = None
     """Critic init; None = reward_path when it is a causal-LM reward model, else policy_path (fresh head)."""
     # ---- optimization
-    lr: float = field(default=5e-7, metadata={"gt": 0.0})
-    """Actor learning rate (MOSS-RLHF 7B: 5e-7)."""
     critic_lr: float = field(default=1.65e-6, metadata={"gt": 0.0})
-    """Critic learning rate (MOSS-RLHF 7B: 1.65e-6); same warm-up/decay schedule as the actor's."""
-    scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    """lr after warm-up (PPO recipes keep it constant)."""
+    """Critic learning rate (MOSS-RLHF 7B: 1.65e-6); same warm-up/decay schedule as the actor's (``lr``)."""
     ppo_epochs: int = field(default=1, metadata={"ge": 1})
     """Passes over the rollout buffer per RL iteration."""
-    minibatch_size: int = field(default=8, metadata={"ge": 1})
-    """Rollouts per optimizer step (rollout_batch_size / minibatch_size steps per epoch; recipe: 4)."""
     critic_warmup_steps: int = field(default=0, metadata={"ge": 0})
     """First N RL iterations update only the critic (actor lr 0)."""
     # ---- reward shaping
@@ -299,22 +325,14 @@ class PPOConfig(RLConfig):
     """Clip the (reparameterized) score to ±δ; None = no clip."""
     missing_eos_penalty: float | None = field(default=None, metadata={"ge": 0.0})
     """Subtract this from the score of responses truncated without EOS; None = no penalty."""
-    kl_placement: Literal["reward", "loss"] = "reward"
-    """In the per-token reward (−β·kl_t, default) or in the policy loss (β · token-mean kl; k2/k3 only)."""
     # ---- advantages
     gamma: float = field(default=1.0, metadata={"ge": 0.0, "le": 1.0})
     """Discount γ of GAE."""
     lam: float = field(default=0.95, metadata={"ge": 0.0, "le": 1.0})
     """GAE λ (bias/variance trade-off of the advantage)."""
-    whiten_advantages: bool = True
-    """Whiten advantages over the whole rollout buffer (all ranks) before the minibatches."""
     advantage_clip: float | None = field(default=None, metadata={"gt": 0.0})
     """Clip advantages to ±a after whitening; None = no clip."""
     # ---- losses
-    clip_eps_low: float = field(default=0.2, metadata={"gt": 0.0, "lt": 1.0})
-    """Policy ratio clip below: ρ ≥ 1 − ε_low."""
-    clip_eps_high: float = field(default=0.2, metadata={"gt": 0.0})
-    """Policy ratio clip above: ρ ≤ 1 + ε_high (> ε_low = clip-higher)."""
     dual_clip: float | None = field(default=None, metadata={"gt": 1.0})
     """Dual-clip constant c > 1 for negative advantages (Ye et al. 2020); None = off."""
     value_clip: float | None = field(default=0.2, metadata={"gt": 0.0})
@@ -328,31 +346,15 @@ class PPOConfig(RLConfig):
     ptx_coef: float = field(default=0.0, metadata={"ge": 0.0})
     """PPO-ptx: weight of the LM loss on ``data.prompt.ptx_source`` batches (0 = off)."""
 
-    def validate(self) -> None:
-        super().validate()
-        check(
-            self.clip_eps_high >= self.clip_eps_low,
-            "clip_eps_high",
-            f"must be >= algo.clip_eps_low ({self.clip_eps_low}), got {self.clip_eps_high}",
-        )
-        check(
-            not (self.kl_placement == "loss" and self.kl_estimator == "k1" and self.kl_coef > 0),
-            "kl_estimator",
-            "k1 in the loss has zero expected gradient on-policy (it does not pull towards the "
-            "reference): use k2 or k3 with algo.kl_placement=loss, or kl_placement=reward",
-        )
-
 
 @dataclass
-class DPOConfig(OptimConfig):
+class DPOConfig(PolicyConfig):
     """Direct preference optimization and its family (docs/algorithms.md §5): DPO (sigmoid), cDPO
     (label smoothing), IPO, and the reference-free SimPO (§5.1) and ORPO (§5.2) and the unpaired KTO
-    (§5.3), each a ``loss_type`` of the one module. Defaults: the DPO paper's recipe (β 0.1, lr 1e-6
-    after a 150-step linear warm-up, constant; Rafailov et al. 2023 App. B); conf/algo/{simpo,orpo,kto}.yaml
-    set their papers' recipes."""
+    (§5.3), each a ``loss_type`` of the one module (the table of pair losses: lit_rlhf/core/losses.py
+    ``PAIR_LOSSES``). conf/algo/dpo.yaml is the DPO paper's recipe (Rafailov et al. 2023 App. B);
+    conf/algo/{simpo,orpo,kto}.yaml set their papers' recipes."""
 
-    policy_path: str | None = None
-    """The SFT model to train (``save_pretrained`` folder or hub id). None = the ``model`` group's model."""
     reference_path: str | None = None
     """The frozen reference π_ref; None = the policy's starting weights (the usual choice). SimPO and
     ORPO have none (setting it is an error)."""
@@ -380,24 +382,9 @@ class DPOConfig(OptimConfig):
     ref_cache: str | None = None
     """File of the precomputed reference log-probs; None = <run dir>/ref_logprobs.pt. Reused when
     its fingerprint (reference, tokenized pairs) matches."""
-    padding_free: bool = True
-    """Score the pairs without padding: their real tokens packed end to end, positions restarting
-    per sequence (docs/architecture.md, "Padding-free forwards"). Each model is checked against the
-    padded forward on its first batch and keeps the padded one if they disagree."""
-    lr: float = field(default=1e-6, metadata={"gt": 0.0})
-    """Peak learning rate."""
-    scheduler: Literal["constant", "linear", "cosine", "inverse_sqrt"] = "constant"
-    """lr after warm-up; inverse_sqrt = lr·sqrt(w / step) after w warm-up steps (transformers'
-    inverse_sqrt schedule, timescale w, or 10,000 without warm-up; ORPO's recipe)."""
-    warmup_steps: int = field(default=150, metadata={"ge": 0})
-    """Linear warm-up optimizer steps."""
     drift_prompts: int = field(default=64, metadata={"ge": 0})
     """Held-out prompts (from the validation pairs) sampled at every validation to measure drift:
     stability/kl to the reference, perplexity, response length (0 = off)."""
-    generation: GenerationConfig = field(default_factory=_rollout_generation)
-    """Sampling settings of the drift measurement."""
-    export_dir: str | None = None
-    """``save_pretrained`` folder of the trained policy."""
 
     @property
     def reference_free(self) -> bool:
@@ -422,33 +409,15 @@ class DPOConfig(OptimConfig):
 @dataclass
 class CriticFreeConfig(RLConfig):
     """Critic-free RL (docs/algorithms.md §6): GRPO; DAPO, Dr. GRPO, RLOO, REINFORCE++ (and its
-    group-baseline variant) and ReMax are presets of it. Defaults: GRPO as in DeepSeekMath (β 0.04
-    with k3 in the loss, lr 1e-6, per-sequence mean then batch mean, advantages scaled by the group
-    std) with TRL's group size 8."""
+    group-baseline variant) and ReMax are presets of it. conf/algo/grpo.yaml is GRPO as in
+    DeepSeekMath (β 0.04 with k3 in the loss, lr 1e-6, per-sequence mean then batch mean, advantages
+    scaled by the group std) with TRL's group size 8."""
 
     num_generations: int = field(default=8, metadata={"ge": 1})
     """G: responses sampled per prompt (the group). algo.rollout_batch_size counts responses. 1 only
     with a baseline that needs no group (advantage_baseline greedy or none: REINFORCE++, ReMax)."""
     num_iterations: int = field(default=1, metadata={"ge": 1})
     """μ: passes over each rollout (> 1: the old log-probs, taken at rollout, matter)."""
-    minibatch_size: int | None = field(default=None, metadata={"ge": 1})
-    """Responses per optimizer step; None = the whole rollout (one step per pass)."""
-    lr: float = field(default=1e-6, metadata={"gt": 0.0})
-    """Learning rate (DeepSeekMath: 1e-6)."""
-    scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    """lr after warm-up."""
-    kl_coef: float = field(default=0.04, metadata={"ge": 0.0})
-    """β of the KL to the reference, in the loss or the reward (``kl_placement``); 0 = no KL term (the
-    reference is still loaded to monitor the KL unless algo.monitor_kl=false)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimator (k3: DeepSeekMath's loss term; k1 in the reward: REINFORCE++, ReMax)."""
-    kl_placement: Literal["loss", "reward"] = "loss"
-    """loss: β·KL(π_θ‖π_ref) added to the loss (GRPO); reward: −β·kl_t on every response token of the
-    reward, whose return-to-go is the advantage (REINFORCE++, ReMax; docs/algorithms.md §6.1)."""
-    clip_eps_low: float = field(default=0.2, metadata={"gt": 0.0, "lt": 1.0})
-    """Ratio clip below: ρ ≥ 1 − ε_low."""
-    clip_eps_high: float = field(default=0.2, metadata={"gt": 0.0})
-    """Ratio clip above: ρ ≤ 1 + ε_high (DAPO's clip-higher: 0.28)."""
     loss_aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_sum_constant"] = "seq_mean_token_mean"
     """seq_mean_token_mean (GRPO), token_mean (DAPO), seq_sum_constant (Dr. GRPO: Σ / (B · max_new_tokens))."""
     scale_rewards: bool = True
@@ -457,9 +426,6 @@ class CriticFreeConfig(RLConfig):
     """What each response's score is compared with: the group's mean (GRPO, REINFORCE++-baseline), the
     mean of the OTHER responses (RLOO), the score of the greedy response to the same prompt (ReMax:
     one extra greedy response per prompt, scored, never trained on), or nothing (REINFORCE++)."""
-    whiten_advantages: bool = False
-    """Normalize the token advantages to mean 0, std 1 over the whole rollout of ALL ranks
-    (REINFORCE++'s global normalization); false = as computed (GRPO, ReMax)."""
     overlong_buffer: int | None = field(default=None, metadata={"ge": 1})
     """DAPO's soft overlong punishment: the last L_c tokens before overlong_max_length cost up to −1; None = off."""
     overlong_max_length: int | None = field(default=None, metadata={"ge": 1})
@@ -494,16 +460,6 @@ class CriticFreeConfig(RLConfig):
             "rollout_batch_size",
             f"{self.rollout_batch_size} responses do not split into groups of algo.num_generations="
             f"{self.num_generations}: make algo.rollout_batch_size a multiple of it",
-        )
-        check(
-            self.clip_eps_high >= self.clip_eps_low,
-            "clip_eps_high",
-            f"must be >= algo.clip_eps_low ({self.clip_eps_low}), got {self.clip_eps_high}",
-        )
-        check(
-            self.kl_estimator != "k1" or self.kl_coef == 0 or self.kl_placement == "reward",
-            "kl_estimator",
-            "k1 in the loss has zero expected gradient on-policy: use k3 (or k2), or kl_placement=reward",
         )
         check(
             self.overlong_buffer is None

@@ -76,9 +76,6 @@ class CriticFreeModule(RLModule):
     def num_passes(self) -> int:
         return self.config.num_iterations
 
-    def minibatch_rows(self, n: int) -> int:
-        return self.config.minibatch_size or n
-
     # ------------------------------------------------------------------- 1. collect
     def sample(self, batch: dict[str, Any], policy_logprobs: bool = True) -> Rollout:
         """:meth:`RLModule.sample`; with ``advantage_baseline=greedy`` (ReMax) each row also gets the

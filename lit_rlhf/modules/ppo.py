@@ -49,7 +49,7 @@ class PPOModule(RLModule):
         super().__init__(config, model, tokenizer, **kwargs)
         c: PPOConfig = self.config
         self.reward_moments = RunningMoments()
-        if c.minibatch_size > c.rollout_batch_size:
+        if c.minibatch_size is not None and c.minibatch_size > c.rollout_batch_size:
             log.warning(
                 "algo.minibatch_size=%d > algo.rollout_batch_size=%d: each update uses the whole rollout of %d",
                 c.minibatch_size,
@@ -97,9 +97,6 @@ class PPOModule(RLModule):
     # ------------------------------------------------------------ stage hooks
     def num_passes(self) -> int:
         return self.config.ppo_epochs
-
-    def minibatch_rows(self, n: int) -> int:
-        return self.config.minibatch_size
 
     def entropy_in_loss(self) -> bool:
         return bool(self.config.entropy_coef)

@@ -392,8 +392,8 @@ class RLModule(RLHFModule):
         return 1
 
     def minibatch_rows(self, n: int) -> int:
-        """Responses per optimizer step when the rollout holds ``n``."""
-        return n
+        """Responses per optimizer step when the rollout holds ``n`` (``algo.minibatch_size``, or all)."""
+        return min(self.config.minibatch_size or n, n)
 
     def entropy_in_loss(self) -> bool:
         """Whether the policy entropy needs a graph (an entropy term in the loss)."""

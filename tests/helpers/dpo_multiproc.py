@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 from lit_rlhf.callbacks import KLMonitor, ResponseLengthMonitor  # noqa: E402
 from lit_rlhf.data.preference import PreferenceDataModule  # noqa: E402
+from lit_rlhf.launch.presets import preset  # noqa: E402
 from lit_rlhf.models.builders import build_tokenizer  # noqa: E402
 from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import DPOConfig  # noqa: E402
@@ -46,15 +47,18 @@ def run(args) -> None:
     policy = os.path.join(args.models, "policy")
     cfg = build_config(
         DPOConfig,
-        {
-            "policy_path": policy,
-            "lr": 1e-3,
-            "warmup_steps": 0,
-            "drift_prompts": 4,
-            "precompute_ref_logprobs": args.precompute,
-            "generation": {"max_new_tokens": 6},
-            "loss_type": args.loss_type,
-        },
+        preset(
+            "dpo",
+            {
+                "policy_path": policy,
+                "lr": 1e-3,
+                "warmup_steps": 0,
+                "drift_prompts": 4,
+                "precompute_ref_logprobs": args.precompute,
+                "generation": {"max_new_tokens": 6},
+                "loss_type": args.loss_type,
+            },
+        ),
         "algo",
     )
     spec = DPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=policy))

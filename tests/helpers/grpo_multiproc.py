@@ -25,6 +25,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
 from lit_rlhf.data.prompts import PromptDataModule  # noqa: E402
+from lit_rlhf.launch.presets import preset  # noqa: E402
 from lit_rlhf.models.builders import build_tokenizer  # noqa: E402
 from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import CriticFreeConfig  # noqa: E402
@@ -54,35 +55,11 @@ def uneven_reward():
     return reward
 
 
-# the algorithm-defining values of conf/algo/{reinforce_pp,remax}.yaml (tests/modules/test_reinforce_presets.py
-# checks the presets), with 2 minibatches for REINFORCE++
-PRESETS = {
-    "reinforce_pp": {
-        "num_generations": 1,
-        "advantage_baseline": "none",
-        "scale_rewards": False,
-        "whiten_advantages": True,
-        "kl_placement": "reward",
-        "kl_estimator": "k1",
-        "kl_coef": 0.05,
-        "minibatch_size": 4,
-    },
-    "remax": {
-        "num_generations": 1,
-        "advantage_baseline": "greedy",
-        "scale_rewards": False,
-        "kl_placement": "reward",
-        "kl_estimator": "k1",
-        "kl_coef": 0.05,
-    },
-}
-
-
 PARSER = run_parser(
     "folder with policy/ and rm/",
     [
         ("--dapo", {"action": "store_true"}),
-        ("--preset", {"choices": sorted(PRESETS), "default": None}),
+        ("--preset", {"choices": ["reinforce_pp", "remax"], "default": None}),
         ("--engine", {"choices": ["hf", "vllm"], "default": "hf"}),
     ],
 )
@@ -105,23 +82,23 @@ def run(args) -> None:
         if args.dapo
         else {"reward_path": rm}
     )
-    algo = (
-        {"num_generations": 4, "minibatch_size": 4, "num_iterations": 2}
-        if args.preset is None
-        else PRESETS[args.preset]
-    )
+    # GRPO with groups of 4, μ = 2 passes of 2 minibatches; the REINFORCE++ preset has 2 minibatches of 4
+    algo = {"num_generations": 4, "minibatch_size": 4, "num_iterations": 2} if args.preset is None else {}
     engine = {"engine": args.engine, "vllm": {"kv_cache_gib": 0.0625}}
     cfg = build_config(
         CriticFreeConfig,
-        {
-            "policy_path": policy,
-            "lr": 1e-3,
-            "rollout_batch_size": 8,
-            "monitor_sampler": args.engine == "vllm",
-            "generation": {"max_new_tokens": 6, **engine},
-            **algo,
-            **reward,
-        },
+        preset(
+            args.preset or "grpo",
+            {
+                "policy_path": policy,
+                "lr": 1e-3,
+                "rollout_batch_size": 8,
+                "monitor_sampler": args.engine == "vllm",
+                "generation": {"max_new_tokens": 6, **engine},
+                **algo,
+                **reward,
+            },
+        ),
         "algo",
     )
     spec = CriticFreeModule.resolve_model_spec(cfg, ModelSpec(name_or_path=policy))

@@ -4,6 +4,7 @@ import lightning.pytorch as pl
 import torch
 
 from lit_rlhf.data.prompts import PromptDataModule
+from lit_rlhf.launch.presets import preset
 from lit_rlhf.models.builders import build_causal_lm
 from lit_rlhf.models.reward import build_reward_model
 from lit_rlhf.models.spec import ModelSpec
@@ -38,7 +39,7 @@ def make(saved_models, tokenizer, **kw):
     args.update(kw)
     if "reward_fn" in kw:
         args["reward_path"] = None
-    cfg = build_config(PPOConfig, args, "algo")
+    cfg = build_config(PPOConfig, preset("ppo", args), "algo")
     spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path="model group, unused by PPO"))
     return PPOModule(cfg, model=spec, tokenizer=tokenizer)
 

@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from lit_rlhf.callbacks.resume import ResumeState  # noqa: E402
 from lit_rlhf.data.prompts import PromptDataModule  # noqa: E402
+from lit_rlhf.launch.presets import preset  # noqa: E402
 from lit_rlhf.models.builders import build_tokenizer  # noqa: E402
 from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import PPOConfig  # noqa: E402
@@ -163,23 +164,26 @@ def fit(args, out: str, resume: str | None, ckpt_dir: str | None, export_dir: st
     policy, rm = os.path.join(args.models, "policy"), os.path.join(args.models, "rm")
     cfg = build_config(
         PPOConfig,
-        {
-            "policy_path": policy,
-            "reward_path": rm,
-            "lr": 1e-3,
-            "critic_lr": 1e-3,
-            "rollout_batch_size": 8,
-            "minibatch_size": 4,
-            "score_norm": "normalize",
-            "kl_coef": 0.05,
-            "generation": {"max_new_tokens": 8},
-            "adaptive_kl": True,
-            "kl_target": 0.01,
-            "kl_horizon": 100,
-            "whiten_advantages": True,
-            "advantage_clip": None,
-            "export_dir": export_dir,
-        },
+        preset(
+            "ppo",
+            {
+                "policy_path": policy,
+                "reward_path": rm,
+                "lr": 1e-3,
+                "critic_lr": 1e-3,
+                "rollout_batch_size": 8,
+                "minibatch_size": 4,
+                "score_norm": "normalize",
+                "kl_coef": 0.05,
+                "generation": {"max_new_tokens": 8},
+                "adaptive_kl": True,
+                "kl_target": 0.01,
+                "kl_horizon": 100,
+                "whiten_advantages": True,
+                "advantage_clip": None,
+                "export_dir": export_dir,
+            },
+        ),
         "algo",
     )
     spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=policy))

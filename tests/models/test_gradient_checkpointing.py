@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch
 
+from lit_rlhf.launch.presets import preset
 from lit_rlhf.models.builders import build_causal_lm
 from lit_rlhf.models.lora import add_lora
 from lit_rlhf.models.spec import LoraSpec
@@ -96,12 +97,14 @@ def test_the_switch_reaches_every_trained_model(tiny_spec, tokenizer, saved_mode
     assert ppo.actor.is_gradient_checkpointing and ppo.critic.backbone.is_gradient_checkpointing
     policy = ModelSpec(name_or_path=saved_models[0], gradient_checkpointing=True)
     dpo = DPOModule(
-        build_config(DPOConfig, {"policy_path": saved_models[0]}, "algo"), model=policy, tokenizer=tokenizer
+        build_config(DPOConfig, preset("dpo", policy_path=saved_models[0]), "algo"), model=policy, tokenizer=tokenizer
     )
     dpo.configure_model()
     assert dpo.policy.is_gradient_checkpointing
     grpo = CriticFreeModule(
-        build_config(CriticFreeConfig, {"policy_path": saved_models[0], "reward_path": saved_models[1]}, "algo"),
+        build_config(
+            CriticFreeConfig, preset("grpo", policy_path=saved_models[0], reward_path=saved_models[1]), "algo"
+        ),
         model=policy,
         tokenizer=tokenizer,
     )

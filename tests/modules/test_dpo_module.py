@@ -8,6 +8,7 @@ import torch
 
 from lit_rlhf.callbacks import KLMonitor, PerplexityMonitor, ResponseLengthMonitor
 from lit_rlhf.data.preference import PreferenceDataModule
+from lit_rlhf.launch.presets import preset
 from lit_rlhf.models.packed import packing_verdict
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.modules.configs import DPOConfig
@@ -18,7 +19,7 @@ from lit_rlhf.utils.config import ConfigError, build_config
 def make(saved_models, tokenizer, **kw):
     args = dict(policy_path=saved_models[0], lr=1e-3, warmup_steps=0, drift_prompts=8, generation={"max_new_tokens": 8})
     args.update(kw)
-    cfg = build_config(DPOConfig, args, "algo")
+    cfg = build_config(DPOConfig, preset("dpo", args), "algo")
     spec = DPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path="the model group, unused"))
     return DPOModule(cfg, model=spec, tokenizer=tokenizer)
 

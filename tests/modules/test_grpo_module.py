@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lit_rlhf.data.prompts import PromptDataModule
+from lit_rlhf.launch.presets import preset
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.modules.configs import CriticFreeConfig
 from lit_rlhf.modules.critic_free import CriticFreeModule
@@ -16,19 +17,22 @@ from lit_rlhf.utils.config import ConfigError, build_config
 GOLD = {"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"}
 
 
-def make(saved_models, tokenizer, **kw):
+def make(saved_models, tokenizer, algo="grpo", **kw):
+    """The ``algo`` preset (conf/algo/<algo>.yaml) on the tiny saved models: a larger lr, a short
+    rollout (groups of 4 where the preset has groups) and 6 new tokens, then ``kw``."""
+    base = preset(algo)
     args = dict(
         policy_path=saved_models[0],
         reward_path=saved_models[1],
         lr=1e-3,
-        num_generations=4,
         rollout_batch_size=16,
         generation={"max_new_tokens": 6},
+        **({"num_generations": 4} if base["num_generations"] > 1 else {}),
     )
     args.update(kw)
     if any(k in kw for k in ("reward_fn", "reward_fns")):
         args["reward_path"] = None
-    cfg = build_config(CriticFreeConfig, args, "algo")
+    cfg = build_config(CriticFreeConfig, preset(algo, args), "algo")
     spec = CriticFreeModule.resolve_model_spec(cfg, ModelSpec(name_or_path="the model group, unused"))
     return CriticFreeModule(cfg, model=spec, tokenizer=tokenizer)
 

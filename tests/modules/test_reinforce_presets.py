@@ -8,14 +8,15 @@ import pytest
 import torch
 
 from lit_rlhf.core.types import Rollout
+from lit_rlhf.launch.presets import preset
 from lit_rlhf.modules.configs import CriticFreeConfig
 from lit_rlhf.modules.critic_free import CriticFreeModule
 from lit_rlhf.utils.config import ConfigError, build_config
 from tests.core.test_advantages import naive_kl_shaped, naive_whiten
 from tests.modules.test_grpo_module import GOLD, Keep, data, fit, make
 
-# what each preset sets over CriticFreeConfig's defaults that defines the algorithm (the recipe's numbers,
-# lr, β and the minibatch, are checked against the preset files below)
+# what defines each algorithm in its paper, checked against what its preset composes to (the modules
+# below are built from the presets themselves: make(..., algo=<preset>))
 REINFORCE_PP = dict(
     num_generations=1,
     advantage_baseline="none",
@@ -60,7 +61,7 @@ def test_presets_compose_to_the_papers_recipes(tmp_path):
     from tests.conftest import compose
 
     base = ["model=llama7b", "algo.reward_path=/rm"]
-    for preset, keys, recipe in [
+    for name, keys, recipe in [
         ("reinforce_pp", REINFORCE_PP, dict(lr=5e-7, kl_coef=0.01, minibatch_size=4, num_iterations=1)),
         (
             "reinforce_pp_baseline",
@@ -81,11 +82,11 @@ def test_presets_compose_to_the_papers_recipes(tmp_path):
             ),
         ),
     ]:
-        cfg = compose([f"algo={preset}", *base], tmp_path)
+        cfg = compose([f"algo={name}", *base], tmp_path)
         assert cfg.algo._target_ == "lit_rlhf.modules.critic_free.CriticFreeModule"
         p = plan(cfg)
         typed = to_dict(p.algo)
-        assert {k: typed[k] for k in {**keys, **recipe}} == {**keys, **recipe}, preset
+        assert {k: typed[k] for k in {**keys, **recipe}} == {**keys, **recipe}, name
         assert p.data.batch_size * p.algo.num_generations == p.algo.rollout_batch_size == 32
         assert [n for n, _, _ in CriticFreeModule.planned_models(p.algo)] == ["actor", "reference", "reward model"]
     # REINFORCE++ and ReMax are fused (one pass over one minibatch) only where the recipe has one step
@@ -97,7 +98,9 @@ def test_reinforce_pp_advantages_are_the_papers_with_the_controllers_beta(saved_
     """REINFORCE++ on the module's rollout: A_t = r − β Σ_{s≥t} k1_s, whitened over every token of the
     batch; β is the KL controller's (0.2, as after a rollback raised it), not algo.kl_coef (0.05); no
     KL term in the loss."""
-    m = make(saved_models, tokenizer, **REINFORCE_PP, kl_coef=0.05, rollout_batch_size=8, reward_fn=GOLD)
+    m = make(
+        saved_models, tokenizer, "reinforce_pp", kl_coef=0.05, rollout_batch_size=8, minibatch_size=None, reward_fn=GOLD
+    )
     m.kl_ctl.value = 0.2
     keep = Keep()
     trainer = fit(m, data(tokenizer, prompts=8), 2, callbacks=[keep])
@@ -115,7 +118,7 @@ def test_reinforce_pp_advantages_are_the_papers_with_the_controllers_beta(saved_
 def test_reinforce_pp_baseline_subtracts_the_group_mean_then_normalizes_the_batch(saved_models, tokenizer):
     """REINFORCE++-baseline: (r − mean of its prompt's 4 responses) on every token, whitened over the
     batch; its KL (k2) is in the loss, so the advantages carry none."""
-    m = make(saved_models, tokenizer, **REINFORCE_PP_BASELINE, num_generations=4, kl_coef=0.1, reward_fn=GOLD)
+    m = make(saved_models, tokenizer, "reinforce_pp_baseline", kl_coef=0.1, reward_fn=GOLD)
     keep = Keep()
     trainer = fit(m, data(tokenizer), 1, callbacks=[keep])
     r = keep.outputs[0]["rollout"]
@@ -161,7 +164,7 @@ def test_remax_baseline_is_the_greedy_responses_reward_and_is_not_trained_on(sav
     of its prompt by the starting policy; the rollout holds only the sampled responses (4 prompts:
     4 rows); A_t = r − r_greedy − β Σ_{s≥t} k1_s with the controller's β, not normalized."""
     gen = {"max_new_tokens": 6, "repetition_penalty": 1.0}  # transformers penalizes left padding too
-    m = make(saved_models, tokenizer, **REMAX, kl_coef=0.05, rollout_batch_size=4, reward_fn=GOLD, generation=gen)
+    m = make(saved_models, tokenizer, "remax", kl_coef=0.05, rollout_batch_size=4, reward_fn=GOLD, generation=gen)
     m.kl_ctl.value = 0.3
     keep = Keep()
     trainer = fit(m, data(tokenizer), 1, callbacks=[keep])
@@ -189,9 +192,9 @@ def test_remax_samples_the_same_responses_as_a_run_without_the_greedy_decode(sav
         return real(policy, batch, tokenizer, gen, **kw)
 
     responses = {}
-    for name, preset in (("remax", REMAX), ("reinforce_pp", REINFORCE_PP)):
+    for name in ("remax", "reinforce_pp"):
         torch.manual_seed(0)
-        m = make(saved_models, tokenizer, **preset, rollout_batch_size=4, reward_fn=GOLD)
+        m = make(saved_models, tokenizer, name, rollout_batch_size=4, reward_fn=GOLD)
         keep = Keep()
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(grpo_module, "generate_and_score", spy)
@@ -221,7 +224,7 @@ def rollout_by_hand(scores, baseline, lengths, kl_per_token) -> Rollout:
 def test_a_non_finite_reward_or_greedy_reward_leaves_the_score_out(saved_models, tokenizer):
     """Hand values (β = 0.5, k1 = 0.25 on every token): a NaN sampled reward takes its row out (all 0);
     a NaN greedy reward leaves its row only the KL term, −β·0.25·(tokens to go); finite rows r − b − KL."""
-    m = make(saved_models, tokenizer, **REMAX, kl_coef=0.5, rollout_batch_size=4)
+    m = make(saved_models, tokenizer, "remax", kl_coef=0.5, rollout_batch_size=4)
     r = rollout_by_hand([1.0, float("nan"), 2.0, 3.0], [0.5, 0.0, float("nan"), 1.0], [2, 2, 2, 1], 0.25)
     stats = m.compute_advantages(r)
     assert r.advantages.tolist() == [[0.25, 0.375], [0.0, 0.0], [-0.25, -0.125], [1.875, 0.0]]
@@ -237,7 +240,7 @@ def test_kl_in_the_loss_leaves_the_advantage_the_groups_and_no_reference_means_n
     m.compute_advantages(r)
     d = 1 / (2**0.5 + 1e-4)
     torch.testing.assert_close(r.advantages, torch.tensor([[-d, -d], [d, 0.0], [0.0, 0.0], [0.0, 0.0]]))
-    m = make(saved_models, tokenizer, **REINFORCE_PP, kl_coef=0.0, monitor_kl=False, rollout_batch_size=4)
+    m = make(saved_models, tokenizer, "reinforce_pp", kl_coef=0.0, monitor_kl=False, rollout_batch_size=4)
     r = rollout_by_hand([1.0, 3.0, 2.0, 2.0], None, [2, 1, 2, 2], 0.25)
     r.ref_logprobs = None
     m.compute_advantages(r)
@@ -258,7 +261,7 @@ def test_kl_in_the_loss_leaves_the_advantage_the_groups_and_no_reference_means_n
             r"algo.scale_rewards: divides by the group's reward std",
         ),
         (
-            {**REINFORCE_PP, "dynamic_sampling": True},
+            {"num_generations": 1, "advantage_baseline": "none", "scale_rewards": False, "dynamic_sampling": True},
             r"algo.dynamic_sampling: drops groups whose rewards are all equal",
         ),
         ({"kl_estimator": "k1"}, r"algo.kl_estimator: k1 in the loss has zero expected gradient"),
@@ -266,11 +269,11 @@ def test_kl_in_the_loss_leaves_the_advantage_the_groups_and_no_reference_means_n
             {"advantage_baseline": "median"},
             r"algo.advantage_baseline: must be one of \['mean', 'leave_one_out', 'greedy', 'none'\]",
         ),
-        ({"kl_placement": "advantage"}, r"algo.kl_placement: must be one of \['loss', 'reward'\]"),
+        ({"kl_placement": "advantage"}, r"algo.kl_placement: must be one of \['reward', 'loss'\]"),
     ],
 )
 def test_bad_values_name_the_keys(values, message):
     with pytest.raises(ConfigError, match=message):
-        build_config(CriticFreeConfig, {"reward_path": "/rm", **values}, "algo")
-    build_config(CriticFreeConfig, {"reward_path": "/rm", **REINFORCE_PP}, "algo")  # k1 in the reward is fine
-    build_config(CriticFreeConfig, {"reward_path": "/rm", **REMAX}, "algo")
+        build_config(CriticFreeConfig, preset("grpo", reward_path="/rm", **values), "algo")
+    build_config(CriticFreeConfig, preset("reinforce_pp", reward_path="/rm"), "algo")  # k1 in the reward is fine
+    build_config(CriticFreeConfig, preset("remax", reward_path="/rm"), "algo")
