@@ -2,41 +2,39 @@
 
 Reward model (docs/algorithms.md §1), PPO policy / value / entropy / ptx terms (§2), the DPO
 family (§5: DPO, cDPO, IPO; SimPO §5.1, ORPO §5.2, KTO §5.3), and the token aggregation shared
-with GRPO (§6).
+with GRPO (§6). Which config name selects which of them, and what each reads, is the tables of
+lit_rlhf/core/objectives.py.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from lit_rlhf.core.masked import masked_mean, masked_sum, zero_outside
+from lit_rlhf.core.objectives import AGGREGATIONS
 
-Aggregation = Literal["token_mean", "seq_mean", "seq_sum_const"]
 
-
-def aggregate(
-    per_token: Tensor, mask: Tensor, mode: Aggregation = "token_mean", constant: float | None = None
-) -> Tensor:
+def aggregate(per_token: Tensor, mask: Tensor, mode: str = "token_mean", constant: float | None = None) -> Tensor:
     """Reduce a (B, T) per-token loss to a scalar; padded positions never enter it, nor its gradient.
 
-    token_mean: Σ m·l / Σ m (PPO, DAPO); seq_mean: (1/B) Σ_i of row i's token mean, a row without
-    tokens counting as 0 in the B (original GRPO, as TRL; docs/algorithms.md §6); seq_sum_const:
-    Σ m·l / (B · constant) (Dr. GRPO; constant = max length).
+    token_mean: Σ m·l / Σ m (PPO, DAPO); seq_mean_token_mean: (1/B) Σ_i of row i's token mean, a row
+    without tokens counting as 0 in the B (original GRPO, as TRL; docs/algorithms.md §6);
+    seq_sum_constant: Σ m·l / (B · constant) (Dr. GRPO; constant = max length). The names are
+    :data:`lit_rlhf.core.objectives.AGGREGATIONS`.
     """
     if mode == "token_mean":
         return masked_mean(per_token, mask)
-    if mode == "seq_mean":
+    if mode == "seq_mean_token_mean":
         return masked_mean(per_token, mask, dim=1).mean()
-    if mode == "seq_sum_const":
+    if mode == "seq_sum_constant":
         if not constant:
-            raise ValueError("seq_sum_const needs a constant normaliser (e.g. max_new_tokens)")
+            raise ValueError("seq_sum_constant needs a constant normaliser (e.g. max_new_tokens)")
         return masked_sum(per_token, mask) / (per_token.shape[0] * constant)
-    raise ValueError(f"unknown aggregation {mode!r}")
+    raise ValueError(f"unknown aggregation {mode!r}; one of {list(AGGREGATIONS)}")
 
 
 def ppo_policy_loss(
@@ -47,7 +45,7 @@ def ppo_policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = None,
-    aggregation: Aggregation = "token_mean",
+    aggregation: str = "token_mean",
     agg_constant: float | None = None,
     is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -200,22 +198,31 @@ def ptx_loss(logprobs: Tensor, loss_mask: Tensor) -> tuple[Tensor, dict[str, Ten
     return loss, {"loss": loss.detach()}
 
 
-def dpo_loss(
+def _implicit_rewards(
+    chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor, beta: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """u = (log π(y_w|x) − log π_ref(y_w|x)) − (log π(y_l|x) − log π_ref(y_l|x)) per pair, and the
+    implicit rewards β·(log π − log π_ref) of both responses (detached)."""
+    chosen_logratio = chosen_logps - ref_chosen_logps
+    rejected_logratio = rejected_logps - ref_rejected_logps
+    rewards = {
+        "chosen_rewards": (beta * chosen_logratio).detach(),
+        "rejected_rewards": (beta * rejected_logratio).detach(),
+    }
+    return chosen_logratio - rejected_logratio, rewards
+
+
+def dpo_sigmoid_loss(
     chosen_logps: Tensor,
     rejected_logps: Tensor,
     ref_chosen_logps: Tensor,
     ref_rejected_logps: Tensor,
     beta: float,
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid",
     label_smoothing: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """DPO family losses on sequence log-probs of the response tokens (docs/algorithms.md §5).
-
-    With u = (log π(y_w|x) − log π_ref(y_w|x)) − (log π(y_l|x) − log π_ref(y_l|x)) per pair:
-
-    * sigmoid (DPO, Rafailov et al. 2023, Eq. 7): −log σ(β·u); with label smoothing s (cDPO,
-      Mitchell 2023, Eq. 3): −(1 − s)·log σ(β·u) − s·log σ(−β·u);
-    * ipo (Azar et al. 2023, Eq. 17): (u − 1/(2β))².
+    """DPO (Rafailov et al. 2023, Eq. 7; docs/algorithms.md §5) on sequence log-probs of the
+    response tokens, with u the log-ratio difference of :func:`_implicit_rewards`: −log σ(β·u);
+    with label smoothing s (cDPO, Mitchell 2023, Eq. 3): −(1 − s)·log σ(β·u) − s·log σ(−β·u).
 
     Args:
         chosen_logps, rejected_logps: (B,) log π_θ of y_w and y_l (summed over response tokens).
@@ -224,22 +231,21 @@ def dpo_loss(
         loss (mean over pairs), stats {"loss", "chosen_rewards" (B,), "rejected_rewards" (B,)}
         with the implicit rewards β·(log π − log π_ref) per pair.
     """
-    chosen_logratio = chosen_logps - ref_chosen_logps
-    rejected_logratio = rejected_logps - ref_rejected_logps
-    u = chosen_logratio - rejected_logratio
-    if loss_type == "sigmoid":
-        losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * u) - label_smoothing * F.logsigmoid(-beta * u)
-    elif loss_type == "ipo":
-        losses = (u - 1.0 / (2.0 * beta)) ** 2
-    else:
-        raise ValueError(f"unknown DPO loss {loss_type!r}; use sigmoid or ipo")
+    u, rewards = _implicit_rewards(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta)
+    losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * u) - label_smoothing * F.logsigmoid(-beta * u)
     loss = losses.mean()
-    stats = {
-        "loss": loss.detach(),
-        "chosen_rewards": (beta * chosen_logratio).detach(),
-        "rejected_rewards": (beta * rejected_logratio).detach(),
-    }
-    return loss, stats
+    return loss, {"loss": loss.detach(), **rewards}
+
+
+def ipo_loss(
+    chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor, beta: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """IPO (Azar et al. 2023, Eq. 17; docs/algorithms.md §5): (u − 1/(2β))², u as in
+    :func:`dpo_sigmoid_loss` — a squared loss that does not push u to infinity. Same arguments and
+    stats as :func:`dpo_sigmoid_loss`."""
+    u, rewards = _implicit_rewards(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta)
+    loss = ((u - 1.0 / (2.0 * beta)) ** 2).mean()
+    return loss, {"loss": loss.detach(), **rewards}
 
 
 def log1mexp(x: Tensor) -> Tensor:
@@ -288,10 +294,10 @@ def simpo_loss(
     return loss, stats
 
 
-def orpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, lam: float) -> tuple[Tensor, dict[str, Tensor]]:
+def orpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, beta: float) -> tuple[Tensor, dict[str, Tensor]]:
     """ORPO (Hong et al. 2024; docs/algorithms.md §5.2), reference-free:
 
-    L = L_SFT + λ·L_OR,  L_SFT = mean over pairs of −p̄(y_w|x),
+    L = L_SFT + λ·L_OR (λ = ``beta``, TRL's ``ORPOConfig.beta``),  L_SFT = mean over pairs of −p̄(y_w|x),
     L_OR = mean over pairs of −log σ(log odds(y_w|x) − log odds(y_l|x)),
     log odds(y|x) = log(P/(1 − P)) = p̄ − log(1 − e^p̄),  P(y|x) = e^p̄,
 
@@ -300,22 +306,24 @@ def orpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, lam: float) 
 
     Args:
         chosen_avg_logps, rejected_avg_logps: (B,) mean log π_θ per response token of y_w and y_l.
-        lam: λ, the weight of the odds-ratio term (TRL's ``ORPOConfig.beta``).
+        beta: λ, the weight of the odds-ratio term.
     Returns:
-        loss, stats {"loss", "nll_loss" (L_SFT), "or_loss" (L_OR), "log_odds_chosen" (mean log-odds
-        difference), "chosen_rewards" (B,), "rejected_rewards" (B,)} with the rewards λ·p̄(y|x) (TRL's).
+        loss, stats {"loss", "nll_loss" (L_SFT), "or_loss" (L_OR), "log_odds_ratio" (−L_OR, TRL's name),
+        "log_odds_chosen" (mean log-odds difference), "chosen_rewards" (B,), "rejected_rewards" (B,)}
+        with the rewards λ·p̄(y|x) (TRL's).
     """
     log_odds = (chosen_avg_logps - log1mexp(chosen_avg_logps)) - (rejected_avg_logps - log1mexp(rejected_avg_logps))
     nll = -chosen_avg_logps.mean()
     odds_ratio = -F.logsigmoid(log_odds).mean()
-    loss = nll + lam * odds_ratio
+    loss = nll + beta * odds_ratio
     stats = {
         "loss": loss.detach(),
         "nll_loss": nll.detach(),
         "or_loss": odds_ratio.detach(),
+        "log_odds_ratio": -odds_ratio.detach(),
         "log_odds_chosen": log_odds.detach().mean(),
-        "chosen_rewards": (lam * chosen_avg_logps).detach(),
-        "rejected_rewards": (lam * rejected_avg_logps).detach(),
+        "chosen_rewards": (beta * chosen_avg_logps).detach(),
+        "rejected_rewards": (beta * rejected_avg_logps).detach(),
     }
     return loss, stats
 

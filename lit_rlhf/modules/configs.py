@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lit_rlhf.core.objectives import AGGREGATIONS, PAIR_LOSSES, POLICY_LOSSES, PairLoss, check_name
 from lit_rlhf.rollout.config import GenerationConfig
 from lit_rlhf.utils.config import check
 
@@ -177,6 +178,15 @@ class RLConfig(PolicyConfig):
     """Policy ratio clip below: ρ ≥ 1 − ε_low."""
     clip_eps_high: float = field(default=0.2, metadata={"gt": 0.0})
     """Policy ratio clip above: ρ ≤ 1 + ε_high (> ε_low = clip-higher; DAPO: 0.28)."""
+    policy_loss: str = "clip"
+    """The per-token policy-gradient objective: a key of lit_rlhf/core/objectives.py ``POLICY_LOSSES``
+    (clip: PPO's clipped surrogate, docs/algorithms.md §2.6)."""
+    dual_clip: float | None = field(default=None, metadata={"gt": 1.0})
+    """Dual-clip constant c > 1 for negative advantages (Ye et al. 2020); None = off."""
+    loss_aggregation: str = "token_mean"
+    """How the policy loss (and a KL in the loss) becomes a scalar: a key of lit_rlhf/core/objectives.py
+    ``AGGREGATIONS``: token_mean (PPO, DAPO), seq_mean_token_mean (GRPO), seq_sum_constant (Dr. GRPO:
+    Σ / (B · max_new_tokens))."""
     whiten_advantages: bool = False
     """Whiten the advantages to mean 0, std 1 over the whole rollout of ALL ranks before the
     minibatches (PPO's GAE advantages, REINFORCE++'s global normalization); false = as computed."""
@@ -194,6 +204,9 @@ class RLConfig(PolicyConfig):
             f"and algo.reward_fns (weighted callables); got {rewards or 'none'}",
         )
         check_reward_specs(self.reward_fn, self.reward_fns, self.gold_reward_fn)
+        for key, table in (("policy_loss", POLICY_LOSSES), ("loss_aggregation", AGGREGATIONS)):
+            problem = check_name(table, getattr(self, key))
+            check(problem is None, key, problem or "")
         check(
             self.clip_eps_high >= self.clip_eps_low,
             "clip_eps_high",
@@ -333,8 +346,6 @@ class PPOConfig(RLConfig):
     advantage_clip: float | None = field(default=None, metadata={"gt": 0.0})
     """Clip advantages to ±a after whitening; None = no clip."""
     # ---- losses
-    dual_clip: float | None = field(default=None, metadata={"gt": 1.0})
-    """Dual-clip constant c > 1 for negative advantages (Ye et al. 2020); None = off."""
     value_clip: float | None = field(default=0.2, metadata={"gt": 0.0})
     """Value clip ε_v around the rollout-time values; None = unclipped value loss."""
     vf_coef: float = field(default=1.0, metadata={"ge": 0.0})
@@ -362,10 +373,11 @@ class DPOConfig(PolicyConfig):
     """β: strength of the implicit KL constraint (sigmoid, KTO) / the target margin 1/(2β) (IPO) / the
     scale of the average-log-prob reward (SimPO) / ORPO's λ, the weight of the odds-ratio term
     (TRL's ORPOConfig.beta; docs/algorithms.md §5.2)."""
-    loss_type: Literal["sigmoid", "ipo", "simpo", "orpo", "kto"] = "sigmoid"
-    """sigmoid = DPO (and cDPO with label_smoothing > 0); ipo = IPO's squared loss; simpo = SimPO
-    (§5.1), orpo = ORPO (§5.2): reference-free, no reference model is built; kto = KTO (§5.3):
-    unpaired desirable/undesirable examples (pairs are split; sets data.preference.unpaired)."""
+    loss_type: str = "sigmoid"
+    """A key of lit_rlhf/core/objectives.py ``PAIR_LOSSES``: sigmoid = DPO (and cDPO with
+    label_smoothing > 0); ipo = IPO's squared loss; simpo = SimPO (§5.1), orpo = ORPO (§5.2):
+    reference-free, no reference model is built; kto = KTO (§5.3): unpaired desirable/undesirable
+    examples (pairs are split; sets data.preference.unpaired)."""
     label_smoothing: float = field(default=0.0, metadata={"ge": 0.0, "lt": 0.5})
     """cDPO / SimPO: the assumed probability that a preference label is flipped (0 = the plain loss)."""
     gamma_beta_ratio: float = field(default=0.5, metadata={"ge": 0.0})
@@ -387,16 +399,24 @@ class DPOConfig(PolicyConfig):
     stability/kl to the reference, perplexity, response length (0 = off)."""
 
     @property
+    def pair_loss(self) -> PairLoss:
+        """The ``PAIR_LOSSES`` entry of ``loss_type``: its function and what it reads."""
+        return PAIR_LOSSES[self.loss_type]
+
+    @property
     def reference_free(self) -> bool:
-        """SimPO and ORPO: no reference model at all (docs/algorithms.md §5.1, §5.2)."""
-        return self.loss_type in ("simpo", "orpo")
+        """No reference model at all (SimPO, ORPO: docs/algorithms.md §5.1, §5.2)."""
+        return not self.pair_loss.reference
 
     def validate(self) -> None:
         super().validate()
+        problem = check_name(PAIR_LOSSES, self.loss_type)
+        check(problem is None, "loss_type", problem or "")
+        smoothed = [k for k, v in PAIR_LOSSES.items() if "label_smoothing" in v.params]
         check(
-            self.loss_type in ("sigmoid", "simpo") or self.label_smoothing == 0.0,
+            self.label_smoothing == 0.0 or self.loss_type in smoothed,
             "label_smoothing",
-            f"applies to the sigmoid (DPO) and simpo losses only; got loss_type={self.loss_type!r}",
+            f"applies to the {' and '.join(smoothed)} losses only; got loss_type={self.loss_type!r}",
         )
         for key in ("reference_path", "precompute_ref_logprobs"):
             check(
@@ -418,8 +438,6 @@ class CriticFreeConfig(RLConfig):
     with a baseline that needs no group (advantage_baseline greedy or none: REINFORCE++, ReMax)."""
     num_iterations: int = field(default=1, metadata={"ge": 1})
     """μ: passes over each rollout (> 1: the old log-probs, taken at rollout, matter)."""
-    loss_aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_sum_constant"] = "seq_mean_token_mean"
-    """seq_mean_token_mean (GRPO), token_mean (DAPO), seq_sum_constant (Dr. GRPO: Σ / (B · max_new_tokens))."""
     scale_rewards: bool = True
     """Divide the group-relative advantage by the group's std (+1e-4); false for Dr. GRPO and RLOO."""
     advantage_baseline: Literal["mean", "leave_one_out", "greedy", "none"] = "mean"

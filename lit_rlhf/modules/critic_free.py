@@ -32,16 +32,12 @@ from torch import Tensor
 
 from lit_rlhf.core.advantages import group_advantages, reinforce_advantages
 from lit_rlhf.core.kl import kl_penalty
-from lit_rlhf.core.losses import ppo_policy_loss
-from lit_rlhf.core.masked import masked_mean
 from lit_rlhf.core.rewards import overlong_penalty
 from lit_rlhf.core.types import Rollout, cat_rollouts
 from lit_rlhf.modules.configs import CriticFreeConfig
 from lit_rlhf.modules.rl import PolicyForward, RLModule
 from lit_rlhf.rollout.collect import generate_and_score
 from lit_rlhf.utils.distributed import all_reduce_min, all_reduce_sum
-
-AGGREGATION = {"seq_mean_token_mean": "seq_mean", "token_mean": "token_mean", "seq_sum_constant": "seq_sum_const"}
 
 
 class CriticFreeModule(RLModule):
@@ -202,31 +198,9 @@ class CriticFreeModule(RLModule):
     def minibatch_loss(
         self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None = None
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Clipped surrogate (+ β·KL when ``kl_placement=loss``), both with the configured aggregation
-        (``ptx``: unused)."""
-        c: CriticFreeConfig = self.config
-        mask = mb.valid_mask  # responses without a finite reward are left out
-        agg, constant = AGGREGATION[c.loss_aggregation], float(c.generation.max_new_tokens)
-        loss, pg = ppo_policy_loss(
-            fwd.logprobs,
-            mb.logprobs,
-            mb.advantages,
-            mask,
-            c.clip_eps_low,
-            c.clip_eps_high,
-            None,
-            agg,
-            constant,
-            self.importance_weights(mb, mask),
-        )
-        stats = {f"policy/{k}": v for k, v in pg.items()}
-        stats["policy/entropy"] = masked_mean(fwd.entropy, mask)
-        if c.kl_placement == "loss":
-            kl_term, kl_stats = self.kl_loss(fwd.logprobs, mb, mask, agg, constant)
-            if kl_term is not None:
-                loss = loss + kl_term
-                stats.update(kl_stats)
-        return loss, stats
+        """The shared policy loss alone (:meth:`RLModule.policy_loss`: the surrogate, + β·KL when
+        ``kl_placement=loss``, with the configured aggregation); ``ptx``: unused."""
+        return self.policy_loss(mb, fwd)
 
     # -------------------------------------------------------------- state
     def rl_state_dict(self) -> dict[str, Any]:

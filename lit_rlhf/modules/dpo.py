@@ -6,9 +6,10 @@ One training step = one batch of preference pairs from the reward model's data m
 same formats, truncation and bad-row rules): the policy scores chosen and rejected in ONE
 concatenated forward (rows [0, B) chosen, [B, 2B) rejected), the reference either live (a frozen
 model, never checkpointed, reloaded from its path) or precomputed once over the dataset before
-training (``precompute_ref_logprobs``; no reference in memory while training), and
-:func:`~lit_rlhf.core.losses.dpo_loss` turns the four sequence log-probs into the loss. SimPO and
-ORPO build no reference at all: their losses read the policy's average per-token log-probs.
+training (``precompute_ref_logprobs``; no reference in memory while training), and the
+``algo.loss_type`` entry of the pair-loss table (lit_rlhf/core/objectives.py ``PAIR_LOSSES``) says
+which function turns the sequence log-probs into the loss and what it reads: SimPO and ORPO build
+no reference at all and read the policy's average per-token log-probs.
 KTO's batches are unpaired examples (``data.preference.unpaired``): rows [0, B) the completions,
 [B, 2B) their KL rows (each prompt with another example's completion), which give the reference
 point z_ref (:func:`~lit_rlhf.core.losses.kto_reference_point`, averaged over all ranks).
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lit_rlhf.core.losses import dpo_loss, kto_loss, kto_reference_point, orpo_loss, simpo_loss
+from lit_rlhf.core.losses import kto_reference_point
 from lit_rlhf.models.packed import sequence_logprobs
 from lit_rlhf.modules.base import RLHFModule, policy_spec
 from lit_rlhf.modules.configs import DPOConfig
@@ -132,7 +133,7 @@ class DPOModule(RLHFModule):
         other loss reads pairs."""
         import dataclasses
 
-        kto = config.loss_type == "kto"
+        kto = not config.pair_loss.paired
         if not kto and data.unpaired:
             raise ConfigError(
                 "data.preference.unpaired",
@@ -271,19 +272,18 @@ class DPOModule(RLHFModule):
         """The configured loss of one batch (docs/algorithms.md §5, §5.1–§5.3), its metrics added to
         the split's window."""
         c: DPOConfig = self.config
-        if c.loss_type == "kto":
+        spec = c.pair_loss
+        if not spec.paired:
             return self.kto_loss(batch, split)
         chosen, rejected = self.sequence_logps(self.policy, batch)
-        if c.reference_free:  # SimPO, ORPO: average per-token log-probs, no reference (§5.1, §5.2)
+        if spec.logps == "mean":  # SimPO, ORPO: average per-token log-probs (§5.1, §5.2)
             lengths = batch["response_mask"].sum(1).clamp(min=1).to(chosen.dtype)
-            avg_chosen, avg_rejected = chosen / lengths[: chosen.shape[0]], rejected / lengths[chosen.shape[0] :]
-            if c.loss_type == "simpo":
-                loss, stats = simpo_loss(avg_chosen, avg_rejected, c.beta, c.gamma_beta_ratio, c.label_smoothing)
-            else:
-                loss, stats = orpo_loss(avg_chosen, avg_rejected, c.beta)
+            inputs = [chosen / lengths[: chosen.shape[0]], rejected / lengths[chosen.shape[0] :]]
         else:
-            ref_chosen, ref_rejected = self.reference_logps(batch, split)
-            loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, c.beta, c.loss_type, c.label_smoothing)
+            inputs = [chosen, rejected]
+        if spec.reference:
+            inputs += self.reference_logps(batch, split)
+        loss, stats = spec.fn(*inputs, **{name: getattr(c, name) for name in spec.params})
         n, cr, rr = chosen.shape[0], stats["chosen_rewards"], stats["rejected_rewards"]
         values = {
             "loss": (loss.detach() * n, n),
@@ -293,12 +293,8 @@ class DPOModule(RLHFModule):
             "logps_chosen": (chosen.detach().sum(), n),
             "logps_rejected": (rejected.detach().sum(), n),
         }
-        if c.loss_type == "orpo":  # the NLL and the odds-ratio term apart (TRL's names; log_odds_ratio = −L_OR)
-            values.update(
-                nll_loss=(stats["nll_loss"] * n, n),
-                log_odds_ratio=(-stats["or_loss"] * n, n),
-                log_odds_chosen=(stats["log_odds_chosen"] * n, n),
-            )
+        # a loss's own terms apart (ORPO's NLL and odds ratio, TRL's names)
+        values.update({k: (stats[k] * n, n) for k in ("nll_loss", "log_odds_ratio", "log_odds_chosen") if k in stats})
         self.metrics_of(split).update(values)
         return loss, stats
 
@@ -321,7 +317,8 @@ class DPOModule(RLHFModule):
         logps = self.logps_of(self.policy, batch, slice(0, b))
         ref_logps, ref_kl_logps = self.reference_logps(batch, split)
         z_ref = kto_reference_point(kl_logps, ref_kl_logps, reduce=all_reduce_sum)
-        loss, stats = kto_loss(logps, ref_logps, desirable, z_ref, c.beta, c.desirable_weight, c.undesirable_weight)
+        params = {name: getattr(c, name) for name in c.pair_loss.params}
+        loss, stats = c.pair_loss.fn(logps, ref_logps, desirable, z_ref, **params)
         good = desirable.to(logps.dtype)
         bad, rewards, lp = 1.0 - good, stats["rewards"], logps.detach()
         self.metrics_of(split).update(

@@ -27,7 +27,7 @@ from torch import Tensor
 from lit_rlhf.core.advantages import gae
 from lit_rlhf.core.kl import kl_penalty
 from lit_rlhf.core.logprobs import shifted_token_logprobs
-from lit_rlhf.core.losses import entropy_loss, ppo_policy_loss, ptx_loss, value_loss
+from lit_rlhf.core.losses import entropy_loss, ptx_loss, value_loss
 from lit_rlhf.core.masked import masked_whiten
 from lit_rlhf.core.rewards import penalize_missing_eos, reparameterize_scores, shape_rewards
 from lit_rlhf.core.running_stats import RunningMoments
@@ -140,27 +140,10 @@ class PPOModule(RLModule):
         """Actor + critic loss of one minibatch (one backward covers both, docs/algorithms.md §2.6)."""
         c: PPOConfig = self.config
         mask = mb.valid_mask
-        pg_loss, pg_stats = ppo_policy_loss(
-            fwd.logprobs,
-            mb.logprobs,
-            mb.advantages,
-            mask,
-            c.clip_eps_low,
-            c.clip_eps_high,
-            c.dual_clip,
-            is_weights=self.importance_weights(mb, mask),
-        )
-        actor_loss = pg_loss
-        stats = {f"policy/{k}": v for k, v in pg_stats.items()}
-        ent_loss, ent_stats = entropy_loss(fwd.entropy, mask, c.entropy_coef, c.entropy_target)
-        stats["policy/entropy"] = ent_stats["entropy"]
+        actor_loss, stats = self.policy_loss(mb, fwd)  # the surrogate (+ β·KL with kl_placement=loss)
         if c.entropy_coef:
+            ent_loss, _ = entropy_loss(fwd.entropy, mask, c.entropy_coef, c.entropy_target)
             actor_loss = actor_loss + ent_loss
-        if c.kl_placement == "loss":
-            kl_term, kl_stats = self.kl_loss(fwd.logprobs, mb, mask)
-            if kl_term is not None:
-                actor_loss = actor_loss + kl_term
-                stats.update(kl_stats)
         if ptx is not None and c.ptx_coef:
             ptx_l, ptx_stats = self.ptx_term(ptx)
             actor_loss = actor_loss + c.ptx_coef * ptx_l

@@ -45,7 +45,9 @@ from torch import Tensor, nn
 
 from lit_rlhf.core.kl import AdaptiveKLController, FixedKLController, kl_penalty, sequence_kl
 from lit_rlhf.core.losses import aggregate
+from lit_rlhf.core.masked import masked_mean
 from lit_rlhf.core.mismatch import sampler_mismatch, truncated_is_weights
+from lit_rlhf.core.objectives import POLICY_LOSSES
 from lit_rlhf.core.types import Rollout
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.modules.base import RLHFModule, policy_spec
@@ -265,25 +267,52 @@ class RLModule(RLHFModule):
     def minibatch_loss(
         self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Stage hook: the loss of one minibatch (everything trained, one backward) and its named statistics."""
+        """Stage hook: the loss of one minibatch (everything trained, one backward) and its named
+        statistics; it starts from :meth:`policy_loss`, the part every RL stage shares."""
         raise NotImplementedError
 
-    def kl_loss(
-        self,
-        logprobs: Tensor,
-        mb: Rollout,
-        mask: Tensor,
-        aggregation: str = "token_mean",
-        constant: float | None = None,
-    ) -> tuple[Tensor | None, dict[str, Tensor]]:
-        """β · KL(π_θ‖π_ref) for the loss (GRPO's k3, PPO's ``kl_placement=loss``), β from
-        :attr:`kl_ctl` — the same β the collapse alarm raises and ``kl_ctl/beta`` logs. None
-        while β = 0 or without a reference."""
+    def policy_loss(self, mb: Rollout, fwd: PolicyForward) -> tuple[Tensor, dict[str, Tensor]]:
+        """The policy-gradient objective ``algo.policy_loss`` (lit_rlhf/core/objectives.py
+        ``POLICY_LOSSES``; clip: the clipped surrogate with ε_low/ε_high and the dual clip) with the
+        truncated importance weights of ``algo.rollout_correction``, + β·KL(π_θ‖π_ref) when the KL is
+        in the loss (``kl_placement=loss``), both aggregated by ``algo.loss_aggregation``; responses
+        without a finite reward are left out (``valid_mask``). Statistics under ``policy/``."""
+        c: RLConfig = self.config
+        mask = mb.valid_mask
+        loss, pg = POLICY_LOSSES[c.policy_loss].fn(
+            fwd.logprobs,
+            mb.logprobs,
+            mb.advantages,
+            mask,
+            c.clip_eps_low,
+            c.clip_eps_high,
+            c.dual_clip,
+            c.loss_aggregation,
+            self.aggregation_constant(),
+            self.importance_weights(mb, mask),
+        )
+        stats = {f"policy/{k}": v for k, v in pg.items()}
+        stats["policy/entropy"] = masked_mean(fwd.entropy.detach(), mask)
+        if c.kl_placement == "loss":
+            kl_term, kl_stats = self.kl_loss(fwd.logprobs, mb, mask)
+            if kl_term is not None:
+                loss = loss + kl_term
+                stats.update(kl_stats)
+        return loss, stats
+
+    def aggregation_constant(self) -> float:
+        """The normaliser of ``loss_aggregation=seq_sum_constant``: the longest response, max_new_tokens."""
+        return float(self.config.generation.max_new_tokens)
+
+    def kl_loss(self, logprobs: Tensor, mb: Rollout, mask: Tensor) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """β · KL(π_θ‖π_ref) for the loss (GRPO's k3, PPO's ``kl_placement=loss``) with the policy
+        loss's aggregation, β from :attr:`kl_ctl` — the same β the collapse alarm raises and
+        ``kl_ctl/beta`` logs. None while β = 0 or without a reference."""
         beta = self.kl_ctl.value
         if not beta or mb.ref_logprobs is None:
             return None, {}
         per_token = kl_penalty(logprobs, mb.ref_logprobs, self.config.kl_estimator, mask=mask)
-        kl = aggregate(per_token, mask, aggregation, constant)
+        kl = aggregate(per_token, mask, self.config.loss_aggregation, self.aggregation_constant())
         return beta * kl, {"policy/kl_loss": kl.detach()}
 
     def importance_weights(self, mb: Rollout, mask: Tensor) -> Tensor | None:

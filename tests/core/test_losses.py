@@ -163,8 +163,8 @@ def test_aggregations():
     x = torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0]])
     m = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert aggregate(x, m, "token_mean").item() == pytest.approx(2.0)  # (1+3+2)/3
-    assert aggregate(x, m, "seq_mean").item() == pytest.approx((2.0 + 2.0) / 2)
-    assert aggregate(x, m, "seq_sum_const", constant=4).item() == pytest.approx(6 / (2 * 4))
+    assert aggregate(x, m, "seq_mean_token_mean").item() == pytest.approx((2.0 + 2.0) / 2)
+    assert aggregate(x, m, "seq_sum_constant", constant=4).item() == pytest.approx(6 / (2 * 4))
 
 
 def test_entropy_loss_bonus_and_target_forms():
@@ -201,34 +201,35 @@ def _naive_dpo(pc, pr, rc, rr, beta, kind, s=0.0):
 
 
 def test_dpo_losses_hand_values():
-    from lit_rlhf.core.losses import dpo_loss
+    from lit_rlhf.core.losses import dpo_sigmoid_loss, ipo_loss
 
     # u = (-1 - -2) - (-3 - -2.5) = 1.5; β = 0.5 → β·u = 0.75
     args = [torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.5])]
-    loss, stats = dpo_loss(*args, beta=0.5)
+    loss, stats = dpo_sigmoid_loss(*args, beta=0.5)
     assert loss.item() == pytest.approx(math.log1p(math.exp(-0.75)))
     assert (stats["chosen_rewards"].item(), stats["rejected_rewards"].item()) == pytest.approx((0.5, -0.25))
-    cdpo, _ = dpo_loss(*args, beta=0.5, label_smoothing=0.2)
+    cdpo, _ = dpo_sigmoid_loss(*args, beta=0.5, label_smoothing=0.2)
     assert cdpo.item() == pytest.approx(0.8 * math.log1p(math.exp(-0.75)) + 0.2 * math.log1p(math.exp(0.75)))
-    ipo, _ = dpo_loss(*args, beta=0.5, loss_type="ipo")
+    ipo, _ = ipo_loss(*args, beta=0.5)
     assert ipo.item() == pytest.approx((1.5 - 1.0) ** 2)  # (u - 1/(2β))², 1/(2·0.5) = 1
 
 
 @pytest.mark.parametrize("kind, s", [("sigmoid", 0.0), ("sigmoid", 0.3), ("ipo", 0.0)])
 def test_dpo_losses_match_the_naive_formula(kind, s):
-    from lit_rlhf.core.losses import dpo_loss
+    from lit_rlhf.core.objectives import PAIR_LOSSES
 
     g = torch.Generator().manual_seed(0)
     pc, pr, rc, rr = (torch.randn(16, generator=g, dtype=torch.float64) * 5 - 20 for _ in range(4))
-    loss, _ = dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type=kind, label_smoothing=s)
+    extra = {"label_smoothing": s} if kind == "sigmoid" else {}
+    loss, _ = PAIR_LOSSES[kind].fn(pc, pr, rc, rr, beta=0.1, **extra)
     assert loss.item() == pytest.approx(_naive_dpo(pc.tolist(), pr.tolist(), rc.tolist(), rr.tolist(), 0.1, kind, s))
 
 
 def test_dpo_gradient_pushes_chosen_up_and_rejected_down():
-    from lit_rlhf.core.losses import dpo_loss
+    from lit_rlhf.core.losses import dpo_sigmoid_loss
 
     pc, pr = torch.tensor([-5.0], requires_grad=True), torch.tensor([-5.0], requires_grad=True)
-    loss, _ = dpo_loss(pc, pr, torch.tensor([-5.0]), torch.tensor([-5.0]), beta=0.1)
+    loss, _ = dpo_sigmoid_loss(pc, pr, torch.tensor([-5.0]), torch.tensor([-5.0]), beta=0.1)
     loss.backward()
     assert pc.grad.item() == pytest.approx(-0.05) and pr.grad.item() == pytest.approx(0.05)  # ±β·σ(0) = ±0.05
 
@@ -239,8 +240,10 @@ def test_aggregations_against_hand_values():
     loss = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
     assert aggregate(loss, mask, "token_mean").item() == pytest.approx((1 + 2 + 3 + 4) / 4)  # DAPO: every token equal
-    assert aggregate(loss, mask, "seq_mean").item() == pytest.approx((2.0 + 4.0) / 2)  # GRPO: each sequence equal
-    assert aggregate(loss, mask, "seq_sum_const", constant=8).item() == pytest.approx(10 / (2 * 8))  # Dr. GRPO
+    assert aggregate(loss, mask, "seq_mean_token_mean").item() == pytest.approx(
+        (2.0 + 4.0) / 2
+    )  # GRPO: each sequence equal
+    assert aggregate(loss, mask, "seq_sum_constant", constant=8).item() == pytest.approx(10 / (2 * 8))  # Dr. GRPO
 
 
 def test_clip_higher_and_the_side_that_clipped():
@@ -265,6 +268,37 @@ def test_seq_mean_counts_a_row_without_tokens_as_zero():
 
     loss = torch.tensor([[1.0, 3.0], [9.0, 9.0], [5.0, 0.0]])
     mask = torch.tensor([[1, 1], [0, 0], [1, 0]])
-    assert aggregate(loss, mask, "seq_mean").item() == pytest.approx((2.0 + 0.0 + 5.0) / 3)
+    assert aggregate(loss, mask, "seq_mean_token_mean").item() == pytest.approx((2.0 + 0.0 + 5.0) / 3)
     rows = [sum(x * m for x, m in zip(lr, mr)) / max(sum(mr), 1) for lr, mr in zip(loss.tolist(), mask.tolist())]
-    assert aggregate(loss, mask, "seq_mean").item() == pytest.approx(sum(rows) / len(rows))
+    assert aggregate(loss, mask, "seq_mean_token_mean").item() == pytest.approx(sum(rows) / len(rows))
+
+
+def test_the_objective_tables_name_functions_that_exist_and_the_configs_take_their_names():
+    """Every entry of lit_rlhf/core/objectives.py points at a function of core/losses.py, each
+    aggregation name is one ``aggregate`` computes, and a config refuses a name no table has."""
+    import inspect
+
+    from lit_rlhf.core.losses import aggregate
+    from lit_rlhf.core.objectives import AGGREGATIONS, PAIR_LOSSES, POLICY_LOSSES
+    from lit_rlhf.launch.presets import preset
+    from lit_rlhf.modules.configs import DPOConfig, PPOConfig
+    from lit_rlhf.utils.config import ConfigError, build_config
+
+    for name, entry in PAIR_LOSSES.items():
+        params = inspect.signature(entry.fn).parameters
+        assert set(entry.params) <= set(params), name  # the algo.* values it takes are its keywords
+        assert all(hasattr(DPOConfig, p) for p in entry.params), name
+    assert all(callable(entry.fn) for entry in POLICY_LOSSES.values())
+    x, m = torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([[1, 1], [1, 0]])
+    for name in AGGREGATIONS:
+        assert torch.isfinite(aggregate(x, m, name, 2.0))
+    with pytest.raises(
+        ConfigError, match=r"algo.loss_type: must be one of \['sigmoid', 'ipo', 'simpo', 'orpo', 'kto'\]"
+    ):
+        build_config(DPOConfig, preset("dpo", loss_type="hinge"), "algo")
+    with pytest.raises(ConfigError, match=r"algo.loss_aggregation: must be one of \['token_mean'"):
+        build_config(PPOConfig, preset("ppo", reward_path="/rm", loss_aggregation="sum"), "algo")
+    with pytest.raises(ConfigError, match=r"algo.policy_loss: must be one of \['clip'\]"):
+        build_config(PPOConfig, preset("ppo", reward_path="/rm", policy_loss="gspo"), "algo")
+    with pytest.raises(ConfigError, match="algo.label_smoothing: applies to the sigmoid and simpo losses only"):
+        build_config(DPOConfig, preset("dpo", loss_type="ipo", label_smoothing=0.1), "algo")

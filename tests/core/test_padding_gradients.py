@@ -49,7 +49,7 @@ def assert_padding_stays_out(fn, n_inputs: int) -> None:
         assert any((g[~PAD] != 0).any() for g in grads)  # the loss does depend on the real tokens
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean", "seq_sum_const"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_sum_constant"])
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
 def test_policy_loss(aggregation, dual_clip):
     def fn(lp, old, adv):
@@ -69,12 +69,12 @@ def test_value_loss(clip):
 @pytest.mark.parametrize("clamp, k3_max", [(20.0, 10.0), (None, None)])
 def test_kl_penalty_with_its_mask(estimator, clamp, k3_max):
     def fn(lp, ref):
-        return aggregate(kl_penalty(lp, ref, estimator, clamp, k3_max, mask=MASK), MASK, "seq_mean")
+        return aggregate(kl_penalty(lp, ref, estimator, clamp, k3_max, mask=MASK), MASK, "seq_mean_token_mean")
 
     assert_padding_stays_out(fn, 2)
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean", "seq_sum_const"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_sum_constant"])
 def test_aggregate_entropy_and_ptx(aggregation):
     assert_padding_stays_out(lambda x: aggregate(x, MASK, aggregation, 5.0), 1)
     assert_padding_stays_out(lambda h: entropy_loss(h, MASK, 0.01)[0] + entropy_loss(h, MASK, 0.01, target=1.0)[0], 1)

@@ -92,14 +92,14 @@ def naive_orpo(c: list[float], r: list[float], lam: float) -> tuple[float, float
 def test_orpo_hand_values():
     # P_w = 0.5 (odds 1), P_l = 0.2 (odds 0.25): odds ratio 4, σ(log 4) = 0.8, L_OR = −log 0.8 = log 1.25
     # = 0.2231436; L_SFT = −log 0.5 = 0.6931472; λ = 0.1: L = 0.6931472 + 0.0223144 = 0.7154615
-    loss, stats = orpo_loss(torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.2)]), lam=0.1)
+    loss, stats = orpo_loss(torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.2)]), beta=0.1)
     assert loss.item() == pytest.approx(0.7154615, abs=1e-6)
     assert stats["nll_loss"].item() == pytest.approx(0.6931472, abs=1e-6)
     assert stats["or_loss"].item() == pytest.approx(0.2231436, abs=1e-6)
     assert stats["log_odds_chosen"].item() == pytest.approx(math.log(4.0), abs=1e-6)
     assert stats["chosen_rewards"].item() == pytest.approx(0.1 * math.log(0.5))  # λ·p̄ (TRL's rewards)
     # equal odds: L_OR = log 2, whatever λ
-    _, stats = orpo_loss(torch.tensor([-1.0, -3.0]), torch.tensor([-1.0, -3.0]), lam=1.0)
+    _, stats = orpo_loss(torch.tensor([-1.0, -3.0]), torch.tensor([-1.0, -3.0]), beta=1.0)
     assert stats["or_loss"].item() == pytest.approx(math.log(2.0), abs=1e-6)
 
 

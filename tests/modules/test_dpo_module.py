@@ -142,11 +142,11 @@ def test_validation_measures_drift_through_the_monitors(saved_models, tokenizer,
         ({"label_smoothing": 0.5}, r"algo.label_smoothing: must be >= 0.0 and < 0.5"),
         (
             {"loss_type": "ipo", "label_smoothing": 0.1},
-            r"algo.label_smoothing: applies to the sigmoid \(DPO\) and simpo losses only",
+            r"algo.label_smoothing: applies to the sigmoid and simpo losses only",
         ),
         (
             {"loss_type": "orpo", "label_smoothing": 0.1},
-            r"algo.label_smoothing: applies to the sigmoid \(DPO\) and simpo losses only",
+            r"algo.label_smoothing: applies to the sigmoid and simpo losses only",
         ),
         ({"loss_type": "hinge"}, r"algo.loss_type: must be one of \['sigmoid', 'ipo', 'simpo', 'orpo', 'kto'\]"),
         (
