@@ -136,7 +136,11 @@ def test_the_wandb_logger_leaves_out_the_setting_wandb_warns_about_on_every_run(
 
 
 @pytest.mark.parametrize(
-    "algo, missing", [("ppo_max", ["algo.reward_path", "model.name_or_path"]), ("dpo", ["model.name_or_path"])]
+    "algo, missing",
+    [
+        ("ppo_max", ["algo.reward_path", "model.name_or_path", "data.prompt.source"]),
+        ("dpo", ["model.name_or_path", "data.preference.source"]),  # HH-RLHF by its hub id
+    ],
 )
 def test_the_headline_command_offline_stops_with_one_message(algo, missing):
     """`python train.py model=llama7b algo=…` with no network: one message listing every missing
@@ -172,7 +176,10 @@ def test_preflight_lists_every_missing_input(tmp_path, monkeypatch):
             ["model=llama7b", "algo=ppo_max", "algo.reward_fn={_target_: lit_rlhf.rewards.exact_match}"], tmp_path
         )
         ok.model.name_or_path = str(tmp_path)  # a folder without config.json: named too
-        assert [line.split(":")[0] for line in missing_inputs(ok, "prompt")] == ["model.name_or_path"]
+        assert [line.split(":")[0] for line in missing_inputs(ok, "prompt")] == [
+            "model.name_or_path",
+            "data.prompt.source=Anthropic/hh-rlhf",
+        ]
     finally:
         hub_reachable.cache_clear()
     assert [line.split(":")[0] for line in lines] == [
@@ -181,7 +188,7 @@ def test_preflight_lists_every_missing_input(tmp_path, monkeypatch):
         f"data.prompt.source={tmp_path}/prompts.jsonl",
     ]
     assert "no such model folder" in lines[0] and "hub cannot be reached" in lines[1] and "no such file" in lines[2]
-    # the shipped HH-RLHF file is found, tiny models and embedded tasks need nothing
+    # tiny models and embedded tasks need nothing
     assert missing_inputs(compose(["experiment=sft_synthetic_tiny"], tmp_path), "sft") == []
 
 

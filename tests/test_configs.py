@@ -289,7 +289,7 @@ def test_headline_commands_compose_a_real_job(algo, tmp_path):
     p = plan(compose(["model=llama7b", f"algo={algo}", *extra], tmp_path))
     cfg = compose(["model=llama7b", f"algo={algo}", *extra], tmp_path)
     assert (cfg.trainer.accelerator, cfg.trainer.precision) == ("gpu", "bf16-mixed")
-    assert p.data.template == "auto" and p.data.source.endswith("hh-rlhf/harmless-base-test.jsonl.gz")
+    assert p.data.template == "auto" and p.data.source == "Anthropic/hh-rlhf" and p.data.hub_data_dir == "harmless-base"
     assert p.data.train_rows == "1-2000"
     if algo == "dpo":
         assert p.data.max_length == 1024

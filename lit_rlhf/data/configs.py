@@ -30,6 +30,8 @@ class DataConfig:
     folder or a hub dataset name (prompt data: with a prompt column, or HH-style pairs)."""
     train_split: str = "train"
     """Split name for folder/hub sources."""
+    hub_data_dir: str | None = None
+    """Subset folder of a hub dataset (``harmless-base`` of ``Anthropic/hh-rlhf``); files ignore it."""
     train_rows: str | None = None
     """1-based inclusive row range of ``source`` to train on (e.g. "1-2000"); None = all rows."""
     template: str = "plain"
@@ -136,8 +138,6 @@ class PreferenceDataConfig(HeldOutDataConfig):
     ``save_to_disk`` folder or a hub dataset name (required: None is refused)."""
     fallback_source: str | None = None
     """Used when ``source`` is a file that does not exist (e.g. the hub copy of a local file)."""
-    hub_data_dir: str | None = None
-    """Subset folder of a hub dataset (``harmless-base`` of ``Anthropic/hh-rlhf``)."""
     format: Literal["auto", "hh", "question", "generic", "unpaired"] = "auto"
     """Row layout; auto = detected from the first row's keys (hh, question, generic, unpaired). hh = ``chosen``
     and ``rejected`` whole dialogues sharing their prompt; generic = ``prompt``, ``chosen``, ``rejected``; unpaired

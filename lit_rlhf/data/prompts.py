@@ -112,7 +112,7 @@ class PromptDataModule(pl.LightningDataModule):
         ending with a user turn) as they are, HH dialogues converted, a string kept (one user turn)."""
         c = self.config
         chat = c.template == AUTO
-        rows = select_rows(list(iter_rows(c.source, c.train_split)), rows_spec)
+        rows = select_rows(list(iter_rows(c.source, c.train_split, c.hub_data_dir)), rows_spec)
         fmt = c.format
         if fmt == "auto" and rows:
             fmt = (

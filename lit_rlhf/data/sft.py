@@ -133,11 +133,11 @@ class SFTDataModule(pl.LightningDataModule):
             train = [Row(r, f"reasoning[train] #{i}") for i, r in enumerate(rtask.sft_records(c.n_train, "train"))]
             val = [Row(r, f"reasoning[val] #{i}") for i, r in enumerate(rtask.sft_records(c.n_val, "val"))]
             return train, val
-        train = select_rows(list(iter_rows(c.source, c.train_split)), c.train_rows)
+        train = select_rows(list(iter_rows(c.source, c.train_split, c.hub_data_dir)), c.train_rows)
         if c.val_source is not None:
             val = list(iter_rows(c.val_source, c.val_split or c.train_split))
         elif c.val_split is not None:
-            val = list(iter_rows(c.source, c.val_split))
+            val = list(iter_rows(c.source, c.val_split, c.hub_data_dir))
         else:
             order = list(range(len(train)))
             random.Random(c.seed).shuffle(order)

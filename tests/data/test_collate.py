@@ -81,11 +81,10 @@ def test_encode_pairs_gives_encode_pairs_ids_row_by_row(tokenizer, tmp_path):
     from lit_rlhf.data.bpe import BPETokenizerConfig, train_bpe
     from lit_rlhf.data.collate import encode_pairs
     from lit_rlhf.models.builders import prepare_tokenizer
-    from tests.conftest import ROOT
+    from tests.conftest import HH_FILE as hh
 
-    hh = ROOT.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
     if not hh.exists():
-        pytest.skip("shared HH-RLHF data not found beside the checkout")
+        pytest.skip(f"no local copy of the HH-RLHF file at {hh}")
     with gzip.open(hh, "rt") as fh:
         rows = [json.loads(line) for _, line in zip(range(300), fh)]
     cut = [r["chosen"].rfind("\n\nAssistant:") + len("\n\nAssistant:") for r in rows]

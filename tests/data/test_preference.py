@@ -1,7 +1,6 @@
 import gzip
 import json
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,9 +9,8 @@ from lit_rlhf.data.io import DataError, Row
 from lit_rlhf.data.preference import PreferenceDataModule, detect_format, parse_pair, split_hh
 from lit_rlhf.data.sampler import LengthGroupedSampler
 from lit_rlhf.utils.config import ConfigError
-
-HH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
-needs_hh = pytest.mark.skipif(not HH.exists(), reason=f"shared HH-RLHF data not found at {HH}")
+from tests.conftest import HH_FILE as HH
+from tests.conftest import HH_SOURCE, needs_hh
 
 
 def write_jsonl(path, rows):
@@ -183,7 +181,7 @@ def test_hh_rlhf_config_splits_the_real_file(tmp_path):
     from lit_rlhf.runner import plan
     from tests.conftest import compose
 
-    p = plan(compose(["model=minilm_rm", "algo=rm", "data=hh_rlhf"], tmp_path))
+    p = plan(compose(["model=minilm_rm", "algo=rm", "data=hh_rlhf", HH_SOURCE], tmp_path))
     dm = p.data_cls(p.data).connect(build_tokenizer(p.model), kind="encoder")
     dm.setup("fit")
     s = dm.stats
