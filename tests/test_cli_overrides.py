@@ -214,7 +214,7 @@ def test_key_checks_and_printed_configs_import_neither_torch_nor_lightning(tmp_p
         (["algo=sft", "algo.lrr=0.1"], "unknown key for SFTConfig"),
         (["algo=sft", "+algo.lrr=0.1"], "Configuration error: algo.lrr: unknown key for SFTConfig"),
         (["algo=dpo", "algo.beta=-1"], "Configuration error: algo.beta"),
-        (["model=llama7b", "algo=ppo_max"], "this job cannot start; it is missing 2 input(s)"),
+        (["model=llama7b", "algo=ppo_max"], "this job cannot start; it is missing 3 input(s)"),
         (["algo=dapo", "algo.generation.temprature=0.5"], "Did you mean 'temperature'?"),
         (["model=llama7b", "algo=sft", "strategy=deepspeed_stage_2", "--cfg", "job"], "stage: 2"),
     ):
