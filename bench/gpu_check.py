@@ -246,16 +246,14 @@ def run_variant(variant: str, folder: Path) -> dict:
 
 def standalone_vllm(actor, ids, mask, folder: Path) -> float:
     """Tokens/s of a standalone ``vllm.LLM`` loading the trained policy from disk (after the run's
-    engine is dropped), on the same prompts with the same sampling settings (T 1, no filters)."""
+    engine was released by the module's teardown), on the same prompts with the same sampling
+    settings (T 1, no filters)."""
     import gc
 
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from lit_rlhf.rollout.vllm_engine import clear_engines
-
-    clear_engines()
     gc.collect()
     torch.cuda.empty_cache()
     actor.save_pretrained(folder / "trained")

@@ -370,34 +370,38 @@ def evaluate_policies(
     if gen is None:
         gen = GenerationConfig(max_new_tokens=24, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
     results, engine = {}, None
-    for name, path in policies.items():
-        policy = sft if path == sft_path else freeze(build_causal_lm(ModelSpec(name_or_path=path), tok))
-        engine = engine_for(policy, gen, path, engine)  # None: the hf loop samples from the policy
-        torch.manual_seed(0)
-        gold, proxy, kl, nll, tokens, lengths, ended = [], [], [], 0.0, 0, [], []
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start : start + batch_size]
-            batch = collate_prompts(
-                [(encode_prompt(tok, p, max_prompt_length, chat)[0], p) for p in chunk], tok.pad_token_id
-            )
-            r = generate_and_score(policy, batch, tok, gen, reference=sft, scorer=scorer, engine=engine)
-            gold += [task.gold_reward(p, t, e) for p, t, e in zip(chunk, r.responses_text, r.ended.tolist())]
-            proxy += r.scores.tolist() if r.scores is not None else []
-            kl += sequence_kl(r.logprobs, r.ref_logprobs, r.response_mask, clamp=None).tolist()
-            nll -= float(masked_sum(r.logprobs, r.response_mask))
-            tokens += int(r.response_mask.sum())
-            lengths += r.response_lengths.tolist()
-            ended += r.ended.tolist()
-        g = torch.tensor(gold)
-        results[name] = {
-            "gold_mean": float(g.mean()),
-            "gold_std": float(g.std(unbiased=True)),
-            "proxy_mean": float(torch.tensor(proxy).mean()) if proxy else math.nan,
-            "kl_to_sft": float(torch.tensor(kl).mean()),
-            "perplexity": math.exp(nll / max(tokens, 1)),
-            "response_length": float(torch.tensor(lengths, dtype=torch.float32).mean()),
-            "truncation_rate": 1.0 - sum(ended) / len(ended),
-        }
+    try:
+        for name, path in policies.items():
+            policy = sft if path == sft_path else freeze(build_causal_lm(ModelSpec(name_or_path=path), tok))
+            engine = engine_for(policy, gen, path, engine)  # None: the hf loop samples from the policy
+            torch.manual_seed(0)
+            gold, proxy, kl, nll, tokens, lengths, ended = [], [], [], 0.0, 0, [], []
+            for start in range(0, len(prompts), batch_size):
+                chunk = prompts[start : start + batch_size]
+                batch = collate_prompts(
+                    [(encode_prompt(tok, p, max_prompt_length, chat)[0], p) for p in chunk], tok.pad_token_id
+                )
+                r = generate_and_score(policy, batch, tok, gen, reference=sft, scorer=scorer, engine=engine)
+                gold += [task.gold_reward(p, t, e) for p, t, e in zip(chunk, r.responses_text, r.ended.tolist())]
+                proxy += r.scores.tolist() if r.scores is not None else []
+                kl += sequence_kl(r.logprobs, r.ref_logprobs, r.response_mask, clamp=None).tolist()
+                nll -= float(masked_sum(r.logprobs, r.response_mask))
+                tokens += int(r.response_mask.sum())
+                lengths += r.response_lengths.tolist()
+                ended += r.ended.tolist()
+            g = torch.tensor(gold)
+            results[name] = {
+                "gold_mean": float(g.mean()),
+                "gold_std": float(g.std(unbiased=True)),
+                "proxy_mean": float(torch.tensor(proxy).mean()) if proxy else math.nan,
+                "kl_to_sft": float(torch.tensor(kl).mean()),
+                "perplexity": math.exp(nll / max(tokens, 1)),
+                "response_length": float(torch.tensor(lengths, dtype=torch.float32).mean()),
+                "truncation_rate": 1.0 - sum(ended) / len(ended),
+            }
+    finally:
+        if engine is not None:
+            engine.close()
     return results
 
 

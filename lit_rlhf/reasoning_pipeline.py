@@ -136,27 +136,34 @@ def evaluate_reasoning(
     chat = get_template(template)
     scorer = CallableScorer(answer_reward_fn(task.config), "reasoning.answer_reward_fn")
     results, engine = {}, None
-    for name, path in policies.items():
-        tok = build_tokenizer(ModelSpec(name_or_path=path))
-        policy = freeze(build_causal_lm(ModelSpec(name_or_path=path), tok))
-        engine = engine_for(policy, gen, path, engine)  # None: the hf loop samples from the policy
-        torch.manual_seed(0)
-        parts = []
-        for start in range(0, len(problems), batch_size):
-            chunk = problems[start : start + batch_size]
-            items = [
-                (encode_prompt(tok, r["prompt"], max_prompt_length, chat)[0], r["prompt"], {"answer": r["answer"]})
-                for r in chunk
-            ]
-            parts.append(
-                evaluate_verifiable(
-                    policy, collate_prompts(items, tok.pad_token_id), tok, gen, scorer, k, engine=engine
+    try:
+        for name, path in policies.items():
+            tok = build_tokenizer(ModelSpec(name_or_path=path))
+            policy = freeze(build_causal_lm(ModelSpec(name_or_path=path), tok))
+            engine = engine_for(policy, gen, path, engine)  # None: the hf loop samples from the policy
+            torch.manual_seed(0)
+            parts = []
+            for start in range(0, len(problems), batch_size):
+                chunk = problems[start : start + batch_size]
+                items = [
+                    (encode_prompt(tok, r["prompt"], max_prompt_length, chat)[0], r["prompt"], {"answer": r["answer"]})
+                    for r in chunk
+                ]
+                parts.append(
+                    evaluate_verifiable(
+                        policy, collate_prompts(items, tok.pad_token_id), tok, gen, scorer, k, engine=engine
+                    )
+                )
+            ev = type(parts[0])(
+                *(
+                    torch.cat([getattr(p, f) for p in parts])
+                    for f in ("greedy_correct", "greedy_length", "sample_correct")
                 )
             )
-        ev = type(parts[0])(
-            *(torch.cat([getattr(p, f) for p in parts]) for f in ("greedy_correct", "greedy_length", "sample_correct"))
-        )
-        results[name] = ev.metrics()
+            results[name] = ev.metrics()
+    finally:
+        if engine is not None:
+            engine.close()
     return results
 
 

