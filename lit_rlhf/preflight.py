@@ -10,7 +10,6 @@ RL stage without a reward.
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 from typing import Any
@@ -22,11 +21,10 @@ _MODEL_KEYS = ("policy_path", "reference_path", "reward_path", "critic_path")
 _REWARD_KEYS = ("reward_path", "reward_fn", "reward_fns")
 
 
-@functools.cache
 def hub_reachable() -> bool:
     """Whether the Hugging Face hub (``HF_ENDPOINT``) answers a TCP connection within 3 s — or,
     behind an HTTPS proxy (``HTTPS_PROXY``/``ALL_PROXY``), the proxy does; False under
-    ``HF_HUB_OFFLINE=1``. Checked once per process."""
+    ``HF_HUB_OFFLINE=1``. Asked anew at each call (:class:`Hub` asks once per check)."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return False
     proxy = next(
@@ -38,6 +36,19 @@ def hub_reachable() -> bool:
         return True
     except OSError:
         return False
+
+
+class Hub:
+    """The hub's reachability for one check of a job's inputs: asked at the first input that needs
+    it, then remembered for the rest of that check only."""
+
+    def __init__(self) -> None:
+        self._reachable: bool | None = None
+
+    def reachable(self) -> bool:
+        if self._reachable is None:
+            self._reachable = hub_reachable()
+        return self._reachable
 
 
 def _model_cached(repo: str) -> bool:
@@ -66,7 +77,7 @@ def _dataset_cached(name: str) -> bool:
         return False
 
 
-def _model_problem(path: str, key: str) -> str | None:
+def _model_problem(path: str, key: str, hub: Hub) -> str | None:
     """Why the model at ``path`` (set by ``key``) cannot be loaded here, or None."""
     from lit_rlhf.models.spec import check_model_path, is_local_path
 
@@ -78,7 +89,7 @@ def _model_problem(path: str, key: str) -> str | None:
         except ConfigError as err:
             return str(err)
         return None
-    if _model_cached(path) or hub_reachable():
+    if _model_cached(path) or hub.reachable():
         return None
     return (
         f"{key}={path}: not a local folder, the Hugging Face hub cannot be reached (offline) and it is not in "
@@ -87,7 +98,7 @@ def _model_problem(path: str, key: str) -> str | None:
     )
 
 
-def _data_problem(section: Any, key: str) -> str | None:
+def _data_problem(section: Any, key: str, hub: Hub) -> str | None:
     """Why the data section's source cannot be read here, or None (embedded tasks always can)."""
     from lit_rlhf.data.io import is_file_source
 
@@ -98,11 +109,11 @@ def _data_problem(section: Any, key: str) -> str | None:
         if os.path.exists(source):
             return None
         fallback = section.get("fallback_source")
-        if fallback and hub_reachable():
+        if fallback and hub.reachable():
             return None
         also = f" (nor can its fallback_source {fallback} be fetched: the hub is unreachable)" if fallback else ""
         return f"{key}.source={source}: no such file{also}"
-    if os.path.isdir(source) or _dataset_cached(source) or hub_reachable():
+    if os.path.isdir(source) or _dataset_cached(source) or hub.reachable():
         return None
     return (
         f"{key}.source={source}: not a local file or folder, and the Hugging Face hub cannot be reached "
@@ -112,7 +123,7 @@ def _data_problem(section: Any, key: str) -> str | None:
 
 def missing_inputs(cfg: Any, data_kind: str) -> list[str]:
     """One line per input the stage job ``cfg`` (reading ``data.<data_kind>``) lacks here."""
-    algo, out = cfg.algo, []
+    algo, out, hub = cfg.algo, [], Hub()
     if "reward_path" in algo and not any(algo.get(k) for k in _REWARD_KEYS):
         out.append(
             "algo.reward_path: no reward: a reward model folder (algo=rm writes <run>/reward_model), or a "
@@ -121,13 +132,13 @@ def missing_inputs(cfg: Any, data_kind: str) -> list[str]:
         )
     for key in _MODEL_KEYS:
         if algo.get(key):
-            out.append(_model_problem(str(algo[key]), f"algo.{key}"))
+            out.append(_model_problem(str(algo[key]), f"algo.{key}", hub))
     model = cfg.get("model") or {}
     if not algo.get("policy_path") and model.get("name_or_path"):  # the weights the stage starts from
-        out.append(_model_problem(str(model.name_or_path), "model.name_or_path"))
+        out.append(_model_problem(str(model.name_or_path), "model.name_or_path", hub))
     section = (cfg.get("data") or {}).get(data_kind)
     if section is not None:
-        out.append(_data_problem(section, f"data.{data_kind}"))
+        out.append(_data_problem(section, f"data.{data_kind}", hub))
     return [line for line in out if line]
 
 

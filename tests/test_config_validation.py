@@ -6,9 +6,9 @@ from typing import Literal
 import pytest
 from omegaconf import OmegaConf
 
-from lit_rlhf.launch.presets import preset
 from lit_rlhf.modules.configs import SFTConfig
 from lit_rlhf.utils.config import ConfigError, build_config, check
+from tests.helpers.presets import preset
 
 
 @dataclass

@@ -23,11 +23,9 @@ templates of data/templates.py), and rollouts stop at the template's end-of-turn
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import re
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +34,7 @@ import jinja2
 
 from lit_rlhf.data.collate import EncodedPair
 from lit_rlhf.data.io import DataError, require_str
+from lit_rlhf.utils.facts import recall
 
 log = logging.getLogger(__name__)
 
@@ -146,15 +145,12 @@ def hh_dialogue_text(prompt: str | list[Message]) -> str:
     """A prompt as the Human/Assistant dialogue text :data:`HH_DIALOGUE_TEMPLATE` renders, ending
     with "\\n\\nAssistant:" (no tokenizer involved): what a reward model trained on dialogue
     strings (an encoder, which has no chat template) reads."""
-    return _hh_dialogue_jinja().render(messages=as_messages(prompt), add_generation_prompt=True)
+    return _HH_DIALOGUE_JINJA.render(messages=as_messages(prompt), add_generation_prompt=True)
 
 
-@functools.cache
-def _hh_dialogue_jinja() -> jinja2.Template:
-    """:data:`HH_DIALOGUE_TEMPLATE` compiled once (the encoder reward model renders every rollout's prompt)."""
-    return jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(
-        HH_DIALOGUE_TEMPLATE
-    )  # as transformers does
+#: :data:`HH_DIALOGUE_TEMPLATE` compiled once, as transformers compiles a chat template (the encoder
+#: reward model renders every rollout's prompt with it)
+_HH_DIALOGUE_JINJA = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(HH_DIALOGUE_TEMPLATE)
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -173,9 +169,6 @@ class _TemplateFacts:
     """Special token ids written right after the content (``<|im_end|>``); empty = none."""
 
 
-_FACTS: weakref.WeakKeyDictionary[Any, _TemplateFacts] = weakref.WeakKeyDictionary()
-
-
 def _jinja(tokenizer: Any) -> str:
     return tokenizer.chat_template if has_chat_template(tokenizer) else HH_DIALOGUE_TEMPLATE
 
@@ -188,14 +181,17 @@ def _render(tokenizer: Any, messages: list[Message], generation_prompt: bool) ->
 
 def template_facts(tokenizer: Any) -> _TemplateFacts:
     """The response prefix and end-of-turn tokens of the tokenizer's template, found by rendering a
-    one-turn conversation around a sentinel answer (cached per tokenizer).
+    one-turn conversation around a sentinel answer (found once per tokenizer, kept on it:
+    lit_rlhf/utils/facts.py).
 
     Raises:
         DataError: the template renders the answered turn as something that does not start with
             its generation prompt (responses could not be appended to prompts token by token).
     """
-    if tokenizer in _FACTS:
-        return _FACTS[tokenizer]
+    return recall(tokenizer, "template_facts", lambda: _find_template_facts(tokenizer))
+
+
+def _find_template_facts(tokenizer: Any) -> _TemplateFacts:
     own = has_chat_template(tokenizer)
     if not own:
         log.warning(
@@ -223,8 +219,7 @@ def template_facts(tokenizer: Any) -> _TemplateFacts:
         if tok not in special:
             break
         end.append(tok)
-    facts = _FACTS[tokenizer] = _TemplateFacts(own, prefix, tuple(end))
-    return facts
+    return _TemplateFacts(own, prefix, tuple(end))
 
 
 def render_prompt(tokenizer: Any, messages: list[Message]) -> str:

@@ -6,7 +6,6 @@ class grammar that picks the next word's part of speech.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<eos>"
@@ -99,7 +98,6 @@ def word_level_tokenizer(words: list[str]):
     )
 
 
-@functools.cache
 def _task_vocabulary(source: str) -> tuple[str, ...]:
     if source == "reasoning":
         from lit_rlhf.data.reasoning import build_tokenizer

@@ -19,7 +19,6 @@ warning.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -30,11 +29,11 @@ from lit_rlhf.core.logprobs import logprobs_from_logits
 from lit_rlhf.core.logprobs import sequence_logprobs as padded_sequence_logprobs
 from lit_rlhf.core.masked import position_ids_from_mask
 from lit_rlhf.core.packing import pack, unpack
+from lit_rlhf.utils.facts import known, recall
 
 log = logging.getLogger(__name__)
 # attention implementations that read packed sequences from one row's restarting positions
 ONE_ROW_ATTENTION = ("flash_attention_2", "flash_attention_3")
-_VERDICTS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def _attn_implementation(model: Any) -> str:
@@ -130,14 +129,11 @@ def trunk_hidden_states(trunk: Any, input_ids: Tensor, attention_mask: Tensor, p
 
 def packing_verdict(model: Any) -> bool | None:
     """What :func:`packing_ok` decided for ``model`` (None: not checked yet)."""
-    return _VERDICTS.get(model)
+    return known(model, "packing_verdict")
 
 
 def _verdict(model: Any, both: Callable[[], tuple[Tensor, Tensor] | None]) -> bool:
-    verdict = _VERDICTS.get(model)
-    if verdict is None:
-        verdict = _VERDICTS[model] = _check(model, both)
-    return verdict
+    return recall(model, "packing_verdict", lambda: _check(model, both))
 
 
 @torch.no_grad()

@@ -10,7 +10,6 @@ rollout, docs/algorithms.md §2.1).
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,6 +20,7 @@ from lit_rlhf.core.types import Rollout
 from lit_rlhf.data.chat import end_of_turn_ids, has_chat_template
 from lit_rlhf.rollout.forward import response_logprobs, response_values
 from lit_rlhf.rollout.generate import GenerationConfig, sample
+from lit_rlhf.utils.facts import recall
 
 log = logging.getLogger(__name__)
 Scorer = Callable[..., Tensor]  # (input_ids, attention_mask, prompts, responses, ended, columns=None) -> (B,)
@@ -37,15 +37,14 @@ def repeat_prompts(batch: Mapping[str, Any], times: int) -> dict[str, Any]:
     }
 
 
-_STOP_IDS: weakref.WeakKeyDictionary[Any, int | list[int]] = weakref.WeakKeyDictionary()
-
-
 def stop_token_ids(tokenizer: Any) -> int | list[int]:
     """The ids that end a response: EOS, and when the tokenizer has a chat template the token(s) it
     closes an assistant turn with (data/chat.py: ``end_of_turn_ids``; ``<|im_end|>``, ``<|eot_id|>``).
-    Found once per tokenizer."""
-    if tokenizer in _STOP_IDS:
-        return _STOP_IDS[tokenizer]
+    Found once per tokenizer (kept on it: lit_rlhf/utils/facts.py)."""
+    return recall(tokenizer, "stop_ids", lambda: _find_stop_ids(tokenizer))
+
+
+def _find_stop_ids(tokenizer: Any) -> int | list[int]:
     eos, ids = tokenizer.eos_token_id, None
     if has_chat_template(tokenizer):
         try:
@@ -54,9 +53,7 @@ def stop_token_ids(tokenizer: Any) -> int | list[int]:
             log.warning(
                 "the chat template's end-of-turn token could not be found (%s); responses stop at EOS only", err
             )
-    out = ids if ids and len(ids) > 1 else eos
-    _STOP_IDS[tokenizer] = out
-    return out
+    return ids if ids and len(ids) > 1 else eos
 
 
 def decode_responses(tokenizer: Any, response_ids: Tensor, response_mask: Tensor, ended: Tensor) -> list[str]:

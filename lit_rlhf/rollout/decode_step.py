@@ -7,7 +7,6 @@ oneDNN-prepacked projections), checked once per model against the model's own fo
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ from lit_rlhf.utils.compat.torch import (
     mkldnn_reorder_linear_weight,
 )
 from lit_rlhf.utils.compat.transformers import cache_keyword
+from lit_rlhf.utils.facts import known, recall, remember
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +199,7 @@ class LayerStep:
         inner = model.model
         self.embed, self.norm, self.head = inner.embed_tokens, inner.norm, model.get_output_embeddings()
         self.layers = list(inner.layers[: model.config.num_hidden_layers])
+        self.cache_keyword = cache_keyword()  # the KV cache's keyword in the layers' forward
         probe = inner.embed_tokens.weight[:1, None]  # dtype and device of the hidden states
         cos, sin = inner.rotary_emb(probe, torch.arange(max_positions, device=probe.device)[None])
         half = cos.shape[-1] // 2
@@ -242,8 +243,8 @@ class LayerStep:
         available = _available_memory()
         if available is None or need <= available // 2:
             return True
-        if model not in _PREPACK_SKIPPED:
-            _PREPACK_SKIPPED.add(model)
+        if not known(model, "prepack_skip_told"):  # warned once per model
+            remember(model, "prepack_skip_told", True)
             log.warning(
                 "prepacking %s's decoding weights would take %.1f GiB of the %.1f GiB of memory available; "
                 "decoding with F.linear (algo.generation.prepack=false silences this)",
@@ -270,7 +271,7 @@ class LayerStep:
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, **kwargs: Any) -> Any:
         from types import SimpleNamespace
 
-        cache = kwargs[cache_keyword()]
+        cache = kwargs[self.cache_keyword]
 
         hidden = self.embed(input_ids)
         cos = self.cos[position_ids]  # (B, 1, head dim)
@@ -295,7 +296,7 @@ class LayerStep:
                     position_ids=position_ids,
                     use_cache=True,
                     position_embeddings=own,
-                    **{cache_keyword(): cache},
+                    **{self.cache_keyword: cache},
                 )
         last = self.norm(hidden[:, -1:])
         return SimpleNamespace(
@@ -303,17 +304,16 @@ class LayerStep:
         )
 
 
-# per model: {prepacked: verdict} (the prepacked and the exact step round differently: each is judged on its own)
-_VERDICTS: weakref.WeakKeyDictionary[Any, dict[bool, bool]] = weakref.WeakKeyDictionary()
+def _verdicts(model: Any) -> dict[bool, bool]:
+    """``model``'s {prepacked: verdict} (the prepacked and the exact step round differently: each is
+    judged on its own), kept on the model (lit_rlhf/utils/facts.py)."""
+    return recall(model, "layer_step_verdicts", dict)
 
 
 def layer_step_verdict(model: Any, prepacked: bool) -> bool | None:
     """Whether the layer-level step (prepacked or exact) decodes ``model`` as its forward does:
     True / False once judged (:func:`layer_step_ok`, on the model's first decoding step), None before."""
-    return _VERDICTS.get(model, {}).get(prepacked)
-
-
-_PREPACK_SKIPPED: weakref.WeakSet[Any] = weakref.WeakSet()  # models told once that their copy would not fit
+    return (known(model, "layer_step_verdicts") or {}).get(prepacked)
 
 
 def _available_memory() -> int | None:
@@ -331,7 +331,7 @@ def layer_step_ok(model: Any, step: LayerStep, kwargs: dict[str, Any]) -> tuple[
     prepacked / exact step) on its first decoding step: both run the same step (the layer step
     first, its cache entries then overwritten by the model's), logits compared at 1e-4 (fp32) /
     2e-2 (half) of their scale. Returns the verdict and the model's own output for this step."""
-    cache = kwargs[cache_keyword()]
+    cache = kwargs[step.cache_keyword]
     lengths = [layer.length for layer in cache.layers]
     failure = None
     try:
@@ -344,13 +344,13 @@ def layer_step_ok(model: Any, step: LayerStep, kwargs: dict[str, Any]) -> tuple[
     out = model(**kwargs)
     theirs = out.logits[:, -1]
     if failure is not None:
-        _VERDICTS.setdefault(model, {})[step.prepacked] = False
+        _verdicts(model)[step.prepacked] = False
         log.warning("layer-level decoding of %s failed (%s); decoding with its forward", type(model).__name__, failure)
         return False, out
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
     tol = (1e-4 if dtype == torch.float32 else 2e-2) * max(1.0, float(theirs.abs().max()))
     gap = float((mine.float() - theirs.float()).abs().max())
-    verdict = _VERDICTS.setdefault(model, {})[step.prepacked] = gap <= tol
+    verdict = _verdicts(model)[step.prepacked] = gap <= tol
     if verdict:
         log.info("layer-level decoding of %s matches its forward (max |Δ| %.1e)", type(model).__name__, gap)
     else:

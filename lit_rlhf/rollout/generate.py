@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,56 +76,6 @@ def draw(probs: Tensor) -> Tensor:
     return torch.div(probs, q, out=q).argmax(-1)
 
 
-@functools.cache
-def _preallocated_layer_class() -> type:
-    """``PreallocatedLayer``: a transformers ``DynamicLayer`` writing into buffers allocated once
-    (defined on first use: transformers is imported lazily)."""
-    from transformers.cache_utils import DynamicLayer
-
-    class PreallocatedLayer(DynamicLayer):
-        def __init__(self, capacity: int) -> None:
-            super().__init__()
-            self.capacity, self.length = capacity, 0
-
-        def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-            self.device = key_states.device
-            b, h, _, _ = key_states.shape
-            self._k = key_states.new_empty(b, h, self.capacity, key_states.shape[-1])
-            self._v = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
-            self.is_initialized = True
-
-        def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            start, end = self.length, self.length + key_states.shape[-2]
-            if end > self.capacity:
-                raise RuntimeError(f"KV cache capacity {self.capacity} exceeded ({end} positions)")
-            self._k[:, :, start:end].copy_(key_states)
-            self._v[:, :, start:end].copy_(value_states)
-            self.length = end
-            self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
-            return self.keys, self.values
-
-        def get_seq_length(self) -> int:
-            return self.length
-
-    return PreallocatedLayer
-
-
-def _preallocated_cache(model: Any, capacity: int) -> Any:
-    """A ``DynamicCache`` whose full-attention layers write into buffers of ``capacity`` positions
-    allocated once, instead of growing by ``torch.cat`` (which copies the whole cache at every
-    step: quadratic in the response length). Sliding-window and other layer kinds stay as
-    transformers builds them."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    layer_class = _preallocated_layer_class()
-    cache = DynamicCache(config=model.config)
-    cache.layers = [layer_class(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    return cache
-
-
 def _decode_mask_table(model: Any, mask: Tensor, max_new_tokens: int) -> Tensor | None:
     """(B, 1, 1, P + max_new_tokens) attention mask of every decoding step, built once, or None
     where the model needs transformers' own masks.
@@ -155,8 +104,9 @@ def _decode_mask_table(model: Any, mask: Tensor, max_new_tokens: int) -> Tensor 
 def _layer_step_usable(model: Any, cache: Any) -> bool:
     """:class:`LayerStep` applies: the standard layout, and a cache of preallocated layers only
     (the verdict rewinds them)."""
-    layer_class = _preallocated_layer_class()
-    return LayerStep.supported(model) and all(type(layer) is layer_class for layer in cache.layers)
+    from lit_rlhf.rollout.kv_cache import PreallocatedLayer
+
+    return LayerStep.supported(model) and all(type(layer) is PreallocatedLayer for layer in cache.layers)
 
 
 def _all_ranks_done(done: bool, device: torch.device) -> bool:
@@ -189,14 +139,17 @@ def _decode(
     stop = eos_id if isinstance(eos_id, int) else torch.as_tensor(list(eos_id), device=device)
     mask = prompt_mask.long()
     positions = position_ids_from_mask(mask)
-    cache = _preallocated_cache(model, prompt_ids.shape[1] + gen.max_new_tokens)
+    from lit_rlhf.rollout import kv_cache
+
+    cache = kv_cache.preallocated_cache(model, prompt_ids.shape[1] + gen.max_new_tokens)
+    cache_kw = cache_keyword()
     out = model(
         input_ids=prompt_ids,
         attention_mask=mask,
         position_ids=positions,
         use_cache=True,
         logits_to_keep=1,
-        **{cache_keyword(): cache},
+        **{cache_kw: cache},
     )
     logits = out.logits[:, -1].float()
     next_pos = positions[:, -1:] + 1
@@ -238,7 +191,7 @@ def _decode(
             "attention_mask": step_mask,
             "position_ids": next_pos,
             "use_cache": True,
-            cache_keyword(): output_cache(out),
+            cache_kw: output_cache(out),
         }
         if forward is None:
             ok, out = layer_step_ok(model, step_fn, kwargs)  # out: the model's own, for this step
@@ -271,7 +224,7 @@ def sample(
     ``model.generate``: the same distribution — repetition penalty, temperature, top-k, top-p in
     transformers' order (:func:`process_logits`) — without generate's per-step machinery (where
     Python overhead dominates, on small models) and with a KV cache allocated once
-    (:func:`_preallocated_cache`) instead of concatenated at every step (``make bench`` compares
+    (lit_rlhf/rollout/kv_cache.py) instead of concatenated at every step (``make bench`` compares
     it with ``generate``; the README has the figures). Position ids count real tokens, so a
     left-padded prompt generates exactly as it would alone. Naive equivalent:
     ``model.generate(..., do_sample=…, temperature=…, top_k=…, top_p=…, repetition_penalty=…)``

@@ -280,9 +280,9 @@ def test_the_objective_tables_name_functions_that_exist_and_the_configs_take_the
 
     from lit_rlhf.core.losses import aggregate
     from lit_rlhf.core.objectives import AGGREGATIONS, PAIR_LOSSES, POLICY_LOSSES
-    from lit_rlhf.launch.presets import preset
     from lit_rlhf.modules.configs import DPOConfig, PPOConfig
     from lit_rlhf.utils.config import ConfigError, build_config
+    from tests.helpers.presets import preset
 
     for name, entry in PAIR_LOSSES.items():
         params = inspect.signature(entry.fn).parameters

@@ -4,13 +4,13 @@ import lightning.pytorch as pl
 import torch
 
 from lit_rlhf.data.prompts import PromptDataModule
-from lit_rlhf.launch.presets import preset
 from lit_rlhf.models.builders import build_causal_lm
 from lit_rlhf.models.reward import build_reward_model
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.modules.configs import PPOConfig
 from lit_rlhf.modules.ppo import PPOModule
 from lit_rlhf.utils.config import build_config
+from tests.helpers.presets import preset
 
 
 def save_tiny_models(tiny_spec, tokenizer, tmp_path):

@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import torch
 
-from lit_rlhf.launch.presets import preset
 from lit_rlhf.models.builders import build_causal_lm
 from lit_rlhf.models.lora import add_lora
 from lit_rlhf.models.spec import LoraSpec
 from lit_rlhf.models.value import ValueModel
+from tests.helpers.presets import preset
 
 
 def _grads(model, loss_fn) -> dict[str, torch.Tensor]:

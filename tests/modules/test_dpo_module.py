@@ -8,12 +8,12 @@ import torch
 
 from lit_rlhf.callbacks import KLMonitor, PerplexityMonitor, ResponseLengthMonitor
 from lit_rlhf.data.preference import PreferenceDataModule
-from lit_rlhf.launch.presets import preset
 from lit_rlhf.models.packed import packing_verdict
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.modules.configs import DPOConfig
 from lit_rlhf.modules.dpo import DPOModule
 from lit_rlhf.utils.config import ConfigError, build_config
+from tests.helpers.presets import preset
 
 
 def make(saved_models, tokenizer, **kw):

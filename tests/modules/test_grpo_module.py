@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from lit_rlhf.data.prompts import PromptDataModule
-from lit_rlhf.launch.presets import preset
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.modules.configs import CriticFreeConfig
 from lit_rlhf.modules.critic_free import CriticFreeModule
 from lit_rlhf.rollout.scorers import RewardFunctionError
 from lit_rlhf.utils.config import ConfigError, build_config
+from tests.helpers.presets import preset
 
 GOLD = {"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"}
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from lit_rlhf.core.types import Rollout
-from lit_rlhf.launch.presets import preset
 from lit_rlhf.modules.configs import CriticFreeConfig
 from lit_rlhf.modules.critic_free import CriticFreeModule
 from lit_rlhf.utils.config import ConfigError, build_config
 from tests.core.test_advantages import naive_kl_shaped, naive_whiten
+from tests.helpers.presets import preset
 from tests.modules.test_grpo_module import GOLD, Keep, data, fit, make
 
 # what defines each algorithm in its paper, checked against what its preset composes to (the modules

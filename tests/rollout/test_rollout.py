@@ -205,19 +205,19 @@ def test_preallocated_cache_samples_exactly_as_the_growing_cache(policy, tokeniz
     (which concatenates at every step); the buffers hold prompt + max_new_tokens positions."""
     from transformers import DynamicCache
 
-    import lit_rlhf.rollout.generate as generate
+    import lit_rlhf.rollout.kv_cache as kv_cache
 
     ids, mask = pad([[2, 10, 11, 12], [2, 20], [2, 30, 31]], tokenizer.pad_token_id, "left")
     gen = GenerationConfig(max_new_tokens=12, temperature=0.9, top_p=0.95, repetition_penalty=1.2)
     built = []
-    real = generate._preallocated_cache
-    monkeypatch.setattr(generate, "_preallocated_cache", lambda m, cap: built.append(real(m, cap)) or built[-1])
+    real = kv_cache.preallocated_cache
+    monkeypatch.setattr(kv_cache, "preallocated_cache", lambda m, cap: built.append(real(m, cap)) or built[-1])
     torch.manual_seed(3)
     ours = sample(policy, ids, mask, gen, eos_id=-1, pad_id=0)[0]
     layer = built[0].layers[0]
     assert type(layer).__name__ == "PreallocatedLayer" and layer._k.shape[2] == ids.shape[1] + 12
     assert layer.get_seq_length() == ids.shape[1] + 11  # the last sampled token is never fed back
-    monkeypatch.setattr(generate, "_preallocated_cache", lambda m, cap: DynamicCache(config=m.config))
+    monkeypatch.setattr(kv_cache, "preallocated_cache", lambda m, cap: DynamicCache(config=m.config))
     torch.manual_seed(3)
     growing = sample(policy, ids, mask, gen, eos_id=-1, pad_id=0)[0]
     assert ours.tolist() == growing.tolist()
@@ -227,7 +227,8 @@ def test_preallocated_cache_refuses_overflow_and_sliding_window_models_keep_tran
     from transformers import MistralConfig, MistralForCausalLM
     from transformers.cache_utils import DynamicLayer
 
-    from lit_rlhf.rollout.generate import _decode_mask_table, _preallocated_cache
+    from lit_rlhf.rollout.generate import _decode_mask_table
+    from lit_rlhf.rollout.kv_cache import preallocated_cache
 
     cfg = MistralConfig(
         vocab_size=32,
@@ -238,14 +239,14 @@ def test_preallocated_cache_refuses_overflow_and_sliding_window_models_keep_tran
         num_key_value_heads=1,
         sliding_window=4,
     )
-    cache = _preallocated_cache(MistralForCausalLM(cfg), 5)
+    cache = preallocated_cache(MistralForCausalLM(cfg), 5)
     assert all(
         type(layer).__name__ != "PreallocatedLayer" and isinstance(layer, DynamicLayer) for layer in cache.layers
     )
     assert _decode_mask_table(MistralForCausalLM(cfg), torch.ones(1, 3), 5) is None
     cfg.sliding_window = None
     assert _decode_mask_table(MistralForCausalLM(cfg), torch.ones(1, 3), 5) is not None
-    cache = _preallocated_cache(MistralForCausalLM(cfg), 5)
+    cache = preallocated_cache(MistralForCausalLM(cfg), 5)
     layer = cache.layers[0]
     assert type(layer).__name__ == "PreallocatedLayer"
     k = torch.randn(1, 1, 3, 8)
@@ -395,12 +396,12 @@ def test_inlined_layers_decode_bit_for_bit_as_their_forward(arch, attn, kv_heads
     same steps through each layer's own forward: grouped-query attention, q/k/v biases (Qwen2),
     eager and sdpa masks, bf16, left-padded prompts, over several steps of a shared KV cache."""
     import lit_rlhf.rollout.decode_step as decode_step
-    import lit_rlhf.rollout.generate as generate
+    import lit_rlhf.rollout.kv_cache as kv_cache
 
     model, ids, mask, table, positions = _decoder_and_batch(arch, attn, kv_heads, dtype, 32, 64, steps := 6)
 
     def decode(inline: bool) -> torch.Tensor:
-        cache = generate._preallocated_cache(model, ids.shape[1] + steps)
+        cache = kv_cache.preallocated_cache(model, ids.shape[1] + steps)
         with torch.no_grad():
             model(
                 input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_keyword(): cache}
@@ -546,7 +547,7 @@ def test_prepacked_projections_decode_like_the_layer_forward(arch, attn, kv_head
     rounding (another summation order: |Δ| ≤ 1e-5 of their scale), greedy decoding picks the
     same tokens, and the packed path is the one that ran (grouped-query attention, q/k/v biases)."""
     import lit_rlhf.rollout.decode_step as decode_step
-    import lit_rlhf.rollout.generate as generate
+    import lit_rlhf.rollout.kv_cache as kv_cache
 
     model, ids, mask, table, positions = _decoder_and_batch(arch, attn, kv_heads, torch.float32, 64, 96, steps := 6)
     calls = []
@@ -557,7 +558,7 @@ def test_prepacked_projections_decode_like_the_layer_forward(arch, attn, kv_head
         return real_call(self, x)
 
     def decode(rows) -> tuple[torch.Tensor, torch.Tensor]:
-        cache = generate._preallocated_cache(model, ids.shape[1] + steps)
+        cache = kv_cache.preallocated_cache(model, ids.shape[1] + steps)
         with torch.no_grad():
             model(
                 input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_keyword(): cache}

@@ -3,7 +3,6 @@ attention implementation a model's config selected, as the inlined decoding laye
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -19,11 +18,11 @@ def attention_interface(config: Any, eager: Callable[..., Any] | None) -> Callab
     return ALL_ATTENTION_FUNCTIONS.get_interface(name, eager)
 
 
-@functools.cache
 def cache_keyword() -> str:
     """The keyword a causal LM's forward and its decoder layers take the KV cache by: ``cache``
     in transformers 5.20 and later, ``past_key_values`` before (the pinned 5.19: vLLM's CPU build
-    requires < 5.20); tests/test_compat.py checks it against the installed transformers."""
+    requires < 5.20); tests/test_compat.py checks it against the installed transformers. Read
+    from the signature at each call (~20 µs): a decoding loop asks once."""
     import inspect
 
     from transformers.models.llama.modeling_llama import LlamaModel
