@@ -391,6 +391,9 @@ class PlanSettings:
     """Kept free for the CUDA context and allocator fragmentation."""
     enforce: bool = True
     """Refuse a GPU launch that the plan says cannot fit."""
+    only: bool = False
+    """Print the plan and exit: nothing is loaded or trained (``train.py --plan`` sets it, and
+    writes no run directory)."""
 
     def validate(self) -> None:
         gpu = self.gpu_memory_gb
@@ -407,7 +410,7 @@ def plan_settings(cfg: Any) -> PlanSettings:
     ConfigError naming ``memory_plan.<key>``."""
     node = cfg.get("memory_plan")
     if node is not None and not hasattr(node, "items"):
-        raise ConfigError("memory_plan", f"must be a mapping (gpu_memory_gb, reserve_gb, enforce), got {node!r}")
+        raise ConfigError("memory_plan", f"must be a mapping (gpu_memory_gb, reserve_gb, enforce, only), got {node!r}")
     return build_config(PlanSettings, node, "memory_plan")
 
 

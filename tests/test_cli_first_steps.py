@@ -1,9 +1,8 @@
-"""train.py's first answers to a newcomer (issue #27): --help points somewhere, --cfg job shows
-the chosen stage only, --plan writes nothing (tests/test_memory_plan.py), a trainer.* typo
-answers as fast as an algo.* one, a secret under a group says where secrets go, and each console
-event is printed once."""
+"""train.py's first answers to a newcomer: --help points somewhere, --cfg job shows the chosen stage
+only, --plan writes nothing (tests/test_memory_plan.py), a trainer.* typo answers as fast as an
+algo.* one, an argument of a third-party target is named by the runner, a secret under a group says
+where secrets go, and each console event is printed once."""
 
-import inspect
 import logging
 import os
 import subprocess
@@ -12,7 +11,7 @@ import warnings
 
 import pytest
 
-from lit_rlhf.launch.cli import _source_arguments, check_overrides, plan_only_overrides, without_unused_pipeline
+from lit_rlhf.launch.cli import check_overrides, prepare
 from lit_rlhf.utils.config import ConfigError
 from tests.conftest import ROOT, compose
 
@@ -50,43 +49,64 @@ def test_cfg_job_of_a_stage_has_no_pipeline_node():
 
 
 def test_stage_choices_drop_the_pipeline_and_plan_only_runs_in_place():
-    assert without_unused_pipeline(["algo=sft", "--cfg", "job"]) == ["algo=sft", "~pipeline", "--cfg", "job"]
-    assert without_unused_pipeline(["-m", "experiment=a,b", "seed=1"]) == [
+    conf = ROOT / "conf"
+    assert prepare(["algo=sft", "--cfg", "job"], conf) == ["algo=sft", "~pipeline", "--cfg", "job"]
+    assert prepare(["-m", "experiment=sft_synthetic_tiny,rm_synthetic_tiny", "seed=1"], conf) == [
         "-m",
-        "experiment=a,b",
+        "experiment=sft_synthetic_tiny,rm_synthetic_tiny",
         "~pipeline",
         "seed=1",
     ]
     for unchanged in (["seed=3"], ["algo=null"], ["algo=sft", "pipeline=demo"], ["--help", "algo=sft"]):
-        assert without_unused_pipeline(unchanged) == unchanged
-    assert "hydra.run.dir=." in plan_only_overrides(["algo=sft"])
-    assert "hydra.run.dir=." not in plan_only_overrides(["algo=sft", "hydra.run.dir=/tmp/x"])
-
-
-def test_trainer_arguments_read_from_lightnings_source_match_its_signature():
-    from lightning.pytorch import Trainer
-
-    expected = [n for n in inspect.signature(Trainer.__init__).parameters if n != "self"]
-    assert _source_arguments("lightning.pytorch.Trainer") == expected
-    assert _source_arguments("torch.optim.AdamW") is None  # not listed: imported as before
+        assert prepare(unchanged, conf) == unchanged
+    assert prepare(["algo=sft", "--plan"], conf) == [
+        "algo=sft",
+        "~pipeline",
+        "memory_plan.only=true",
+        "hydra.output_subdir=null",
+        "hydra/job_logging=disabled",
+        "hydra.run.dir=.",
+    ]
+    assert "hydra.run.dir=." not in prepare(["--plan", "algo=sft", "hydra.run.dir=/tmp/x"], conf)
+    with pytest.raises(ConfigError, match="algo.lrr: unknown key for SFTConfig"):
+        prepare(["algo=sft", "algo.lrr=1", "--plan"], conf)
 
 
 def test_a_trainer_key_is_judged_without_importing_lightning():
-    """An unknown trainer.* key used to import Lightning for Trainer's signature (~7 s); an unlisted
-    valid one still gets its ``++``. Measured with ``-X importtime`` in a fresh interpreter."""
+    """An unknown trainer.* key is judged from the composed config alone: no Lightning import (~7 s),
+    no reading of its source. A Trainer argument the YAML does not list is named with Hydra's idiom
+    for adding it. Measured with ``-X importtime`` in a fresh interpreter."""
     code = (
         "from lit_rlhf.launch.cli import check_overrides as c; from lit_rlhf.utils.config import ConfigError; "
         "from lit_rlhf.launch.schemas import register; register()\n"
-        "print(c(['algo=sft', 'trainer.overfit_batches=1'], 'conf'))\n"
-        "try: c(['algo=sft', 'trainer.max_stepz=1'], 'conf')\nexcept ConfigError as e: print(e)"
+        "for key in ('overfit_batches', 'max_stepz'):\n"
+        "    try: c(['algo=sft', f'trainer.{key}=1'], 'conf')\n"
+        "    except ConfigError as e: print(e)"
     )
     out = subprocess.run(
         [sys.executable, "-X", "importtime", "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120
     )
-    assert "['algo=sft', '++trainer.overfit_batches=1']" in out.stdout, out.stderr[-2000:]
+    assert "trainer.overfit_batches: unknown key." in out.stdout, out.stderr[-2000:]
+    assert "that the YAML does not list: +trainer.overfit_batches=…" in out.stdout
     assert "trainer.max_stepz: unknown key. Did you mean 'max_steps'?" in out.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
     assert "hydra" in imported and not imported & {"torch", "lightning"}
+
+
+def test_an_argument_a_target_does_not_take_is_named_by_the_runner():
+    """``+trainer.max_stepz=5`` (forced past the check) reaches Lightning's Trainer, which refuses it:
+    the runner names the key, the closest argument and all of them."""
+    from lit_rlhf.utils.instantiate import instantiate_node
+
+    with pytest.raises(
+        ConfigError, match=r"trainer.max_stepz: not an argument of .*Trainer. Did you mean 'max_steps'\?"
+    ):
+        instantiate_node(compose(["algo=sft", "+trainer.max_stepz=5"]).trainer, "trainer")
+    with pytest.raises(ConfigError, match=r"callbacks.model_checkpoint.every_n_train_stepz: not an argument of"):
+        instantiate_node(
+            compose(["algo=sft", "+callbacks.model_checkpoint.every_n_train_stepz=5"]).callbacks.model_checkpoint,
+            "callbacks.model_checkpoint",
+        )
 
 
 def test_a_secret_under_a_typed_group_says_to_put_it_at_the_top_level():
@@ -156,32 +176,26 @@ def test_the_headline_command_offline_stops_with_one_message(algo, missing):
 
 
 def test_preflight_lists_every_missing_input(tmp_path, monkeypatch):
-    from lit_rlhf.preflight import hub_reachable, missing_inputs
+    from lit_rlhf.preflight import missing_inputs
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    hub_reachable.cache_clear()
-    try:
-        cfg = compose(
-            [
-                "model=llama7b",
-                "algo=ppo_max",
-                f"algo.policy_path={tmp_path}/sft",
-                "algo.reward_path=some-org/rm-7b",
-                f"data.prompt.source={tmp_path}/prompts.jsonl",
-            ],
-            tmp_path,
-        )
-        lines = missing_inputs(cfg, "prompt")
-        ok = compose(
-            ["model=llama7b", "algo=ppo_max", "algo.reward_fn={_target_: lit_rlhf.rewards.exact_match}"], tmp_path
-        )
-        ok.model.name_or_path = str(tmp_path)  # a folder without config.json: named too
-        assert [line.split(":")[0] for line in missing_inputs(ok, "prompt")] == [
-            "model.name_or_path",
-            "data.prompt.source=Anthropic/hh-rlhf",
-        ]
-    finally:
-        hub_reachable.cache_clear()
+    cfg = compose(
+        [
+            "model=llama7b",
+            "algo=ppo_max",
+            f"algo.policy_path={tmp_path}/sft",
+            "algo.reward_path=some-org/rm-7b",
+            f"data.prompt.source={tmp_path}/prompts.jsonl",
+        ],
+        tmp_path,
+    )
+    lines = missing_inputs(cfg, "prompt")
+    ok = compose(["model=llama7b", "algo=ppo_max", "algo.reward_fn={_target_: lit_rlhf.rewards.exact_match}"], tmp_path)
+    ok.model.name_or_path = str(tmp_path)  # a folder without config.json: named too
+    assert [line.split(":")[0] for line in missing_inputs(ok, "prompt")] == [
+        "model.name_or_path",
+        "data.prompt.source=Anthropic/hh-rlhf",
+    ]
     assert [line.split(":")[0] for line in lines] == [
         "algo.policy_path",
         "algo.reward_path=some-org/rm-7b",
@@ -195,7 +209,7 @@ def test_preflight_lists_every_missing_input(tmp_path, monkeypatch):
 def test_preflight_honours_a_proxy_and_the_datasets_cache(tmp_path, monkeypatch):
     import socket
 
-    from lit_rlhf.preflight import _data_problem, hub_reachable
+    from lit_rlhf.preflight import Hub, _data_problem, hub_reachable
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -203,15 +217,14 @@ def test_preflight_honours_a_proxy_and_the_datasets_cache(tmp_path, monkeypatch)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "https://unreachable.invalid")
     monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{server.getsockname()[1]}")
-    hub_reachable.cache_clear()
     try:
         assert hub_reachable()  # the proxy answers: the hub is reachable through it
+        assert Hub().reachable()
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-        hub_reachable.cache_clear()
+        assert not hub_reachable()  # asked anew: no verdict kept from the call before
         monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))
-        assert "not a local file or folder" in _data_problem({"source": "some-org/prefs"}, "data.preference")
+        assert "not a local file or folder" in _data_problem({"source": "some-org/prefs"}, "data.preference", Hub())
         (tmp_path / "some-org___prefs").mkdir()
-        assert _data_problem({"source": "some-org/prefs"}, "data.preference") is None  # cached: loads offline
+        assert _data_problem({"source": "some-org/prefs"}, "data.preference", Hub()) is None  # cached: loads offline
     finally:
         server.close()
-        hub_reachable.cache_clear()

@@ -15,8 +15,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lit_rlhf.utils.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """Bad input data; the message names the file (and line or row) and the problem."""
 
 

@@ -1,30 +1,28 @@
-"""A pre-check of ``train.py``'s command-line overrides, before Hydra composes the config.
+"""``train.py``'s command line, read once before Hydra composes the job (:func:`prepare`).
 
 Hydra refuses ``algo.lrr=0.1`` (a key the composed config does not have) with its own message,
-"Key 'lrr' is not in struct", which names neither the config class nor the allowed keys. This
-check composes the config with the command line's group choices only (``algo=…``,
-``experiment=…``; every value of a swept choice), looks up every ``key=value`` override, and
-turns an unknown key into the same :class:`ConfigError` the typed configs raise:
-``algo.lrr: unknown key for SFTConfig. Did you mean 'lr'? Allowed keys: …``.
+"Key 'lrr' is not in struct", which names neither the config class nor the allowed keys.
+:func:`check_overrides` composes the config once, with the command line's group choices
+(``algo=…``, ``experiment=…``; a swept choice by its first value: the first job), looks up every
+``key=value`` override, and turns an unknown key into the same :class:`ConfigError` the typed
+configs raise: ``algo.lrr: unknown key for SFTConfig. Did you mean 'lr'? Allowed keys: …``.
 
 Every typed key is in the composed config (the presets start from the typed configs' schemas,
-lit_rlhf/launch/schemas.py), so a key is known exactly when its dataclass has the field.
-Anything it cannot judge (a parse error, ``+``/``++``/``~`` overrides, ``hydra.*`` keys, list
-indices) is left to Hydra, which reports it as before.
+lit_rlhf/launch/schemas.py), so a key is known exactly when its dataclass has the field. A key of a
+third-party node (``trainer.*``, a callback's) that its YAML does not list is refused with Hydra's
+own idiom for adding it (``+trainer.gradient_clip_algorithm=norm``); what such a key's target then
+refuses is named by the runner (lit_rlhf/utils/instantiate.py). Anything the check cannot judge (a
+parse error, ``+``/``++``/``~`` overrides, ``hydra.*`` keys, list indices) is left to Hydra.
 """
 
 from __future__ import annotations
 
 import difflib
-import itertools
 from pathlib import Path
 from typing import Any
 
 from lit_rlhf.utils.compat.omegaconf import raw_node
 from lit_rlhf.utils.config import ConfigError
-
-_MAX_COMBINATIONS = 16
-
 
 # Hydra's flags that take a value (``--cfg job``, ``-cn train`` …): their values are not overrides
 _FLAGS_WITH_VALUE = {
@@ -108,66 +106,28 @@ def _unknown_key_error(cfg: Any, parent: str, part: str, keys: list[str], config
             except Exception:  # an unknown _target_: the runner reports it later
                 pass
     allowed = ", ".join(sorted(k for k in keys if not k.startswith("_")))
-    return ConfigError(key, f"unknown key{owner}.{hint} Allowed keys: {allowed}")
+    node = _select(cfg, parent)
+    target = str(node.get("_target_", "")) if node is not None else ""
+    add = ""
+    if target and not target.startswith("lit_rlhf."):
+        add = f" To pass an argument of {target} that the YAML does not list: +{key}=…"
+    return ConfigError(key, f"unknown key{owner}.{hint} Allowed keys: {allowed}.{add}")
 
 
-# targets whose constructor arguments are read from their source file, not by importing them:
-# importing Lightning takes ~7 s, and a trainer.* key must be judged as fast as an algo.* one
-_SOURCE_SIGNATURES = {"lightning.pytorch.Trainer": ("lightning", "pytorch/trainer/trainer.py", "Trainer")}
-
-
-def _source_arguments(target: str) -> list[str] | None:
-    """The ``__init__`` arguments of a class in :data:`_SOURCE_SIGNATURES`, parsed from its source
-    without importing its package (None: not listed, or not found there)."""
-    import ast
-    import importlib.util
-
-    if target not in _SOURCE_SIGNATURES:
-        return None
-    package, relative, name = _SOURCE_SIGNATURES[target]
-    spec = importlib.util.find_spec(package)  # a top-level package: found, not imported
-    path = Path(next(iter(spec.submodule_search_locations or []), "")) / relative if spec else None
-    if path is None or not path.is_file():
-        return None
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ClassDef) and node.name == name:
-            init = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
-            if init is not None:
-                a = init.args
-                return [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs) if x.arg != "self"]
-    return None
-
-
-def _target_arguments(cfg: Any, parent: str) -> list[str]:
-    """The named arguments of the ``_target_`` the node at ``parent`` builds (none if it has none).
-    lit_rlhf's own targets are left out: their keys are their typed config's fields, and their
-    constructor arguments (``config``, ``model`` …) are passed by the runner, not set by users."""
-    import inspect
-
-    from hydra.utils import get_method
+def _select(cfg: Any, parent: str) -> Any:
+    """The mapping node at ``parent`` (None: the root, or not a mapping)."""
     from omegaconf import DictConfig, OmegaConf
 
     node = OmegaConf.select(cfg, parent) if parent else None
-    if not isinstance(node, DictConfig) or "_target_" not in node or str(node._target_).startswith("lit_rlhf."):
-        return []
-    from_source = _source_arguments(str(node._target_))
-    if from_source is not None:
-        return from_source
-    try:
-        params = inspect.signature(get_method(node._target_)).parameters
-    except Exception:  # an unimportable target: the runner reports it
-        return []
-    skip = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    return [n for n, p in params.items() if p.kind not in skip and n != "self"]
+    return node if isinstance(node, DictConfig) else None
 
 
-def check_overrides(argv: list[str], config_dir: str | Path, config_name: str = "train") -> list[str]:
-    """Raise :class:`ConfigError` for a ``key=value`` override whose key the composed config lacks;
-    return ``argv`` with ``++`` in front of the overrides of keys that a ``_target_``'s signature
-    takes but its YAML does not list (so Hydra adds them instead of refusing them)."""
+def check_overrides(argv: list[str], config_dir: str | Path, config_name: str = "train") -> None:
+    """Raise :class:`ConfigError` for a ``key=value`` override whose key the config composed from
+    the command line's group choices lacks (one compose; a swept choice by its first value)."""
     overrides = _cli_overrides(argv)
     if not overrides:
-        return argv
+        return
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -176,7 +136,7 @@ def check_overrides(argv: list[str], config_dir: str | Path, config_name: str = 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception:
-        return argv
+        return  # Hydra reports the parse error itself
     config_dir = Path(config_dir)
     groups = {p.name for p in config_dir.iterdir() if p.is_dir()}
     choices, keys = [], []
@@ -185,36 +145,24 @@ def check_overrides(argv: list[str], config_dir: str | Path, config_name: str = 
         if o.type != OverrideType.CHANGE or o.package is not None or name.split(".")[0].split("/")[0] == "hydra":
             continue
         if name.split("/")[0] in groups and "." not in name:
-            values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
-            choices.append([f"{name}={v}" for v in values])
+            value = next(iter(o.sweep_string_iterator())) if o.is_sweep_override() else o.get_value_element_as_str()
+            choices.append(f"{name}={value}")
         else:
             keys.append(name)
     if not keys:
-        return argv
-    combinations = list(itertools.islice(itertools.product(*choices), _MAX_COMBINATIONS + 1))
-    if len(combinations) > _MAX_COMBINATIONS:
-        return argv
-    force: set[str] = set()
-    for combination in combinations:
+        return
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base="1.3"):
+            cfg = compose(config_name, overrides=choices)
+    except Exception:  # a bad group choice: Hydra lists the available options itself
+        return
+    finally:
         GlobalHydra.instance().clear()
-        try:
-            with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base="1.3"):
-                cfg = compose(config_name, overrides=list(combination))
-        except Exception:  # a bad group choice: Hydra lists the available options itself
-            return argv
-        finally:
-            GlobalHydra.instance().clear()
-        for key in keys:
-            missing = _missing_key(cfg, key)
-            if missing is None:
-                continue
-            parent, part, known = missing
-            arguments = _target_arguments(cfg, parent)  # e.g. ModelCheckpoint's, for callbacks.model_checkpoint.*
-            if f"{parent}.{part}" == key and part in arguments:
-                force.add(key)
-            else:
-                raise _unknown_key_error(cfg, parent, part, sorted(set(known) | set(arguments)), config_dir)
-    return [f"++{a}" if a.split("=", 1)[0] in force else a for a in argv]
+    for key in keys:
+        missing = _missing_key(cfg, key)
+        if missing is not None:
+            raise _unknown_key_error(cfg, *missing, config_dir)
 
 
 def _chooses(overrides: list[str], group: str) -> bool:
@@ -226,16 +174,28 @@ def _chooses(overrides: list[str], group: str) -> bool:
     return False
 
 
-def without_unused_pipeline(argv: list[str]) -> list[str]:
-    """``argv`` plus ``pipeline=null`` when it chooses a stage (``algo=…`` or ``experiment=…``, which
-    all choose one) and no pipeline: the demo pipeline's node, which only runs when no stage is
-    chosen, is then not part of the job (``--cfg job`` does not print it)."""
+def prepare(argv: list[str], config_dir: str | Path, config_name: str = "train") -> list[str]:
+    """``train.py``'s arguments as Hydra is to parse them, read once: unknown keys refused
+    (:func:`check_overrides`); a chosen stage (``algo=…`` or ``experiment=…``, which all choose one)
+    without a pipeline drops the demo pipeline's node (``~pipeline``: ``--cfg job`` does not print
+    it); ``--plan`` becomes ``memory_plan.only=true`` (print the job's memory plan and exit) with no
+    ``.hydra/`` files, no log file and, unless the command names one with ``hydra.run.dir``, no run
+    directory (the job "runs" in the current directory)."""
+    plan = "--plan" in argv
+    argv = [a for a in argv if a != "--plan"]
     overrides = _cli_overrides(argv)
-    if not overrides or not (_chooses(overrides, "algo") or _chooses(overrides, "experiment")):
+    if overrides is None:  # --help, --info …: no job
         return argv
-    if any(o.partition("=")[0].lstrip("+~") == "pipeline" for o in overrides):
-        return argv
-    return _with_overrides(argv, ["~pipeline"])
+    check_overrides(argv, config_dir, config_name)
+    extra = []
+    chooses_stage = _chooses(overrides, "algo") or _chooses(overrides, "experiment")
+    if chooses_stage and not any(o.partition("=")[0].lstrip("+~") == "pipeline" for o in overrides):
+        extra.append("~pipeline")
+    if plan:
+        extra += ["memory_plan.only=true", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
+        if not any(a.startswith("hydra.run.dir=") for a in argv):
+            extra.append("hydra.run.dir=.")
+    return _with_overrides(argv, extra) if extra else argv
 
 
 def _with_overrides(argv: list[str], extra: list[str]) -> list[str]:
@@ -243,12 +203,3 @@ def _with_overrides(argv: list[str], extra: list[str]) -> list[str]:
     overrides as one run of arguments: appended after ``--cfg job`` they would be refused)."""
     first = next((i for i, a in enumerate(argv) if a in (_cli_overrides(argv) or [])), len(argv) - 1)
     return [*argv[: first + 1], *extra, *argv[first + 1 :]]
-
-
-def plan_only_overrides(argv: list[str]) -> list[str]:
-    """``train.py --plan``'s overrides: no ``.hydra/`` files, no log file, and (unless the command
-    names one with ``hydra.run.dir``) no run directory: the job "runs" in the current directory."""
-    extra = ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
-    if not any(a.startswith("hydra.run.dir=") for a in argv):
-        extra.append("hydra.run.dir=.")
-    return _with_overrides(argv, extra)

@@ -16,13 +16,14 @@ from typing import Any
 import torch
 
 from lit_rlhf.models.spec import ModelSpec
+from lit_rlhf.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
-class ModelLoadError(OSError):
+class ModelLoadError(UserError, OSError):
     """A model or tokenizer could not be loaded; the message says what to set instead."""
 
 

@@ -22,9 +22,10 @@ import torch
 from torch import Tensor
 
 from lit_rlhf.utils.distributed import all_reduce_sum
+from lit_rlhf.utils.errors import UserError
 
 
-class NonFiniteTrainingError(RuntimeError):
+class NonFiniteTrainingError(UserError, RuntimeError):
     """Non-finite rewards, losses or gradients kept coming: the run stopped before they could do harm."""
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lit_rlhf.utils.errors import UserError
+
 
 def append_eos_to_truncated(
     input_ids: Tensor, attention_mask: Tensor, ended: Tensor, eos_id: int, pad_id: int
@@ -86,7 +88,7 @@ class ModelScorer:
         return {}
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(UserError, RuntimeError):
     """A reward callable failed or returned something that is not one number per response."""
 
 

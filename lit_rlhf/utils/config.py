@@ -16,10 +16,12 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
+from lit_rlhf.utils.errors import UserError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A bad configuration value; ``key`` is the full dotted config key when known."""
 
     def __init__(self, key: str, message: str) -> None:

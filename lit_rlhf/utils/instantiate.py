@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
+import re
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
+
+from lit_rlhf.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -26,27 +31,48 @@ def _named_nodes(node: Any, group: str) -> list[tuple[str, Any]]:
     return out
 
 
-def instantiate_callbacks(node: Any) -> list[Any]:
+def instantiate_node(node: Any, key: str, **kwargs: Any) -> Any:
+    """Hydra's ``instantiate`` of ``node`` (the config at ``key``). An argument its ``_target_`` does
+    not take (``+trainer.max_stepz=5``) is a :class:`ConfigError` naming ``<key>.<argument>``, the
+    closest argument it takes and all of them."""
     from hydra.utils import instantiate
 
-    return [instantiate(sub) for _, sub in _named_nodes(node, "callbacks")]
+    try:
+        return instantiate(node, **kwargs)
+    except Exception as err:
+        found = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+        if found is None or not isinstance(node, DictConfig) or "_target_" not in node:
+            raise
+        bad, target = found.group(1), str(node._target_)
+        try:
+            from hydra.utils import get_method
+
+            params = inspect.signature(get_method(target)).parameters
+        except Exception:
+            raise err from None
+        names = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n != "self"]
+        close = difflib.get_close_matches(bad, names, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(
+            f"{key}.{bad}", f"not an argument of {target}.{hint} Its arguments: {', '.join(names)}"
+        ) from err
+
+
+def instantiate_callbacks(node: Any) -> list[Any]:
+    return [instantiate_node(sub, f"callbacks.{name}") for name, sub in _named_nodes(node, "callbacks")]
 
 
 def instantiate_loggers(node: Any) -> list[Any]:
-    from hydra.utils import instantiate
-
-    return [instantiate(sub) for _, sub in _named_nodes(node, "logger")]
+    return [instantiate_node(sub, f"logger.{name}") for name, sub in _named_nodes(node, "logger")]
 
 
 def instantiate_strategy(node: Any) -> Any:
     """A strategy object from a ``_target_`` node, or a Lightning strategy name ("auto")."""
-    from hydra.utils import instantiate
-
     if node is None:
         return "auto"
     if isinstance(node, str):
         return node
-    return instantiate(node, _convert_="all")
+    return instantiate_node(node, "strategy", _convert_="all")
 
 
 def loggable_config(cfg: DictConfig) -> dict[str, Any]:
