@@ -1,6 +1,6 @@
 """lit_rlhf's one entry point: ``python train.py algo=… model=… data=… strategy=…``.
 
-Composes ``conf/train.yaml`` with Hydra, runs the job (lit_rlhf/runner.py) and returns the
+Composes ``conf/train.yaml`` with Hydra, runs the job (lit_rlhf/launch/runner.py) and returns the
 metric named by ``optimized_metric`` so that sweepers (``-m``, Optuna) can optimize it.
 ``--plan`` (= ``memory_plan.only=true``) prints the job's per-GPU memory plan instead of running it.
 """
@@ -18,7 +18,12 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from lit_rlhf.runner import check_before_imports, metric_value, print_memory_plan, run  # the job imports torch
+    from lit_rlhf.launch.runner import (  # the job imports torch
+        check_before_imports,
+        metric_value,
+        print_memory_plan,
+        run,
+    )
     from lit_rlhf.utils.config import ConfigError
     from lit_rlhf.utils.console import one_line_per_event
     from lit_rlhf.utils.errors import UserError

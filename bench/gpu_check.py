@@ -9,7 +9,7 @@ process memory, same prompts and sampling) instead of bare ``generate``.
 
 Reports per variant: median step time, rollout tokens/s against bare ``generate`` of the same
 model, peak GPU memory (``torch.cuda.max_memory_allocated``) against the memory plan's estimate
-(lit_rlhf/memory_plan.py), and the model FLOPs utilisation (MFU) against the GPU's dense bf16 peak:
+(lit_rlhf/launch/memory_plan.py), and the model FLOPs utilisation (MFU) against the GPU's dense bf16 peak:
 FLOPs per iteration = 2·P·(generated tokens) + 4 scoring forwards 2·P·T + actor and critic
 training 2 × 6·P·T (T = all tokens of the rollout batch; P = policy parameters).
 
@@ -73,9 +73,9 @@ def run_variant(variant: str, folder: Path) -> dict:
     from omegaconf import OmegaConf
 
     from lit_rlhf.data.prompts import PromptDataModule
+    from lit_rlhf.data.tokenizers import build_tokenizer
+    from lit_rlhf.launch.memory_plan import estimate
     from lit_rlhf.launch.presets import preset
-    from lit_rlhf.memory_plan import estimate
-    from lit_rlhf.models.builders import build_tokenizer
     from lit_rlhf.models.spec import LoraSpec, ModelSpec
     from lit_rlhf.modules.configs import PPOConfig
     from lit_rlhf.modules.ppo import PPOModule

@@ -54,7 +54,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
 
     return build_tokenizer(ModelSpec(tiny=TinyLlamaConfig(), tokenizer="synthetic"))
@@ -162,7 +162,7 @@ def trained_sft(tmp_path_factory):
     (trained once for both pytest workers)."""
 
     def build(out):
-        from lit_rlhf.runner import run
+        from lit_rlhf.launch.runner import run
 
         metrics = run(
             compose(

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from lit_rlhf.data.io import DataError, iter_rows
-from lit_rlhf.runner import build, plan, run
+from lit_rlhf.launch.runner import build, plan, run
 from lit_rlhf.utils.config import ConfigError
 from tests.conftest import CPU_FAST, compose
 
@@ -58,7 +58,7 @@ def test_trainer_values_are_checked_by_key(override, message, tmp_path):
     ],
 )
 def test_a_bad_ckpt_path_is_named_before_anything_is_built(content, message, tmp_path, monkeypatch):
-    import lit_rlhf.runner as runner
+    import lit_rlhf.launch.runner as runner
 
     path = tmp_path / ("missing.ckpt" if content is None else "bad.ckpt")
     if content is not None:
@@ -204,8 +204,8 @@ def test_a_target_module_peft_refuses_is_a_config_error_naming_the_key(targets, 
 def test_a_gpu_memory_that_is_not_a_plan_names_the_key(value, message, tmp_path):
     """A negative or zero GPU memory used to plan against -1 GiB (a refusal that blamed the job) or,
     for 0, to mean "not set"."""
-    from lit_rlhf.memory_plan import plan_settings
-    from lit_rlhf.runner import memory_plan
+    from lit_rlhf.launch.memory_plan import plan_settings
+    from lit_rlhf.launch.runner import memory_plan
 
     cfg = compose(
         [
@@ -225,7 +225,7 @@ def test_a_gpu_memory_that_is_not_a_plan_names_the_key(value, message, tmp_path)
 
 
 def test_a_bad_memory_plan_value_is_refused_by_the_plan_and_by_a_gpu_launch(tmp_path):
-    from lit_rlhf.runner import check_memory_plan
+    from lit_rlhf.launch.runner import check_memory_plan
 
     cfg = compose(
         [

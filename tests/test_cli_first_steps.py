@@ -110,7 +110,7 @@ def test_an_argument_a_target_does_not_take_is_named_by_the_runner():
 
 
 def test_a_secret_under_a_typed_group_says_to_put_it_at_the_top_level():
-    from lit_rlhf.runner import plan
+    from lit_rlhf.launch.runner import plan
 
     with pytest.raises(
         ConfigError,
@@ -176,7 +176,7 @@ def test_the_headline_command_offline_stops_with_one_message(algo, missing):
 
 
 def test_preflight_lists_every_missing_input(tmp_path, monkeypatch):
-    from lit_rlhf.preflight import missing_inputs
+    from lit_rlhf.launch.preflight import missing_inputs
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = compose(
@@ -209,7 +209,7 @@ def test_preflight_lists_every_missing_input(tmp_path, monkeypatch):
 def test_preflight_honours_a_proxy_and_the_datasets_cache(tmp_path, monkeypatch):
     import socket
 
-    from lit_rlhf.preflight import Hub, _data_problem, hub_reachable
+    from lit_rlhf.launch.preflight import Hub, _data_problem, hub_reachable
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))

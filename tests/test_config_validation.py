@@ -223,11 +223,11 @@ def test_lora_values_name_their_key(lora, expected):
         ({"reserve_gb": -1}, "memory_plan.reserve_gb: must be >= 0, got -1.0"),
         ({"enforce": "no"}, "memory_plan.enforce: expected true or false, got 'no'"),
         ({"gpu_mem_gb": 80}, "memory_plan.gpu_mem_gb: unknown key for PlanSettings. Did you mean 'gpu_memory_gb'?"),
-        (80, "memory_plan: must be a mapping (gpu_memory_gb, reserve_gb, enforce), got 80"),
+        (80, "memory_plan: must be a mapping (gpu_memory_gb, reserve_gb, enforce, only), got 80"),
     ],
 )
 def test_memory_plan_values_name_their_key(node, expected):
-    from lit_rlhf.memory_plan import gpu_memory_gb, plan_settings
+    from lit_rlhf.launch.memory_plan import gpu_memory_gb, plan_settings
 
     cfg = OmegaConf.create({"memory_plan": node})
     for read in (plan_settings, gpu_memory_gb):  # the plan reads the GPU memory through the check

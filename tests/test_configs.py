@@ -6,7 +6,7 @@ import functools
 import pytest
 from omegaconf import OmegaConf
 
-from lit_rlhf.runner import _resolve_auto_monitor, plan
+from lit_rlhf.launch.runner import _resolve_auto_monitor, plan
 from lit_rlhf.utils.config import ConfigError, to_dict
 from lit_rlhf.utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_strategy
 from tests.conftest import ROOT, compose
@@ -174,15 +174,16 @@ def test_aliases_match_their_targets(tmp_path):
 
 
 def test_typo_and_bad_values_fail_before_any_model_is_built(tmp_path, monkeypatch):
+    import lit_rlhf.data.tokenizers as tokenizers
     import lit_rlhf.models.builders as builders
-    from lit_rlhf.runner import run
+    from lit_rlhf.launch.runner import run
     from lit_rlhf.utils.config import ConfigError
 
     def forbidden(*a, **k):
         raise AssertionError("a model/tokenizer was built before validation finished")
 
     monkeypatch.setattr(builders, "build_causal_lm", forbidden)
-    monkeypatch.setattr(builders, "build_tokenizer", forbidden)
+    monkeypatch.setattr(tokenizers, "build_tokenizer", forbidden)
     cases = {
         "algo.lrr=0.1": r"algo\.lrr: unknown key for SFTConfig\. Did you mean 'lr'\?",
         "algo.lr=-1": r"algo\.lr: must be > 0\.0, got -1\.0",

@@ -29,7 +29,7 @@ pytest.importorskip("deepspeed")
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
 
     out = tmp_path_factory.mktemp("models")
@@ -132,7 +132,7 @@ def ppo_run(kind: str, devices: int, models, tmp_path_factory):
 def vllm_models(tmp_path_factory):
     """The policy and reward model for the vLLM engine's run: head size 32 (hidden 64, 2 heads; vLLM's CPU
     attention refuses the 16 of ``models``), as tests/rollout/test_vllm_engine.py's."""
-    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
 
     out = tmp_path_factory.mktemp("vllm_models")

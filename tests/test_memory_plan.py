@@ -1,4 +1,4 @@
-"""The memory plan (lit_rlhf/memory_plan.py) against independent figures: transformers' own
+"""The memory plan (lit_rlhf/launch/memory_plan.py) against independent figures: transformers' own
 parameter counts, DeepSpeed's model-state estimators, and the tensors of a real optimizer step."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from lit_rlhf.memory_plan import Setup, trained_bytes
+from lit_rlhf.launch.memory_plan import Setup, trained_bytes
 from lit_rlhf.models.arch import KNOWN
 from lit_rlhf.models.spec import LoraSpec
 from tests.conftest import ROOT, compose
@@ -75,7 +75,7 @@ def test_lora_parameter_count_matches_peft(tiny_spec, tokenizer):
     from lit_rlhf.models.builders import build_causal_lm
     from lit_rlhf.models.lora import add_lora
 
-    arch, _ = arch_of(tiny_spec)
+    arch, _ = arch_of(tiny_spec, tiny_vocab=len(tokenizer))
     for targets in (["all-linear"], ["q_proj", "v_proj"]):
         model = add_lora(build_causal_lm(tiny_spec, tokenizer), LoraSpec(enabled=True, r=4, target_modules=targets))
         assert arch.lora_params(4, targets) == sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -125,7 +125,7 @@ def test_ddp_model_states_match_the_tensors_of_a_real_step(tiny_spec, tokenizer)
 
 
 def _plan(*overrides):
-    from lit_rlhf.runner import memory_plan
+    from lit_rlhf.launch.runner import memory_plan
 
     return memory_plan(compose(list(overrides)))
 
@@ -181,7 +181,7 @@ def test_the_vllm_engine_is_counted_as_its_share_of_the_card_or_its_weights_and_
 
 
 def test_a_gpu_launch_that_cannot_fit_is_refused_before_loading():
-    from lit_rlhf.runner import check_memory_plan, plan
+    from lit_rlhf.launch.runner import check_memory_plan, plan
     from lit_rlhf.utils.config import ConfigError
 
     cfg = compose(
@@ -240,7 +240,7 @@ def test_train_py_plan_prints_the_table_exits_and_writes_nothing(tmp_path):
 def test_a_plan_that_fits_or_has_no_gpu_to_check_is_not_a_failure(capsys):
     """``--plan`` exits 0 unless the plan says the job does not fit (train.py: print_memory_plan is False
     only then); a CPU job has no GPU memory to check."""
-    from lit_rlhf.runner import print_memory_plan
+    from lit_rlhf.launch.runner import print_memory_plan
 
     assert print_memory_plan(compose(["experiment=sft_synthetic_tiny"])) is None
     assert "Memory plan" in capsys.readouterr().out

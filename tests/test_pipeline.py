@@ -5,7 +5,7 @@ import json
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from lit_rlhf.runner import run
+from lit_rlhf.launch.runner import run
 from tests.conftest import compose
 
 TINY = [
@@ -42,7 +42,7 @@ def shorten(stage_overrides, steps=8):
 @pytest.mark.integration
 def test_shortened_demo_pipeline(tmp_path):
     cfg = compose(TINY, tmp_path)
-    assert cfg.pipeline._target_ == "lit_rlhf.pipeline.DemoPipeline" and "algo" not in cfg
+    assert cfg.pipeline._target_ == "lit_rlhf.pipelines.demo.DemoPipeline" and "algo" not in cfg
     with open_dict(cfg):
         cfg.pipeline.common = BUDGET
         jobs = cfg.pipeline.jobs
@@ -107,15 +107,15 @@ def test_plain_train_py_is_the_pipeline(tmp_path):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = hydra_compose("train")
-    assert cfg.pipeline._target_ == "lit_rlhf.pipeline.DemoPipeline" and "algo" not in cfg
+    assert cfg.pipeline._target_ == "lit_rlhf.pipelines.demo.DemoPipeline" and "algo" not in cfg
     assert cfg.pipeline.stages == ["sft", "rm", "ppo", "ppo_max", "dpo", "grpo", "dapo"]
 
 
 def test_final_table_samples_with_the_rl_stages_settings(tmp_path):
     """The evaluation reads generation, template and prompt length from the RL stage as composed
     for the run (here changed through the stage's overrides), not from constants."""
-    from lit_rlhf.pipeline import DemoPipeline
-    from lit_rlhf.runner import plan
+    from lit_rlhf.launch.runner import plan
+    from lit_rlhf.pipelines.demo import DemoPipeline
 
     cfg = compose(["pipeline=demo"], tmp_path)
     with open_dict(cfg):

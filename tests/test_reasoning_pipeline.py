@@ -7,7 +7,7 @@ import json
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from lit_rlhf.runner import run
+from lit_rlhf.launch.runner import run
 from tests.conftest import compose
 
 BASE = ["pipeline=reasoning", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "logger=csv"]
@@ -31,7 +31,7 @@ SFT_BUDGET = ["data.batch_size=32", "trainer.max_epochs=4", "trainer.max_steps=1
 @pytest.mark.integration
 def test_reasoning_pipeline_raises_held_out_accuracy(tmp_path):
     cfg = compose(BASE, tmp_path)
-    assert cfg.pipeline._target_ == "lit_rlhf.reasoning_pipeline.ReasoningPipeline"
+    assert cfg.pipeline._target_ == "lit_rlhf.pipelines.reasoning.ReasoningPipeline"
     assert cfg.pipeline.stages == ["sft", "grpo", "dapo", "dr_grpo"]
     with open_dict(cfg):
         cfg.pipeline.stages = ["sft", "grpo"]
@@ -86,7 +86,8 @@ def test_qa_file_hands_each_prompt_its_answer_through_train_py(tmp_path):
     import torch
 
     from lit_rlhf.data.reasoning import ReasoningTask, build_tokenizer
-    from lit_rlhf.models.builders import build_causal_lm, prepare_tokenizer
+    from lit_rlhf.data.tokenizers import prepare_tokenizer
+    from lit_rlhf.models.builders import build_causal_lm
     from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
 
     task = ReasoningTask()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_rlhf.runner import run
+from lit_rlhf.launch.runner import run
 from tests.conftest import ROOT, compose
 
 EVERY_BATCH = [

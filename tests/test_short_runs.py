@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from lit_rlhf.runner import metric_value, plan, run
+from lit_rlhf.launch.runner import metric_value, plan, run
 from tests.conftest import ROOT, compose
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", LIT_RLHF_ROOT=str(ROOT))
@@ -21,7 +21,7 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", LIT_RLHF_ROOT=s
 def test_a_fit_that_ends_before_its_first_validation_validates_once_at_the_end(cfg_factory, caplog):
     """256 pairs / 32 = 8 steps an epoch, validation at the epoch's end: 2 steps never reach it.
     The final validation gives the sweeper its metric; the fit's own metrics are kept beside it."""
-    with caplog.at_level(logging.INFO, logger="lit_rlhf.runner"):
+    with caplog.at_level(logging.INFO, logger="lit_rlhf.launch.runner"):
         metrics = run(cfg_factory("trainer.max_steps=2", "optimized_metric=val/perplexity"))
     assert "val/perplexity was not logged during the fit" in caplog.text and "running a final validation" in caplog.text
     assert metrics["val/perplexity"] > 1.0 and "train/loss" in metrics
@@ -29,7 +29,7 @@ def test_a_fit_that_ends_before_its_first_validation_validates_once_at_the_end(c
 
 
 def test_a_metric_never_logged_is_an_error_line_and_nan_not_a_failed_run(caplog):
-    with caplog.at_level(logging.ERROR, logger="lit_rlhf.runner"):
+    with caplog.at_level(logging.ERROR, logger="lit_rlhf.launch.runner"):
         value = metric_value({"train/loss": 1.0}, "val/perplexty")
     assert math.isnan(value)
     assert (
@@ -43,7 +43,7 @@ def test_ckpt_path_last_in_a_new_run_directory_starts_fresh_and_says_so_then_res
     line and a fresh start; the next launch in the same run directory names the file it resumes
     and continues from its step (the CSV log of the second fit starts at step 3, not 0)."""
     common = ("logger=csv", "trainer.log_every_n_steps=1", "ckpt_path=last")
-    with caplog.at_level(logging.INFO, logger="lit_rlhf.runner"):
+    with caplog.at_level(logging.INFO, logger="lit_rlhf.launch.runner"):
         run(cfg_factory("trainer.max_steps=3", *common))
     assert (
         f"ckpt_path=last: {tmp_path / 'checkpoints'} holds no checkpoint yet: this run starts from step 0"
@@ -51,7 +51,7 @@ def test_ckpt_path_last_in_a_new_run_directory_starts_fresh_and_says_so_then_res
     )
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="lit_rlhf.runner"):
+    with caplog.at_level(logging.INFO, logger="lit_rlhf.launch.runner"):
         run(cfg_factory("trainer.max_steps=5", *common))
     assert f"ckpt_path=last: resuming from {tmp_path / 'checkpoints' / 'last.ckpt'}" in caplog.text
     with open(tmp_path / "csv" / "metrics.csv") as fh:
@@ -74,9 +74,9 @@ def test_rl_stages_keep_a_csv_log_beside_any_logger_and_sft_does_not_get_one(tmp
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     from lit_rlhf.callbacks import StabilityReport
+    from lit_rlhf.launch.runner import with_stability_csv
     from lit_rlhf.modules.critic_free import CriticFreeModule
     from lit_rlhf.modules.sft import SFTModule
-    from lit_rlhf.runner import with_stability_csv
 
     trainer_cfg = {"default_root_dir": str(tmp_path)}
     tb = TensorBoardLogger(str(tmp_path))
@@ -84,7 +84,7 @@ def test_rl_stages_keep_a_csv_log_beside_any_logger_and_sft_does_not_get_one(tmp
     assert loggers[0] is tb and isinstance(loggers[1], CSVLogger)
     assert os.path.normpath(loggers[1].log_dir) == str(
         tmp_path / "csv"
-    )  # where StabilityReport and lit_rlhf.report look
+    )  # where StabilityReport and lit_rlhf.callbacks.dashboard look
     assert with_stability_csv([], [StabilityReport()], SFTModule, trainer_cfg) == []
     assert with_stability_csv([], [], CriticFreeModule, trainer_cfg) == []  # callbacks=none: no PNG to draw
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from lit_rlhf.runner import run
+from lit_rlhf.launch.runner import run
 from tests.conftest import HH_FILE, HH_SOURCE, ROOT, compose
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", LIT_RLHF_ROOT=str(ROOT))
@@ -202,7 +202,7 @@ NOT_OFFLINE_CPU["dpo_llama7b_a100x8"] = ["algo.policy_path=/ckpt/sft"]
 @pytest.mark.integration
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")))
 def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models):
-    from lit_rlhf.runner import plan
+    from lit_rlhf.launch.runner import plan
 
     if experiment in NOT_OFFLINE_CPU:
         cfg = compose([f"experiment={experiment}", *NOT_OFFLINE_CPU[experiment]], tmp_path)
@@ -245,7 +245,8 @@ def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models):
 
 def _saved_reasoning_policy(tmp_path):
     """A random tiny policy with the reasoning task's tokenizer, saved like an SFT export."""
-    from lit_rlhf.models.builders import build_causal_lm, build_tokenizer
+    from lit_rlhf.data.tokenizers import build_tokenizer
+    from lit_rlhf.models.builders import build_causal_lm
     from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
 
     spec = ModelSpec(

@@ -22,8 +22,8 @@ def case_dpo_ours(models: Path, s: dict, precompute: bool = False) -> dict:
     import lightning.pytorch as pl
 
     from lit_rlhf.data.preference import PreferenceDataModule
+    from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.launch.presets import preset
-    from lit_rlhf.models.builders import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.modules.configs import DPOConfig
     from lit_rlhf.modules.dpo import DPOModule
@@ -80,7 +80,7 @@ def case_dpo_trl(models: Path, s: dict, precompute: bool = False) -> dict:
     from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
 
     tok = build_tokenizer(ModelSpec(name_or_path=str(models / "policy")))

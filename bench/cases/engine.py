@@ -20,7 +20,8 @@ def case_generate_vllm(models: Path, s: dict) -> dict:
     import torch
 
     from lit_rlhf.data.collate import pad
-    from lit_rlhf.models.builders import build_causal_lm, build_tokenizer
+    from lit_rlhf.data.tokenizers import build_tokenizer
+    from lit_rlhf.models.builders import build_causal_lm
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.rollout.config import GenerationConfig, VLLMConfig
     from lit_rlhf.rollout.vllm_engine import VLLMEngine
@@ -69,7 +70,8 @@ def case_sync_engine(models: Path, s: dict, smoke: bool = False) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lit_rlhf.models.builders import build_causal_lm, build_tokenizer
+    from lit_rlhf.data.tokenizers import build_tokenizer
+    from lit_rlhf.models.builders import build_causal_lm
     from lit_rlhf.models.spec import ModelSpec
 
     spec = ModelSpec(name_or_path=str(models / "policy"))

@@ -14,7 +14,7 @@ def case_generate_bare(models: Path, s: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from lit_rlhf.data.collate import pad
-    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
 
     tok = build_tokenizer(ModelSpec(name_or_path=str(models / "policy")))
@@ -45,7 +45,8 @@ def case_generate_ours(models: Path, s: dict) -> dict:
     import torch
 
     from lit_rlhf.data.collate import pad
-    from lit_rlhf.models.builders import build_causal_lm, build_tokenizer
+    from lit_rlhf.data.tokenizers import build_tokenizer
+    from lit_rlhf.models.builders import build_causal_lm
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.rollout.generate import GenerationConfig, sample
 

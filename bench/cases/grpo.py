@@ -24,8 +24,8 @@ def _grpo_ours(models: Path, s: dict, n: int, callbacks: list) -> Any:
     import lightning.pytorch as pl
 
     from lit_rlhf.data.prompts import PromptDataModule
+    from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.launch.presets import preset
-    from lit_rlhf.models.builders import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.modules.configs import CriticFreeConfig
     from lit_rlhf.modules.critic_free import CriticFreeModule
@@ -80,7 +80,7 @@ def _grpo_trl(models: Path, s: dict, n: int, callbacks: list) -> Any:
     from trl import GRPOConfig, GRPOTrainer
 
     from lit_rlhf.data.synthetic import SyntheticTask, gold_reward_fn
-    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
 
     tok = build_tokenizer(ModelSpec(name_or_path=str(models / "policy")))

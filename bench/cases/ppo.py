@@ -16,7 +16,8 @@ def case_floor(models: Path, s: dict) -> dict:
     import torch
 
     from lit_rlhf.data.collate import pad
-    from lit_rlhf.models.builders import build_causal_lm, build_tokenizer, freeze
+    from lit_rlhf.data.tokenizers import build_tokenizer
+    from lit_rlhf.models.builders import build_causal_lm, freeze
     from lit_rlhf.models.reward import load_reward_model
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.models.value import ValueModel
@@ -77,8 +78,8 @@ def case_ppo_ours(models: Path, s: dict, engine: str = "hf") -> dict:
     import yaml
 
     from lit_rlhf.data.prompts import PromptDataModule
+    from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.launch.presets import preset
-    from lit_rlhf.models.builders import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.modules.configs import PPOConfig
     from lit_rlhf.modules.ppo import PPOModule
@@ -144,7 +145,7 @@ def case_ppo_trl(models: Path, s: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
-    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
 
     tok = build_tokenizer(ModelSpec(name_or_path=str(models / "policy")))
@@ -208,8 +209,8 @@ def case_ppo_memory(models: Path, s: dict, lora: bool) -> dict:
     import lightning.pytorch as pl
 
     from lit_rlhf.data.prompts import PromptDataModule
+    from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.launch.presets import preset
-    from lit_rlhf.models.builders import build_tokenizer
     from lit_rlhf.models.spec import LoraSpec, ModelSpec
     from lit_rlhf.modules.configs import PPOConfig
     from lit_rlhf.modules.ppo import PPOModule

@@ -21,7 +21,7 @@ def case_rm_ours(models: Path, s: dict) -> dict:
 
     from lit_rlhf.data.collate import EncodedPreference, collate_preference, encode_pair
     from lit_rlhf.data.templates import get_template
-    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.modules.reward_model import RewardModelModule
 
@@ -60,7 +60,7 @@ def case_rm_trl(models: Path, s: dict) -> dict:
     from transformers import AutoModelForSequenceClassification, TrainerCallback
     from trl import RewardConfig, RewardTrainer
 
-    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
 
     tok = build_tokenizer(ModelSpec(name_or_path=str(models / "policy")))

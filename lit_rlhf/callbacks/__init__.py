@@ -1,16 +1,7 @@
 """Stability monitoring (docs/algorithms.md §4, docs/metrics.md): callbacks that read the rollout a module's
-``training_step`` returns (no extra forwards), an alarm that acts on them, and the PNG report."""
-
-from lit_rlhf.callbacks.collapse import CollapseAlarm, CollapseDetector
-from lit_rlhf.callbacks.monitors import (
-    KLMonitor,
-    PerplexityMonitor,
-    ResponseLengthMonitor,
-    RewardStatsMonitor,
-    RolloutMonitor,
-    SamplesTable,
-)
-from lit_rlhf.callbacks.report import StabilityReport, WandbPanels
+``training_step`` returns (no extra forwards), an alarm that acts on them, and the stability dashboard
+(``stability.png``, :mod:`lit_rlhf.callbacks.dashboard`: ``python -m lit_rlhf.callbacks.dashboard RUN_DIR``).
+The callbacks import Lightning when first used, so the dashboard alone stays light."""
 
 __all__ = [
     "CollapseAlarm",
@@ -24,3 +15,24 @@ __all__ = [
     "StabilityReport",
     "WandbPanels",
 ]
+
+_LAZY = {
+    "CollapseAlarm": "collapse",
+    "CollapseDetector": "collapse",
+    "KLMonitor": "monitors",
+    "PerplexityMonitor": "monitors",
+    "ResponseLengthMonitor": "monitors",
+    "RewardStatsMonitor": "monitors",
+    "RolloutMonitor": "monitors",
+    "SamplesTable": "monitors",
+    "StabilityReport": "report",
+    "WandbPanels": "report",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"lit_rlhf.callbacks.{_LAZY[name]}"), name)
+    raise AttributeError(name)

@@ -1,4 +1,4 @@
-"""``StabilityReport``: write ``stability.png`` (lit_rlhf/report.py) at the end of every RL fit."""
+"""``StabilityReport``: write ``stability.png`` (lit_rlhf/callbacks/dashboard.py) at the end of every RL fit."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ log = logging.getLogger(__name__)
 
 class StabilityReport(pl.Callback):
     """At the end of fit, on rank zero, render the run's stability panels from its CSV log (the
-    runner keeps one beside any logger for RL stages: lit_rlhf/runner.py ``with_stability_csv``).
+    runner keeps one beside any logger for RL stages: lit_rlhf/launch/runner.py ``with_stability_csv``).
 
     Only runs that produced rollouts are reported (SFT and RM fits have no stability metrics).
     A failure to draw is logged, never raised: the run's results matter more than its picture.
@@ -31,7 +31,7 @@ class StabilityReport(pl.Callback):
             return
         for lg in trainer.loggers:
             lg.save()  # flush metrics.csv
-        from lit_rlhf.report import find_metrics_csv, render
+        from lit_rlhf.callbacks.dashboard import find_metrics_csv, render
 
         run_dir = trainer.default_root_dir
         if find_metrics_csv(run_dir) is None:

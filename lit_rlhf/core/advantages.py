@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from lit_rlhf.core.masked import AllReduce, masked_whiten, no_all_reduce
-from lit_rlhf.core.rewards import shape_rewards
+from lit_rlhf.core.shaping import shape_rewards
 
 
 def gae(

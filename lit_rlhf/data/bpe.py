@@ -8,28 +8,9 @@ SFT export saves it next to the model (``save_pretrained``), so later stages loa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from lit_rlhf.utils.config import check
-
-
-@dataclass
-class BPETokenizerConfig:
-    """``model.train_tokenizer``: learn the tokenizer of a tiny model from these rows."""
-
-    source: str = ""
-    """A .jsonl/.jsonl.gz/.json/.parquet file (or dataset) whose string fields are the corpus."""
-    rows: str | None = None
-    """1-based inclusive row range to learn from (the training rows, e.g. "1-2000"); None = all."""
-    vocab_size: int = field(default=4096, metadata={"ge": 300})
-    """Vocabulary size, the 256 byte symbols and 4 special tokens included."""
-    chat_template: Literal["chatml", "llama3"] | None = None
-    """A chat template for ``data.*.template=auto`` (data/chat.py CHAT_TEMPLATES: ChatML as Qwen2.5-Instruct,
-    Llama-3-Instruct's headers), its special tokens added after the learned vocabulary; None = none."""
-
-    def validate(self) -> None:
-        check(bool(self.source), "source", "required: the file whose text the tokenizer learns")
+from lit_rlhf.models.spec import BPETokenizerConfig
 
 
 def corpus(config: BPETokenizerConfig) -> list[str]:

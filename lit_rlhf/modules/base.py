@@ -28,7 +28,7 @@ class RLHFModule(pl.LightningModule):
     which must stay idempotent. Hyper-parameters saved in checkpoints are the two small dicts
     (config, model spec), so ``load_from_checkpoint`` rebuilds the module from them.
 
-    What the runner asks of every stage (lit_rlhf/runner.py; docs/architecture.md "Interfaces"):
+    What the runner asks of every stage (lit_rlhf/launch/runner.py; docs/architecture.md "Interfaces"):
 
     * ``config_class`` — the dataclass of its ``algo.*`` keys;
     * ``data_kind`` — the section of the ``data`` group it reads (``data.sft``, ``data.prompt`` …);
@@ -60,7 +60,7 @@ class RLHFModule(pl.LightningModule):
     @classmethod
     def planned_models(cls, config: Any) -> list[tuple[str, str, str | None]]:
         """(name, role, path or None = the model group's) of every model a run holds, for the
-        memory plan (lit_rlhf/memory_plan.py). Roles: "trained", "frozen", "frozen-ref" (a frozen
+        memory plan (lit_rlhf/launch/memory_plan.py). Roles: "trained", "frozen", "frozen-ref" (a frozen
         copy of the trained model: under LoRA, the same weights with the adapters off)."""
         return [("policy", "trained", None)]
 
@@ -96,7 +96,7 @@ class RLHFModule(pl.LightningModule):
     # ------------------------------------------------------------------ helpers
     def ensure_tokenizer(self) -> Any:
         if self.tokenizer is None:
-            from lit_rlhf.models.builders import build_tokenizer
+            from lit_rlhf.data.tokenizers import build_tokenizer
 
             if self.model_spec is None:
                 raise ValueError("the module has neither a tokenizer nor a model spec to build one")

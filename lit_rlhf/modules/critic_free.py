@@ -32,7 +32,7 @@ from torch import Tensor
 
 from lit_rlhf.core.advantages import group_advantages, reinforce_advantages
 from lit_rlhf.core.kl import kl_penalty
-from lit_rlhf.core.rewards import overlong_penalty
+from lit_rlhf.core.shaping import overlong_penalty
 from lit_rlhf.core.types import Rollout, cat_rollouts
 from lit_rlhf.modules.configs import CriticFreeConfig
 from lit_rlhf.modules.rl import PolicyForward, RLModule

@@ -29,8 +29,8 @@ from lit_rlhf.core.kl import kl_penalty
 from lit_rlhf.core.logprobs import shifted_token_logprobs
 from lit_rlhf.core.losses import entropy_loss, ptx_loss, value_loss
 from lit_rlhf.core.masked import masked_whiten
-from lit_rlhf.core.rewards import penalize_missing_eos, reparameterize_scores, shape_rewards
 from lit_rlhf.core.running_stats import RunningMoments
+from lit_rlhf.core.shaping import penalize_missing_eos, reparameterize_scores, shape_rewards
 from lit_rlhf.core.types import Rollout
 from lit_rlhf.modules.configs import PPOConfig
 from lit_rlhf.modules.rl import PolicyForward, RLModule

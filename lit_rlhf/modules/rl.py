@@ -501,7 +501,8 @@ class RLModule(RLHFModule):
     def build_rewards(self) -> None:
         """``self.scorer`` from ``reward_path`` (a frozen reward model), ``reward_fn`` or
         ``reward_fns``, and the validation-only ``self.gold_scorer``."""
-        from lit_rlhf.models.builders import build_tokenizer, freeze, resolve_path
+        from lit_rlhf.data.tokenizers import build_tokenizer
+        from lit_rlhf.models.builders import freeze, resolve_path
         from lit_rlhf.models.reward import load_reward_model
         from lit_rlhf.rollout.scorers import ModelScorer, callable_scorer, weighted_scorer
 

@@ -1,7 +1,7 @@
 """Evaluation of a verifiable task on one prompt batch: greedy accuracy, pass@k, mean@k, length.
 
 One implementation for the RL stages' validation (``algo.val_pass_k``: ``val/greedy_accuracy``,
-``val/pass@k``, ``val/mean@k``) and the reasoning pipeline's table (lit_rlhf/pipeline.py). A
+``val/pass@k``, ``val/mean@k``) and the reasoning pipeline's table (lit_rlhf/pipelines/demo.py). A
 response is correct when its score (the gold reward when the stage has one, else the reward)
 reaches ``correct_at`` (1.0 for a 0/1 verifier such as lit_rlhf.rewards.exact_match). pass@k
 is the unbiased estimator of Chen et al. (2021) from k samples per problem (docs/rewards.md):

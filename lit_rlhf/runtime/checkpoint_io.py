@@ -6,7 +6,7 @@ scratch), the final "move" is a copy, and a SIGKILL during it leaves a truncated
 place of the previous good one. Here the temporary file is a sibling of the destination, fsynced,
 then renamed over it (atomic on POSIX): readers see the old checkpoint or the new one. Stale
 temporary siblings of a killed save are removed by the next save. Remote paths (``s3://`` …) keep
-Lightning's own path. The runner installs it for every run (lit_rlhf/runner.py).
+Lightning's own path. The runner installs it for every run (lit_rlhf/launch/runner.py).
 
 DeepSpeed writes checkpoint *folders* itself (no CheckpointIO applies): :func:`atomic_deepspeed_saves`
 routes them through a sibling folder swapped in at the end (lit_rlhf/utils/io.py, "folders"), and

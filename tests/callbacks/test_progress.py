@@ -28,7 +28,7 @@ def test_rl_bar_counts_iterations_and_optimizer_steps(saved_models, tokenizer, t
 
 
 def test_other_stages_keep_the_stock_bar(tmp_path):
-    from lit_rlhf.runner import build
+    from lit_rlhf.launch.runner import build
     from tests.conftest import CPU_FAST, compose
 
     _, dm, module = build(compose([*CPU_FAST, "trainer.max_steps=3"], tmp_path))

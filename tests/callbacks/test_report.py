@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from lit_rlhf.report import read_series, render
+from lit_rlhf.callbacks.dashboard import read_series, render
 from tests.conftest import ROOT
 
 
@@ -69,7 +69,7 @@ def test_figure_draws_each_logged_series_in_its_panel(tmp_path, monkeypatch):
     import matplotlib.figure
     import matplotlib.image as mpimg
 
-    from lit_rlhf.report import PANEL_TITLES
+    from lit_rlhf.callbacks.dashboard import PANEL_TITLES
 
     drifts = {"ppo": 0.3, "ppo_max": 0.05}
     for name, drift in drifts.items():
@@ -120,7 +120,10 @@ def test_figure_draws_each_logged_series_in_its_panel(tmp_path, monkeypatch):
 def test_cli_and_missing_csv(tmp_path):
     fake_run(tmp_path / "run", 0.1)
     out = subprocess.run(
-        [sys.executable, "-m", "lit_rlhf.report", str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-m", "lit_rlhf.callbacks.dashboard", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "run" / "stability.png").stat().st_size > 20_000
@@ -138,10 +141,13 @@ def test_cli_says_in_one_line_what_it_needs(tmp_path):
         (tmp_path / "nowhere", "not a directory"),
     ):
         out = subprocess.run(
-            [sys.executable, "-m", "lit_rlhf.report", str(run_dir)], capture_output=True, text=True, cwd=ROOT
+            [sys.executable, "-m", "lit_rlhf.callbacks.dashboard", str(run_dir)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
         )
         assert out.returncode == 1 and "Traceback" not in out.stderr
         assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith(
-            f"python -m lit_rlhf.report: {run_dir}: "
+            f"python -m lit_rlhf.callbacks.dashboard: {run_dir}: "
         )
         assert says in out.stderr

@@ -288,7 +288,7 @@ def test_remax_advantages_match_the_paper_and_verl():
     """ReMax: A_t = r(y) − r(ȳ_greedy) − β Σ_{s≥t} kl_s, not normalized; verl's
     ``compute_remax_outcome_advantage`` writes it as (reverse cumsum of the token rewards) − b."""
     from lit_rlhf.core.advantages import reinforce_advantages
-    from lit_rlhf.core.rewards import shape_rewards
+    from lit_rlhf.core.shaping import shape_rewards
 
     lengths = [2, 5, 5, 1]
     scores, kl, mask = random_batch(4, lengths, 5)

@@ -162,7 +162,7 @@ def test_sft_on_a_messages_file_through_train_py(tmp_path):
     a conversations file; a row with its roles out of order is named by file and line."""
     from transformers import AutoTokenizer
 
-    from lit_rlhf.runner import run
+    from lit_rlhf.launch.runner import run
     from tests.conftest import compose
 
     tok = make_chat_tokenizer("chatml", tmp_path)

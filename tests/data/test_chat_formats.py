@@ -34,7 +34,7 @@ def llama3(tmp_path_factory):
 def plain_bpe(tmp_path_factory):
     """The same BPE without a chat template (a base model's tokenizer)."""
     from lit_rlhf.data.bpe import BPETokenizerConfig, train_bpe
-    from lit_rlhf.models.builders import prepare_tokenizer
+    from lit_rlhf.data.tokenizers import prepare_tokenizer
 
     folder = tmp_path_factory.mktemp("plain")
     lines = ["Human: Hi there, how can I help? Assistant: Say yes. Be brief.", "Hello there, yes, no, help me."] * 20
@@ -299,7 +299,7 @@ def test_sft_rm_ppo_and_dpo_on_conversational_files(tmp_path):
     themselves are checked token by token above)."""
     import math
 
-    from lit_rlhf.runner import run
+    from lit_rlhf.launch.runner import run
     from tests.conftest import compose
 
     tok = make_chat_tokenizer("chatml", tmp_path)
@@ -448,7 +448,7 @@ def test_an_encoder_reward_model_reads_conversations_as_dialogue_text():
 
     from lit_rlhf.data.collate import encode_encoder_pair
     from lit_rlhf.data.templates import get_template
-    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.rollout.scorers import ModelScorer
 

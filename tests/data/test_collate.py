@@ -80,7 +80,7 @@ def test_encode_pairs_gives_encode_pairs_ids_row_by_row(tokenizer, tmp_path):
 
     from lit_rlhf.data.bpe import BPETokenizerConfig, train_bpe
     from lit_rlhf.data.collate import encode_pairs
-    from lit_rlhf.models.builders import prepare_tokenizer
+    from lit_rlhf.data.tokenizers import prepare_tokenizer
     from tests.conftest import HH_FILE as hh
 
     if not hh.exists():

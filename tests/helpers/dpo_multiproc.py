@@ -24,8 +24,8 @@ import torch  # noqa: E402
 
 from lit_rlhf.callbacks import KLMonitor, ResponseLengthMonitor  # noqa: E402
 from lit_rlhf.data.preference import PreferenceDataModule  # noqa: E402
+from lit_rlhf.data.tokenizers import build_tokenizer  # noqa: E402
 from lit_rlhf.launch.presets import preset  # noqa: E402
-from lit_rlhf.models.builders import build_tokenizer  # noqa: E402
 from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import DPOConfig  # noqa: E402
 from lit_rlhf.modules.dpo import DPOModule  # noqa: E402

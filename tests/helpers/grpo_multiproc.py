@@ -25,8 +25,8 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
 from lit_rlhf.data.prompts import PromptDataModule  # noqa: E402
+from lit_rlhf.data.tokenizers import build_tokenizer  # noqa: E402
 from lit_rlhf.launch.presets import preset  # noqa: E402
-from lit_rlhf.models.builders import build_tokenizer  # noqa: E402
 from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import CriticFreeConfig  # noqa: E402
 from lit_rlhf.modules.critic_free import CriticFreeModule  # noqa: E402

@@ -25,8 +25,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from lit_rlhf.callbacks.resume import ResumeState  # noqa: E402
 from lit_rlhf.data.prompts import PromptDataModule  # noqa: E402
+from lit_rlhf.data.tokenizers import build_tokenizer  # noqa: E402
 from lit_rlhf.launch.presets import preset  # noqa: E402
-from lit_rlhf.models.builders import build_tokenizer  # noqa: E402
 from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import PPOConfig  # noqa: E402
 from lit_rlhf.modules.ppo import PPOModule  # noqa: E402

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from lit_rlhf.data.preference import PreferenceDataModule  # noqa: E402
-from lit_rlhf.models.builders import build_tokenizer  # noqa: E402
+from lit_rlhf.data.tokenizers import build_tokenizer  # noqa: E402
 from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig  # noqa: E402
 from lit_rlhf.modules.reward_model import RewardModelModule  # noqa: E402
 from lit_rlhf.runtime.checkpoint_io import atomic_deepspeed_saves  # noqa: E402

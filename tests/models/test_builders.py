@@ -3,7 +3,8 @@ import time
 import pytest
 import torch
 
-from lit_rlhf.models.builders import ModelLoadError, build_causal_lm, build_tokenizer, freeze, prepare_tokenizer
+from lit_rlhf.data.tokenizers import build_tokenizer, prepare_tokenizer
+from lit_rlhf.models.builders import ModelLoadError, build_causal_lm, freeze
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.utils.config import ConfigError, build_config
 

@@ -158,11 +158,11 @@ def test_every_stage_trains_lora_through_the_config(stage, tmp_path, saved_model
     """`model.lora.enabled=true` on the command line of each stage: one fast_dev_run batch with
     finite metrics, and an export of the right kind that a later stage can load (which parameters
     train is checked on PPO above)."""
+    from lit_rlhf.launch.runner import run
     from lit_rlhf.models.builders import build_causal_lm
     from lit_rlhf.models.lora import is_adapter_dir
     from lit_rlhf.models.reward import load_reward_model
     from lit_rlhf.models.spec import ModelSpec
-    from lit_rlhf.runner import run
     from tests.conftest import compose
 
     policy, rm = f"algo.policy_path={saved_models[0]}", f"algo.reward_path={saved_models[1]}"

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from lit_rlhf.data.collate import pad
-from lit_rlhf.models.builders import ModelLoadError, build_tokenizer
+from lit_rlhf.data.tokenizers import build_tokenizer
+from lit_rlhf.models.builders import ModelLoadError
 from lit_rlhf.models.heads import first_token_index, last_token_index, pool
 from lit_rlhf.models.reward import build_reward_model, load_reward_model
 from lit_rlhf.models.spec import ModelSpec

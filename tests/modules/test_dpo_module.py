@@ -169,7 +169,7 @@ def test_bad_values_name_the_key(values, message):
 
 
 def test_presets_compose(tmp_path):
-    from lit_rlhf.runner import plan
+    from lit_rlhf.launch.runner import plan
     from tests.conftest import compose
 
     base = ["model=llama7b", "algo.policy_path=/ckpt/sft"]

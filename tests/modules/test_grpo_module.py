@@ -260,7 +260,7 @@ def test_bad_values_name_the_keys(values, message):
 
 
 def test_presets_are_values_of_one_config(tmp_path):
-    from lit_rlhf.runner import plan
+    from lit_rlhf.launch.runner import plan
     from tests.conftest import compose
 
     base = ["model=llama7b", "algo.reward_path=/rm"]

@@ -188,7 +188,7 @@ def test_ppo_max_raises_the_gold_reward(tmp_path, trained_sft):
     """SFT on the embedded task (the shared ``trained_sft``), then PPO-max as the tiny experiment
     configures it, with the gold reward as the reward: mean gold reward on held-out prompts rises
     by ≥ 0.5 σ of SFT's."""
-    from lit_rlhf.runner import build
+    from lit_rlhf.launch.runner import build
     from tests.conftest import compose
 
     cfg = compose(

@@ -56,7 +56,7 @@ def k1(r: Rollout) -> list[list[float]]:
 def test_presets_compose_to_the_papers_recipes(tmp_path):
     """Each preset is values of the one CriticFreeConfig (the CriticFreeModule target, no new module), with its
     paper's estimator and the recipe its YAML cites; the prompt loader's batch is rollout / G."""
-    from lit_rlhf.runner import plan
+    from lit_rlhf.launch.runner import plan
     from lit_rlhf.utils.config import to_dict
     from tests.conftest import compose
 

@@ -92,7 +92,7 @@ def test_few_steps_change_every_parameter_and_metrics_aggregate(tiny_spec, token
 
 
 def test_lm_term_needs_a_causal_backbone(tmp_path):
-    from lit_rlhf.runner import plan
+    from lit_rlhf.launch.runner import plan
     from tests.conftest import compose
 
     with pytest.raises(
@@ -104,7 +104,7 @@ def test_lm_term_needs_a_causal_backbone(tmp_path):
 @pytest.mark.slow
 def test_tiny_rm_reaches_90_percent_of_the_gold_ceiling(tmp_path):
     """On held-out embedded pairs, the tiny RM's accuracy ≥ 0.9 × the gold reward's own accuracy."""
-    from lit_rlhf.runner import run
+    from lit_rlhf.launch.runner import run
     from tests.conftest import compose
 
     cfg = compose(

@@ -62,7 +62,7 @@ def test_reference_free_losses_build_no_reference(loss_type, saved_models, token
 
 
 def test_the_memory_plan_holds_only_the_policy_for_simpo_and_orpo(tmp_path):
-    from lit_rlhf.runner import memory_plan
+    from lit_rlhf.launch.runner import memory_plan
     from tests.conftest import compose
 
     rows = {
@@ -222,7 +222,7 @@ def test_kto_precomputed_reference_equals_live(saved_models, tokenizer, tmp_path
 
 
 def test_presets_compose_with_their_papers_recipes(tmp_path):
-    from lit_rlhf.runner import plan
+    from lit_rlhf.launch.runner import plan
     from tests.conftest import compose
 
     simpo, orpo, kto = (plan(compose([f"algo={a}", "model=llama7b"], tmp_path)) for a in ("simpo", "orpo", "kto"))
@@ -280,7 +280,7 @@ def test_the_inverse_sqrt_schedule_is_transformers(saved_models, tokenizer):
 def test_resume_from_a_checkpoint_ends_where_the_uninterrupted_run_ends(loss_type, tmp_path, saved_models):
     """As tests/test_resume.py does for DPO: a run resumed mid-epoch and at the epoch boundary ends with
     the uninterrupted run's weights, optimizer and schedule (SimPO: no reference; KTO: unpaired batches)."""
-    from lit_rlhf.runner import run
+    from lit_rlhf.launch.runner import run
     from tests.conftest import compose
     from tests.test_resume import EVERY_BATCH, assert_same_end, load
 

@@ -168,7 +168,7 @@ def test_a_lora_policy_is_pushed_merged(vllm_models, tokenizer, engine):
 
 
 def run_cfg(stage, models, out, *extra):
-    from lit_rlhf.runner import run
+    from lit_rlhf.launch.runner import run
     from tests.conftest import compose
     from tests.test_resume import EVERY_BATCH, stage_overrides
 
@@ -225,7 +225,7 @@ def test_dpo_drift_sampling_with_the_vllm_engine(vllm_models, tmp_path, monkeypa
     """DPO's validation-time drift rollouts (the KL of the policy's own samples to the reference)
     come from the engine, synced to the DPO policy after its optimizer steps; the module releases
     its engine at the end of the fit (teardown)."""
-    from lit_rlhf.runner import run
+    from lit_rlhf.launch.runner import run
     from tests.conftest import compose
     from tests.test_resume import stage_overrides
 
@@ -265,7 +265,7 @@ def test_the_demo_evaluation_samples_through_the_engine(vllm_models):
     from dataclasses import replace
 
     from lit_rlhf.data.synthetic import SyntheticTask
-    from lit_rlhf.pipeline import evaluate_policies
+    from lit_rlhf.pipelines.demo import evaluate_policies
     from lit_rlhf.rollout.config import GenerationConfig, VLLMConfig
 
     task = SyntheticTask()

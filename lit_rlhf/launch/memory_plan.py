@@ -258,10 +258,15 @@ def estimate(cfg: Any, job: Any, setup: Setup | None = None, gpu_memory_gb: floa
     notes: list[str] = []
     rows: list[Row] = []
     arch0 = None
+    tiny_vocab = None
+    if spec.tiny is not None:  # a tiny model's vocabulary is its tokenizer's
+        from lit_rlhf.data.tokenizers import build_tokenizer
+
+        tiny_vocab = len(build_tokenizer(spec))
     for name, role, path in job.algo_cls.planned_models(job.algo):  # each stage declares its models
-        arch, source = arch_of(spec, path)
+        arch, source = arch_of(spec, path, tiny_vocab)
         if arch is None and path is not None:
-            fallback, _ = arch_of(spec)
+            fallback, _ = arch_of(spec, tiny_vocab=tiny_vocab)
             if fallback is not None:
                 notes.append(f"{name}: {source}; assumed the model group's architecture")
                 arch = fallback

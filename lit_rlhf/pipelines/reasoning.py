@@ -2,7 +2,7 @@
 held-out accuracy (docs/rewards.md §7-§8).
 
 The stages (SFT on an imperfect teacher, then GRPO, DAPO and Dr. GRPO with the exact-match reward)
-run as ordinary jobs through :class:`~lit_rlhf.pipeline.StagePipeline`; :class:`ReasoningPipeline`
+run as ordinary jobs through :class:`~lit_rlhf.pipelines.demo.StagePipeline`; :class:`ReasoningPipeline`
 then answers the task's test problems with every policy, greedily and k times sampled, scored by
 the task's exact checker: greedy accuracy, pass@k, mean@k and length against SFT (``summary.md``).
 """
@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lit_rlhf.pipeline import PipelineConfig, StagePipeline, _without_grad
+from lit_rlhf.pipelines.demo import PipelineConfig, StagePipeline, _without_grad
 from lit_rlhf.utils.config import check
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,8 @@ def evaluate_reasoning(
     from lit_rlhf.data.prompts import collate_prompts, encode_prompt
     from lit_rlhf.data.reasoning import answer_reward_fn
     from lit_rlhf.data.templates import get_template
-    from lit_rlhf.models.builders import build_causal_lm, build_tokenizer, freeze
+    from lit_rlhf.data.tokenizers import build_tokenizer
+    from lit_rlhf.models.builders import build_causal_lm, freeze
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.rollout.evaluate import evaluate_verifiable
     from lit_rlhf.rollout.scorers import CallableScorer

@@ -11,7 +11,7 @@ prompts of the embedded task and compares it with the baseline (SFT) on the gold
 (RM) reward, KL to SFT, perplexity and length (``summary.md``, ``summary.json``), and
 ``stability.png`` overlays the RL runs' stability panels.
 
-:class:`~lit_rlhf.reasoning_pipeline.ReasoningPipeline` (``pipeline=reasoning``) runs the same
+:class:`~lit_rlhf.pipelines.reasoning.ReasoningPipeline` (``pipeline=reasoning``) runs the same
 stages machinery and instead answers held-out problems of the embedded reasoning task with every
 policy (docs/rewards.md §8).
 
@@ -138,7 +138,7 @@ class StagePipeline:
         return os.path.abspath(str(export)) if export else None
 
     def run(self, cfg: Any) -> dict[str, float]:
-        from lit_rlhf.runner import run as run_job
+        from lit_rlhf.launch.runner import run as run_job
 
         run_dir = os.path.abspath(str(cfg.paths.output_dir))
         metrics: dict[str, float] = {}
@@ -188,8 +188,8 @@ class DemoPipeline(StagePipeline):
         return out
 
     def summarize(self, run_dir: str, cfg: Any) -> dict[str, Any]:
+        from lit_rlhf.callbacks.dashboard import render
         from lit_rlhf.data.synthetic import SyntheticTask, TaskConfig
-        from lit_rlhf.report import render
         from lit_rlhf.utils.config import build_config
 
         c = self.config
@@ -299,7 +299,7 @@ def _quote(o: str) -> str:
 
 def training_curve(stage_dir: str) -> dict[str, list[float]]:
     """A PPO stage's validation curve from its CSV log: steps, proxy (RM) and gold reward, KL, length."""
-    from lit_rlhf.report import find_metrics_csv, read_series
+    from lit_rlhf.callbacks.dashboard import find_metrics_csv, read_series
 
     path = find_metrics_csv(stage_dir) if os.path.isdir(stage_dir) else None
     if path is None:
@@ -354,7 +354,8 @@ def evaluate_policies(
     from lit_rlhf.core.masked import masked_sum
     from lit_rlhf.data.prompts import collate_prompts, encode_prompt
     from lit_rlhf.data.templates import get_template
-    from lit_rlhf.models.builders import build_causal_lm, build_tokenizer, freeze
+    from lit_rlhf.data.tokenizers import build_tokenizer
+    from lit_rlhf.models.builders import build_causal_lm, freeze
     from lit_rlhf.models.reward import load_reward_model
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.rollout.collect import generate_and_score

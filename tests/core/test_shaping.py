@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from lit_rlhf.core.rewards import penalize_missing_eos, reparameterize_scores, shape_rewards
 from lit_rlhf.core.running_stats import RunningMoments
+from lit_rlhf.core.shaping import penalize_missing_eos, reparameterize_scores, shape_rewards
 
 
 def test_score_sits_on_the_last_response_token_inside_the_mask():
@@ -39,7 +39,7 @@ def test_reparameterization_updates_moments_before_transforming():
 
 def test_overlong_penalty_piecewise():
     """DAPO Eq. 13 with L_max = 16, L_c = 4: 0 up to 12 tokens, linear to −1 at 16, −1 beyond."""
-    from lit_rlhf.core.rewards import overlong_penalty
+    from lit_rlhf.core.shaping import overlong_penalty
 
     lengths = torch.tensor([1, 12, 13, 14, 16, 17, 40])
     expected = [0.0, 0.0, -0.25, -0.5, -1.0, -1.0, -1.0]

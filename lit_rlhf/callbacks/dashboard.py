@@ -1,9 +1,9 @@
 """The embedded stability dashboard: a PNG of a run's health from its CSV logs (no W&B needed).
 
 RL runs started by train.py keep ``<run>/csv/metrics.csv`` whatever the logger (W&B, TensorBoard,
-none: lit_rlhf/runner.py adds a CSV log beside them), so every such run can be drawn.
+none: lit_rlhf/launch/runner.py adds a CSV log beside them), so every such run can be drawn.
 
-    python -m lit_rlhf.report RUN_DIR [RUN_DIR ...] [--labels a b] [--out stability.png]
+    python -m lit_rlhf.callbacks.dashboard RUN_DIR [RUN_DIR ...] [--labels a b] [--out stability.png]
 
 Panels (MOSS-RLHF's collapse signals, docs/algorithms.md §4): reward (mean with the 5–95% band,
 validation points), KL to the reference, perplexity under policy and reference, response
@@ -180,7 +180,7 @@ def render(run_dirs: Sequence[str], out: str, labels: Sequence[str] | None = Non
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m lit_rlhf.report", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m lit_rlhf.callbacks.dashboard", description=__doc__.splitlines()[0])
     ap.add_argument("run_dirs", nargs="+", help="run directories (with csv/metrics.csv)")
     ap.add_argument("--labels", nargs="*", help="legend names, one per run")
     ap.add_argument("--out", help="output PNG (default: <first run dir>/stability.png)")
@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = args.out or os.path.join(args.run_dirs[0], "stability.png")
     missing = [d for d in args.run_dirs if not os.path.isdir(d) or find_metrics_csv(d) is None]
     if missing:
-        raise SystemExit(f"python -m lit_rlhf.report: {missing_csv_message(missing[0])}")
+        raise SystemExit(f"python -m lit_rlhf.callbacks.dashboard: {missing_csv_message(missing[0])}")
     print(render(args.run_dirs, out, args.labels))
 
 

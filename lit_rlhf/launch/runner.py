@@ -81,8 +81,8 @@ def get_class(node: Any, key: str) -> type:
 
 
 def memory_plan(cfg: DictConfig, job: Plan | None = None) -> Any:
-    """The per-GPU memory plan of a stage job (lit_rlhf/memory_plan.py), None for pipelines."""
-    from lit_rlhf.memory_plan import gpu_memory_gb, plan_for, plan_settings
+    """The per-GPU memory plan of a stage job (lit_rlhf/launch/memory_plan.py), None for pipelines."""
+    from lit_rlhf.launch.memory_plan import gpu_memory_gb, plan_for, plan_settings
 
     job = job or plan(cfg)
     if job.algo_cls is None:
@@ -108,7 +108,7 @@ def print_memory_plan(cfg: DictConfig) -> bool | None:
 
 def check_memory_plan(cfg: DictConfig, job: Plan) -> None:
     """Refuse a GPU launch that the memory plan says cannot fit (``memory_plan.enforce``)."""
-    from lit_rlhf.memory_plan import plan_settings
+    from lit_rlhf.launch.memory_plan import plan_settings
 
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     if accelerator not in ("gpu", "cuda") or not plan_settings(cfg).enforce or job.algo_cls is None:
@@ -129,7 +129,7 @@ def check_memory_plan(cfg: DictConfig, job: Plan) -> None:
 
 def plan(cfg: DictConfig) -> Plan:
     """Validate the model, algo and data configs into dataclasses; raise ConfigError on any problem."""
-    from lit_rlhf.memory_plan import plan_settings
+    from lit_rlhf.launch.memory_plan import plan_settings
     from lit_rlhf.modules.base import RLHFModule
 
     plan_settings(cfg)  # memory_plan.* checked on every machine, not only where a GPU plan is made
@@ -199,7 +199,7 @@ def build(cfg: DictConfig, p: Plan | None = None) -> tuple[Plan, Any, Any]:
     LightningModule (weights still unbuilt)."""
     import lightning.pytorch as pl
 
-    from lit_rlhf.models.builders import build_tokenizer
+    from lit_rlhf.data.tokenizers import build_tokenizer
 
     p = p or plan(cfg)
     p.algo_cls.check_paths(p.algo)  # a missing/empty model folder names its algo.* key, not model.name_or_path
@@ -299,14 +299,14 @@ def resume_path(trainer: Any, ckpt_path: str | None) -> str | None:
 def check_before_imports(cfg: DictConfig) -> None:
     """What a stage job's config can fail on before torch, transformers and Lightning are imported
     (~9 s of CPU in a fresh process; train.py then answers in about a second): every input it lacks
-    here, in one message (lit_rlhf/preflight.py), then the stage's config (``algo.*``) into its
+    here, in one message (lit_rlhf/launch/preflight.py), then the stage's config (``algo.*``) into its
     dataclass. lit_rlhf's stages are known by name (launch/schemas.py); a stage of the user's own is
     imported for its data section, and its config is checked by :func:`plan`, which checks the
     stage's config again (cheap) with the model, data and trainer configs."""
     if cfg.get("algo") is None:
         return
+    from lit_rlhf.launch.preflight import check_inputs
     from lit_rlhf.launch.schemas import STAGE_DATA_KINDS, STAGE_SCHEMAS, schema_class
-    from lit_rlhf.preflight import check_inputs
 
     target = str(cfg.algo.get("_target_", "")) if isinstance(cfg.algo, DictConfig) else ""
     if target not in STAGE_SCHEMAS:
