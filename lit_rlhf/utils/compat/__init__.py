@@ -6,7 +6,7 @@ lists, torch's oneDNN operators and global hook registries, transformers' attent
 OmegaConf's raw nodes. Each such access lives here, nowhere else, behind a small function; when
 an upgrade moves one, the function raises :class:`CompatError` naming the framework, the
 internal that moved and the version lit_rlhf is pinned to and tested with (pyproject.toml), and
-``tests/test_compat.py`` exercises every function against the installed packages, so an upgrade
+``tests/utils/test_compat.py`` exercises every function against the installed packages, so an upgrade
 fails there first, loudly, instead of deep inside a run.
 """
 

@@ -21,7 +21,7 @@ def attention_interface(config: Any, eager: Callable[..., Any] | None) -> Callab
 def cache_keyword() -> str:
     """The keyword a causal LM's forward and its decoder layers take the KV cache by: ``cache``
     in transformers 5.20 and later, ``past_key_values`` before (the pinned 5.19: vLLM's CPU build
-    requires < 5.20); tests/test_compat.py checks it against the installed transformers. Read
+    requires < 5.20); tests/utils/test_compat.py checks it against the installed transformers. Read
     from the signature at each call (~20 µs): a decoding loop asks once."""
     import inspect
 

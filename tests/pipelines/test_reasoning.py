@@ -117,7 +117,7 @@ def test_qa_file_hands_each_prompt_its_answer_through_train_py(tmp_path):
             "data.prompt.val_rows=41-48",
             "data.prompt.max_prompt_length=16",
             f"algo.policy_path={tmp_path / 'policy'}",
-            "algo.reward_fns=[{_target_: tests.test_reasoning_pipeline.answer_check, name: aligned},"
+            "algo.reward_fns=[{_target_: tests.pipelines.test_reasoning.answer_check, name: aligned},"
             "{_target_: lit_rlhf.rewards.exact_match, answer_prefix: 'answer:', name: accuracy, weight: 0.0}]",
             "algo.rollout_batch_size=16",
             "algo.num_generations=4",

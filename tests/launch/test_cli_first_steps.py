@@ -1,5 +1,5 @@
 """train.py's first answers to a newcomer: --help points somewhere, --cfg job shows the chosen stage
-only, --plan writes nothing (tests/test_memory_plan.py), a trainer.* typo answers as fast as an
+only, --plan writes nothing (tests/launch/test_memory_plan.py), a trainer.* typo answers as fast as an
 algo.* one, an argument of a third-party target is named by the runner, a secret under a group says
 where secrets go, and each console event is printed once."""
 

@@ -24,7 +24,7 @@ def test_pins_agree_with_pyproject():
 
     import tomllib
 
-    deps = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    deps = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["dependencies"]
     pinned = dict(d.split("==") for d in deps if "==" in d)
     assert {k: pinned[k] for k in PINNED} == PINNED
 
@@ -97,7 +97,7 @@ def test_lightning_wrap_save_checkpoint_routes_the_instance_through_the_wrapper(
 
 
 def test_deepspeed_zero3_hook_registration_exists():
-    """The hook lists are exercised for real by the ZeRO-3 rollout tests (tests/test_strategies.py,
+    """The hook lists are exercised for real by the ZeRO-3 rollout tests (tests/runtime/test_strategies.py,
     two CPU processes); here: the registration method and the lists' owner are where we expect."""
     import inspect
 
