@@ -224,6 +224,15 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
         value, _ = _ratio(r, a, b, unit)
         derived[f"{a}_over_{b}"] = value
         row(f"{label} (CPU)", f"{a}_over_{b}", value)
+    for name, a, b in (("PPO", "ppo_ours", "ppo_trl"), ("GRPO", "grpo_ours", "grpo_trl")):
+        if "rss_mb" in r.get(a, {}) and "rss_mb" in r.get(b, {}):
+            derived[f"{a}_rss_over_trl"] = r[a]["rss_mb"] / r[b]["rss_mb"]
+            row(f"{name} peak RSS, lit_rlhf / TRL", f"{a}_rss_over_trl", derived[f"{a}_rss_over_trl"])
+    missed = misses(derived)
+    unmeasured = [name for name in TARGETS if derived.get(name) is None]
+    lines += ["", f"Targets missed: {'; '.join(missed)}" if missed else "Every measured target held."]
+    if unmeasured:
+        lines.append(f"Not measured: {', '.join(unmeasured)}")
     sync = r.get("sync_engine", {})
     if "bench_sync_s" in sync:
         lines += [
@@ -236,15 +245,6 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
                 else ""
             ),
         ]
-    for name, a, b in (("PPO", "ppo_ours", "ppo_trl"), ("GRPO", "grpo_ours", "grpo_trl")):
-        if "rss_mb" in r.get(a, {}) and "rss_mb" in r.get(b, {}):
-            derived[f"{a}_rss_over_trl"] = r[a]["rss_mb"] / r[b]["rss_mb"]
-            row(f"{name} peak RSS, lit_rlhf / TRL", f"{a}_rss_over_trl", derived[f"{a}_rss_over_trl"])
-    missed = misses(derived)
-    unmeasured = [name for name in TARGETS if derived.get(name) is None]
-    lines += ["", f"Targets missed: {'; '.join(missed)}" if missed else "Every measured target held."]
-    if unmeasured:
-        lines.append(f"Not measured: {', '.join(unmeasured)}")
     return derived, "\n".join(lines)
 
 

@@ -7,7 +7,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import ROOT, build_models, median_step, peak_rss_mb, prompts, step_timer, timed, trl_path
+from .common import build_models, median_step, peak_rss_mb, prompts, step_timer, timed, trl_path
 
 
 def case_floor(models: Path, s: dict) -> dict:
@@ -75,7 +75,6 @@ def case_ppo_ours(models: Path, s: dict, engine: str = "hf") -> dict:
     """A lit_rlhf ``ppo_max`` iteration (1 epoch, 1 minibatch) through Lightning's Trainer, sampled by
     ``engine`` (hf: the decoding loop; vllm: the colocated vLLM engine, synced every iteration)."""
     import lightning.pytorch as pl
-    import yaml
 
     from lit_rlhf.data.prompts import PromptDataModule
     from lit_rlhf.data.tokenizers import build_tokenizer
@@ -85,16 +84,7 @@ def case_ppo_ours(models: Path, s: dict, engine: str = "hf") -> dict:
     from lit_rlhf.modules.ppo import PPOModule
     from lit_rlhf.utils.config import build_config
 
-    values = {}
-    for name in ("ppo", "ppo_max"):
-        values.update(
-            {
-                k: v
-                for k, v in yaml.safe_load((ROOT / "conf" / "algo" / f"{name}.yaml").read_text()).items()
-                if not k.startswith("_") and k != "defaults"
-            }
-        )
-    values.update(
+    values = dict(
         policy_path=str(models / "policy"),
         reward_path=str(models / "rm"),
         export_dir=None,
@@ -114,7 +104,7 @@ def case_ppo_ours(models: Path, s: dict, engine: str = "hf") -> dict:
             "vllm": {"kv_cache_gib": 0.5},
         },
     )
-    cfg = build_config(PPOConfig, preset("ppo", values), "algo")
+    cfg = build_config(PPOConfig, preset("ppo_max", values), "algo")
     spec = PPOModule.resolve_model_spec(cfg, ModelSpec(name_or_path=str(models / "policy")))
     tok = build_tokenizer(spec)
     module = PPOModule(cfg, model=spec, tokenizer=tok)
