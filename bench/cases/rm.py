@@ -19,8 +19,8 @@ def case_rm_ours(models: Path, s: dict) -> dict:
     """One reward-model optimizer step on ``batch`` pairs (chosen + rejected in one forward)."""
     import torch
 
+    from lit_rlhf.data.chat import get_template
     from lit_rlhf.data.collate import EncodedPreference, collate_preference, encode_pair
-    from lit_rlhf.data.templates import get_template
     from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.modules.reward_model import RewardModelModule

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lit_rlhf.core.masked import masked_mean, masked_sum, zero_outside
-from lit_rlhf.core.objectives import AGGREGATIONS
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: str = "token_mean", constant: float | None = None) -> Tensor:
@@ -23,8 +22,9 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str = "token_mean", constan
 
     token_mean: Σ m·l / Σ m (PPO, DAPO); seq_mean_token_mean: (1/B) Σ_i of row i's token mean, a row
     without tokens counting as 0 in the B (original GRPO, as TRL; docs/algorithms.md §6);
-    seq_sum_constant: Σ m·l / (B · constant) (Dr. GRPO; constant = max length). The names are
-    :data:`lit_rlhf.core.objectives.AGGREGATIONS`.
+    seq_sum_constant: Σ m·l / (B · constant) (Dr. GRPO; constant = max length). The config's names
+    (``algo.loss_aggregation``) are :data:`lit_rlhf.core.objectives.AGGREGATIONS`; a test holds the two
+    to the same three.
     """
     if mode == "token_mean":
         return masked_mean(per_token, mask)
@@ -34,7 +34,7 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str = "token_mean", constan
         if not constant:
             raise ValueError("seq_sum_constant needs a constant normaliser (e.g. max_new_tokens)")
         return masked_sum(per_token, mask) / (per_token.shape[0] * constant)
-    raise ValueError(f"unknown aggregation {mode!r}; one of {list(AGGREGATIONS)}")
+    raise ValueError(f"unknown aggregation {mode!r}; one of token_mean, seq_mean_token_mean, seq_sum_constant")
 
 
 def ppo_policy_loss(

@@ -34,6 +34,7 @@ import jinja2
 
 from lit_rlhf.data.collate import EncodedPair
 from lit_rlhf.data.io import DataError, require_str
+from lit_rlhf.data.templates import AUTO, TEMPLATES
 from lit_rlhf.utils.facts import recall
 
 log = logging.getLogger(__name__)
@@ -395,3 +396,14 @@ def encode_conversation(tokenizer: Any, messages: list[Message], max_length: int
         prompt, loss = prompt[:keep] + prompt[keep + excess :], loss[:keep] + loss[keep + excess :]
         prompt_cut = excess
     return EncodedPair(prompt, response, prompt_cut, response_cut, tuple(loss) if any(loss) else None)
+
+
+def get_template(name: str) -> Any:
+    """The named template (lit_rlhf/data/templates.py), or for ``auto`` the tokenizer's chat template
+    (:class:`TokenizerTemplate`)."""
+    if name == AUTO:
+        return TokenizerTemplate()
+    try:
+        return TEMPLATES[name]
+    except KeyError:
+        raise ValueError(f"unknown chat template '{name}'; known: {', '.join([*TEMPLATES, AUTO])}") from None

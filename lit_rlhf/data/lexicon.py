@@ -6,8 +6,6 @@ class grammar that picks the next word's part of speech.
 
 from __future__ import annotations
 
-from typing import Any
-
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<eos>"
 SPECIAL_TOKENS = (PAD, UNK, BOS, EOS)
 
@@ -96,35 +94,3 @@ def word_level_tokenizer(words: list[str]):
         padding_side="left",
         model_max_length=512,
     )
-
-
-def _task_vocabulary(source: str) -> tuple[str, ...]:
-    if source == "reasoning":
-        from lit_rlhf.data.reasoning import build_tokenizer
-    else:
-        from lit_rlhf.data.synthetic import build_tokenizer
-    return tuple(build_tokenizer().get_vocab())
-
-
-def check_embedded_vocabulary(tokenizer: Any, section: str, source: str) -> None:
-    """Refuse an embedded task (``source: synthetic | reasoning``, a made-up word-level language)
-    paired with a model whose tokenizer does not have its words as tokens (a real model: Llama's
-    tokenizer would chop the made-up words into pieces and train it off its own language).
-
-    Raises:
-        ConfigError: naming ``data``, with the data configs a real model takes instead.
-    """
-    from lit_rlhf.utils.config import ConfigError
-
-    vocab = tokenizer.get_vocab()
-    missing = [w for w in _task_vocabulary(source) if w not in vocab]
-    if missing:
-        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-        raise ConfigError(
-            "data",
-            f"data.{section}.source={source} is an embedded toy task in its own word-level "
-            f"language, for the tiny models (model=tiny_llama, tiny_reasoning, and models trained from "
-            f"them), but the model's tokenizer ({name}) lacks its tokens ({', '.join(missing[:4])}, …). "
-            "For a real model choose real data: data=hh_chat (HH-RLHF in the model's chat format), "
-            "data=chat (your own conversations, preference pairs and prompts), data=qa_file",
-        )

@@ -30,7 +30,15 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
-from lit_rlhf.data.chat import Message, field_text_or_turns, hh_to_messages, naming_row, prompt_key, split_conversations
+from lit_rlhf.data.chat import (
+    Message,
+    field_text_or_turns,
+    get_template,
+    hh_to_messages,
+    naming_row,
+    prompt_key,
+    split_conversations,
+)
 from lit_rlhf.data.collate import (
     EncodedExample,
     EncodedPreference,
@@ -42,11 +50,11 @@ from lit_rlhf.data.collate import (
 )
 from lit_rlhf.data.configs import PreferenceDataConfig
 from lit_rlhf.data.io import DataError, Row, is_file_source, iter_rows, require_str, select_rows
-from lit_rlhf.data.lexicon import check_embedded_vocabulary
 from lit_rlhf.data.loader import ResumableDataLoader
 from lit_rlhf.data.sampler import EpochSampler, LengthGroupedSampler
 from lit_rlhf.data.synthetic import SyntheticTask
-from lit_rlhf.data.templates import AUTO, get_template
+from lit_rlhf.data.templates import AUTO
+from lit_rlhf.data.tokenizers import check_embedded_vocabulary
 from lit_rlhf.utils.config import ConfigError, resolve_config
 
 log = logging.getLogger(__name__)

@@ -74,16 +74,3 @@ TEMPLATES: dict[str, ChatTemplate] = {
 }
 AUTO = "auto"
 """The tokenizer's own chat template (data/chat.py)."""
-
-
-def get_template(name: str) -> Any:
-    """The named template, or for ``auto`` the tokenizer's chat template (a
-    :class:`~lit_rlhf.data.chat.TokenizerTemplate`)."""
-    if name == AUTO:
-        from lit_rlhf.data.chat import TokenizerTemplate
-
-        return TokenizerTemplate()
-    try:
-        return TEMPLATES[name]
-    except KeyError:
-        raise ValueError(f"unknown chat template '{name}'; known: {', '.join([*TEMPLATES, AUTO])}") from None

@@ -1,6 +1,7 @@
 """The tokenizer of a :class:`~lit_rlhf.models.spec.ModelSpec`: a hub or local tokenizer, an embedded
 task's word-level one (``model.tokenizer=synthetic|reasoning``), or a byte-level BPE learned from a
-dataset (``model.train_tokenizer``), each prepared for the stages (pad token, left padding)."""
+dataset (``model.train_tokenizer``), each prepared for the stages (pad token, left padding); and the
+check that an embedded task's data meets a tokenizer that has its words."""
 
 from __future__ import annotations
 
@@ -36,14 +37,8 @@ def build_tokenizer(spec: ModelSpec) -> Any:
 
         return prepare_tokenizer(train_bpe(spec.train_tokenizer))
     source = spec.tokenizer_source
-    if source == "synthetic":
-        from lit_rlhf.data.synthetic import build_tokenizer as synthetic_tokenizer
-
-        return prepare_tokenizer(synthetic_tokenizer())
-    if source == "reasoning":
-        from lit_rlhf.data.reasoning import build_tokenizer as reasoning_tokenizer
-
-        return prepare_tokenizer(reasoning_tokenizer())
+    if source in ("synthetic", "reasoning"):
+        return prepare_tokenizer(embedded_tokenizer(source))
     from transformers import AutoTokenizer
 
     key = "model.tokenizer" if spec.tokenizer else "model.name_or_path"
@@ -56,3 +51,36 @@ def build_tokenizer(spec: ModelSpec) -> Any:
         revision=spec.revision,
     )
     return prepare_tokenizer(tok, spec.kind)
+
+
+def embedded_tokenizer(source: str) -> Any:
+    """The word-level tokenizer of an embedded task (``synthetic`` or ``reasoning``), unprepared."""
+    if source == "reasoning":
+        from lit_rlhf.data.reasoning import build_tokenizer
+    else:
+        from lit_rlhf.data.synthetic import build_tokenizer
+    return build_tokenizer()
+
+
+def check_embedded_vocabulary(tokenizer: Any, section: str, source: str) -> None:
+    """Refuse an embedded task (``source: synthetic | reasoning``, a made-up word-level language)
+    paired with a model whose tokenizer does not have its words as tokens (a real model: Llama's
+    tokenizer would chop the made-up words into pieces and train it off its own language).
+
+    Raises:
+        ConfigError: naming ``data``, with the data configs a real model takes instead.
+    """
+    from lit_rlhf.utils.config import ConfigError
+
+    vocab = tokenizer.get_vocab()
+    missing = [w for w in embedded_tokenizer(source).get_vocab() if w not in vocab]
+    if missing:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ConfigError(
+            "data",
+            f"data.{section}.source={source} is an embedded toy task in its own word-level "
+            f"language, for the tiny models (model=tiny_llama, tiny_reasoning, and models trained from "
+            f"them), but the model's tokenizer ({name}) lacks its tokens ({', '.join(missing[:4])}, …). "
+            "For a real model choose real data: data=hh_chat (HH-RLHF in the model's chat format), "
+            "data=chat (your own conversations, preference pairs and prompts), data=qa_file",
+        )

@@ -528,8 +528,8 @@ class RLModule(RLHFModule):
         return self.actor
 
     def on_fit_start(self) -> None:
+        from lit_rlhf.data.chat import get_template
         from lit_rlhf.data.prompts import PromptDataModule
-        from lit_rlhf.data.templates import get_template
         from lit_rlhf.rollout.scorers import ModelScorer
 
         dm = self.trainer.datamodule

@@ -352,8 +352,8 @@ def evaluate_policies(
 
     from lit_rlhf.core.kl import sequence_kl
     from lit_rlhf.core.masked import masked_sum
+    from lit_rlhf.data.chat import get_template
     from lit_rlhf.data.prompts import collate_prompts, encode_prompt
-    from lit_rlhf.data.templates import get_template
     from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.builders import build_causal_lm, freeze
     from lit_rlhf.models.reward import load_reward_model

@@ -124,9 +124,9 @@ def evaluate_reasoning(
     samples with ``gen``."""
     import torch
 
+    from lit_rlhf.data.chat import get_template
     from lit_rlhf.data.prompts import collate_prompts, encode_prompt
     from lit_rlhf.data.reasoning import answer_reward_fn
-    from lit_rlhf.data.templates import get_template
     from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.builders import build_causal_lm, freeze
     from lit_rlhf.models.spec import ModelSpec

@@ -74,8 +74,7 @@ class ModelScorer:
         encode, template = (encode_encoder_pair if self.model.kind == "encoder" else encode_pair), self.template
         if self.model.kind == "encoder" and getattr(template, "name", None) == "auto":
             # an encoder has no chat template: it reads conversations as the HH dialogue text it trains on
-            from lit_rlhf.data.chat import hh_dialogue_text
-            from lit_rlhf.data.templates import get_template
+            from lit_rlhf.data.chat import get_template, hh_dialogue_text
 
             prompts, template = [hh_dialogue_text(p) for p in prompts], get_template("dialogue")
         pairs = [encode(self.tokenizer, p, r, template, self.max_length) for p, r in zip(prompts, responses)]

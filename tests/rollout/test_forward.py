@@ -76,7 +76,7 @@ def test_response_logits_same_with_and_without_logits_to_keep(policy):
 def test_truncated_responses_are_scored_with_an_eos_like_the_retokenizing_path(tiny_spec, tokenizer):
     """The reward model reads x + y + EOS (docs/algorithms.md §1). Reusing the policy's ids must give the
     scores that decoding + re-tokenizing (encode_pair appends the EOS) gives, truncated rows too."""
-    from lit_rlhf.data.templates import get_template
+    from lit_rlhf.data.chat import get_template
     from lit_rlhf.models.reward import build_reward_model
     from lit_rlhf.rollout.scorers import ModelScorer, append_eos_to_truncated
 
