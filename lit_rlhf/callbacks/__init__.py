@@ -3,6 +3,8 @@
 (``stability.png``, :mod:`lit_rlhf.callbacks.dashboard`: ``python -m lit_rlhf.callbacks.dashboard RUN_DIR``).
 The callbacks import Lightning when first used, so the dashboard alone stays light."""
 
+from lit_rlhf.utils.lazy import lazy_names
+
 __all__ = [
     "CollapseAlarm",
     "CollapseDetector",
@@ -30,9 +32,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"lit_rlhf.callbacks.{_LAZY[name]}"), name)
-    raise AttributeError(name)
+__getattr__ = lazy_names(__name__, _LAZY)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,27 +33,9 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lit_rlhf.utils.rng import capture_rng, restore_rng
+
 log = logging.getLogger(__name__)
-
-
-def capture_rng() -> dict[str, Any]:
-    """The state of every global generator of this process, in types a ``weights_only`` load
-    accepts (tensors, tuples, numbers: no numpy arrays)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()  # the current device: one per process
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _gather(state: dict[str, Any]) -> list[dict[str, Any]]:

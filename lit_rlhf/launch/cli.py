@@ -11,8 +11,9 @@ Every typed key is in the composed config (the presets start from the typed conf
 lit_rlhf/launch/schemas.py), so a key is known exactly when its dataclass has the field. A key of a
 third-party node (``trainer.*``, a callback's) that its YAML does not list is refused with Hydra's
 own idiom for adding it (``+trainer.gradient_clip_algorithm=norm``); what such a key's target then
-refuses is named by the runner (lit_rlhf/utils/instantiate.py). Anything the check cannot judge (a
-parse error, ``+``/``++``/``~`` overrides, ``hydra.*`` keys, list indices) is left to Hydra.
+refuses is named by the runner (lit_rlhf/launch/runner.py ``plan``, lit_rlhf/utils/instantiate.py).
+Anything the check cannot judge (a parse error, ``+``/``++``/``~`` overrides, ``hydra.*`` keys, list
+indices) is left to Hydra.
 """
 
 from __future__ import annotations
@@ -125,7 +126,10 @@ def _select(cfg: Any, parent: str) -> Any:
 def check_overrides(argv: list[str], config_dir: str | Path, config_name: str = "train") -> None:
     """Raise :class:`ConfigError` for a ``key=value`` override whose key the config composed from
     the command line's group choices lacks (one compose; a swept choice by its first value)."""
-    overrides = _cli_overrides(argv)
+    _check_keys(_cli_overrides(argv) or [], Path(config_dir), config_name)
+
+
+def _check_keys(overrides: list[str], config_dir: Path, config_name: str) -> None:
     if not overrides:
         return
     from hydra import compose, initialize_config_dir
@@ -137,7 +141,6 @@ def check_overrides(argv: list[str], config_dir: str | Path, config_name: str = 
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception:
         return  # Hydra reports the parse error itself
-    config_dir = Path(config_dir)
     groups = {p.name for p in config_dir.iterdir() if p.is_dir()}
     choices, keys = [], []
     for o in parsed:
@@ -186,7 +189,7 @@ def prepare(argv: list[str], config_dir: str | Path, config_name: str = "train")
     overrides = _cli_overrides(argv)
     if overrides is None:  # --help, --info …: no job
         return argv
-    check_overrides(argv, config_dir, config_name)
+    _check_keys(overrides, Path(config_dir), config_name)
     extra = []
     chooses_stage = _chooses(overrides, "algo") or _chooses(overrides, "experiment")
     if chooses_stage and not any(o.partition("=")[0].lstrip("+~") == "pipeline" for o in overrides):
@@ -195,11 +198,9 @@ def prepare(argv: list[str], config_dir: str | Path, config_name: str = "train")
         extra += ["memory_plan.only=true", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
         if not any(a.startswith("hydra.run.dir=") for a in argv):
             extra.append("hydra.run.dir=.")
-    return _with_overrides(argv, extra) if extra else argv
-
-
-def _with_overrides(argv: list[str], extra: list[str]) -> list[str]:
-    """``extra`` inserted after the command line's first override (Hydra's parser takes the
-    overrides as one run of arguments: appended after ``--cfg job`` they would be refused)."""
-    first = next((i for i, a in enumerate(argv) if a in (_cli_overrides(argv) or [])), len(argv) - 1)
+    if not extra:
+        return argv
+    # after the first override: Hydra's parser takes the overrides as one run of arguments (appended
+    # after ``--cfg job`` they would be refused)
+    first = next((i for i, a in enumerate(argv) if a in overrides), len(argv) - 1)
     return [*argv[: first + 1], *extra, *argv[first + 1 :]]

@@ -252,17 +252,22 @@ def setup_from(cfg: Any, job: Any) -> Setup:
     )
 
 
+def _tiny_vocab(spec: Any) -> int | None:
+    """A tiny model's vocabulary size (its tokenizer's); None for a model read from a folder."""
+    if spec.tiny is None:
+        return None
+    from lit_rlhf.data.tokenizers import build_tokenizer
+
+    return len(build_tokenizer(spec))
+
+
 def estimate(cfg: Any, job: Any, setup: Setup | None = None, gpu_memory_gb: float | None = None) -> MemoryPlan:
     s = setup or setup_from(cfg, job)
     spec = job.model
     notes: list[str] = []
     rows: list[Row] = []
     arch0 = None
-    tiny_vocab = None
-    if spec.tiny is not None:  # a tiny model's vocabulary is its tokenizer's
-        from lit_rlhf.data.tokenizers import build_tokenizer
-
-        tiny_vocab = len(build_tokenizer(spec))
+    tiny_vocab = _tiny_vocab(spec)
     for name, role, path in job.algo_cls.planned_models(job.algo):  # each stage declares its models
         arch, source = arch_of(spec, path, tiny_vocab)
         if arch is None and path is not None:

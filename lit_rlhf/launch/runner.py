@@ -216,17 +216,13 @@ def build(cfg: DictConfig, p: Plan | None = None) -> tuple[Plan, Any, Any]:
 def build_trainer(cfg: DictConfig, algo_cls: type) -> tuple[Any, list[Any]]:
     """(trainer, loggers) of a stage job: its callbacks plus the progress bar and ResumeState, its
     strategy with atomic checkpoint saving (a kill never destroys last.ckpt, file or folder)."""
+    from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ProgressBar
 
     from lit_rlhf.callbacks.progress import RLProgressBar
     from lit_rlhf.callbacks.resume import ResumeState
     from lit_rlhf.runtime.checkpoint_io import AtomicCheckpointIO, atomic_deepspeed_saves
-    from lit_rlhf.utils.instantiate import (
-        instantiate_callbacks,
-        instantiate_loggers,
-        instantiate_node,
-        instantiate_strategy,
-    )
+    from lit_rlhf.utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_strategy
 
     callbacks = instantiate_callbacks(_resolve_auto_monitor(cfg.get("callbacks"), algo_cls))
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
@@ -240,9 +236,8 @@ def build_trainer(cfg: DictConfig, algo_cls: type) -> tuple[Any, list[Any]]:
         plugins = []
     else:
         plugins = [AtomicCheckpointIO()]
-    trainer = instantiate_node(
-        cfg.trainer, "trainer", callbacks=callbacks, logger=loggers or False, strategy=strategy, plugins=plugins
-    )
+    # trainer.* were checked against Trainer's signature by plan()
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, plugins=plugins)
     return trainer, loggers
 
 

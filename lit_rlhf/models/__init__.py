@@ -2,6 +2,7 @@
 tokenizers: lit_rlhf/data/tokenizers.py."""
 
 from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
+from lit_rlhf.utils.lazy import lazy_names
 
 __all__ = [
     "ModelSpec",
@@ -22,10 +23,5 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    # builders import transformers; keep `import lit_rlhf.models` light until they are used
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"lit_rlhf.models.{_LAZY[name]}"), name)
-    raise AttributeError(name)
+# builders import transformers; keep `import lit_rlhf.models` light until they are used
+__getattr__ = lazy_names(__name__, _LAZY)

@@ -390,20 +390,35 @@ def evaluate_policies(
                 tokens += int(r.response_mask.sum())
                 lengths += r.response_lengths.tolist()
                 ended += r.ended.tolist()
-            g = torch.tensor(gold)
-            results[name] = {
-                "gold_mean": float(g.mean()),
-                "gold_std": float(g.std(unbiased=True)),
-                "proxy_mean": float(torch.tensor(proxy).mean()) if proxy else math.nan,
-                "kl_to_sft": float(torch.tensor(kl).mean()),
-                "perplexity": math.exp(nll / max(tokens, 1)),
-                "response_length": float(torch.tensor(lengths, dtype=torch.float32).mean()),
-                "truncation_rate": 1.0 - sum(ended) / len(ended),
-            }
+            results[name] = _policy_metrics(gold, proxy, kl, nll, tokens, lengths, ended)
     finally:
         if engine is not None:
             engine.close()
     return results
+
+
+def _policy_metrics(
+    gold: list[float],
+    proxy: list[float],
+    kl: list[float],
+    nll: float,
+    tokens: int,
+    lengths: list[int],
+    ended: list[bool],
+) -> dict[str, float]:
+    """One policy's row of :func:`evaluate_policies` from its responses' values."""
+    import torch
+
+    g = torch.tensor(gold)
+    return {
+        "gold_mean": float(g.mean()),
+        "gold_std": float(g.std(unbiased=True)),
+        "proxy_mean": float(torch.tensor(proxy).mean()) if proxy else math.nan,
+        "kl_to_sft": float(torch.tensor(kl).mean()),
+        "perplexity": math.exp(nll / max(tokens, 1)),
+        "response_length": float(torch.tensor(lengths, dtype=torch.float32).mean()),
+        "truncation_rate": 1.0 - sum(ended) / len(ended),
+    }
 
 
 def format_table(

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -34,6 +33,7 @@ from torch import Tensor
 
 from lit_rlhf.rollout.config import GenerationConfig, VLLMConfig
 from lit_rlhf.utils.config import ConfigError
+from lit_rlhf.utils.rng import rng_kept
 
 log = logging.getLogger(__name__)
 
@@ -112,23 +112,6 @@ def _set_env(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-@contextlib.contextmanager
-def _keep_rng_state() -> Iterator[None]:
-    """The process's random states (Python, NumPy, torch CPU and CUDA) as they were before: vLLM
-    seeds all of them with its own seed when it builds an engine, which would make the run's
-    samples depend on when the engine was built (a resumed run builds it at the resume point)."""
-    import numpy as np
-
-    py, npy = random.getstate(), np.random.get_state()
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            random.setstate(py)
-            np.random.set_state(npy)
 
 
 def _build_env() -> tuple[str | None, dict[str, str]]:
@@ -227,7 +210,7 @@ class VLLMEngine:
             kwargs["distributed_executor_backend"] = backend
         started = time.perf_counter()
         try:
-            with _set_env(env), _keep_rng_state():
+            with _set_env(env), rng_kept():  # vLLM seeds every generator: a resumed run must not shift
                 llm = LLM(**kwargs)
         except BaseException:
             workdir.cleanup()

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import logging
-import re
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lit_rlhf.utils.config import ConfigError
+from lit_rlhf.utils.config import check_call_arguments
 
 log = logging.getLogger(__name__)
 
@@ -32,30 +29,15 @@ def _named_nodes(node: Any, group: str) -> list[tuple[str, Any]]:
 
 
 def instantiate_node(node: Any, key: str, **kwargs: Any) -> Any:
-    """Hydra's ``instantiate`` of ``node`` (the config at ``key``). An argument its ``_target_`` does
-    not take (``+trainer.max_stepz=5``) is a :class:`ConfigError` naming ``<key>.<argument>``, the
-    closest argument it takes and all of them."""
-    from hydra.utils import instantiate
+    """Hydra's ``instantiate`` of ``node`` (the config at ``key``), its keys first checked against its
+    ``_target_``'s signature (:func:`lit_rlhf.utils.config.check_call_arguments`): an argument the
+    target does not take (``+callbacks.model_checkpoint.save_lst=true``) is a :class:`ConfigError`
+    naming ``<key>.<argument>`` and the closest argument it takes."""
+    from hydra.utils import get_method, instantiate
 
-    try:
-        return instantiate(node, **kwargs)
-    except Exception as err:
-        found = re.search(r"unexpected keyword argument '(\w+)'", str(err))
-        if found is None or not isinstance(node, DictConfig) or "_target_" not in node:
-            raise
-        bad, target = found.group(1), str(node._target_)
-        try:
-            from hydra.utils import get_method
-
-            params = inspect.signature(get_method(target)).parameters
-        except Exception:
-            raise err from None
-        names = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n != "self"]
-        close = difflib.get_close_matches(bad, names, n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(
-            f"{key}.{bad}", f"not an argument of {target}.{hint} Its arguments: {', '.join(names)}"
-        ) from err
+    if isinstance(node, DictConfig) and "_target_" in node:
+        check_call_arguments(get_method(str(node._target_)), node, key)
+    return instantiate(node, **kwargs)
 
 
 def instantiate_callbacks(node: Any) -> list[Any]:

@@ -94,19 +94,21 @@ def test_a_trainer_key_is_judged_without_importing_lightning():
 
 
 def test_an_argument_a_target_does_not_take_is_named_by_the_runner():
-    """``+trainer.max_stepz=5`` (forced past the check) reaches Lightning's Trainer, which refuses it:
-    the runner names the key, the closest argument and all of them."""
+    """``+trainer.max_stepz=5`` (forced past the command-line check) is refused by the runner's plan
+    against Trainer's signature, a callback's by its instantiation: each names the key and the
+    closest argument the target takes."""
+    from lit_rlhf.launch.runner import plan
     from lit_rlhf.utils.instantiate import instantiate_node
 
     with pytest.raises(
-        ConfigError, match=r"trainer.max_stepz: not an argument of .*Trainer. Did you mean 'max_steps'\?"
+        ConfigError, match=r"trainer.max_stepz: unknown argument of .*Trainer.*Did you mean 'max_steps'\?"
     ):
-        instantiate_node(compose(["algo=sft", "+trainer.max_stepz=5"]).trainer, "trainer")
-    with pytest.raises(ConfigError, match=r"callbacks.model_checkpoint.every_n_train_stepz: not an argument of"):
-        instantiate_node(
-            compose(["algo=sft", "+callbacks.model_checkpoint.every_n_train_stepz=5"]).callbacks.model_checkpoint,
-            "callbacks.model_checkpoint",
-        )
+        plan(compose(["algo=sft", "+trainer.max_stepz=5"]))
+    node = compose(["algo=sft", "+callbacks.model_checkpoint.save_lst=true"]).callbacks.model_checkpoint
+    with pytest.raises(
+        ConfigError, match=r"callbacks.model_checkpoint.save_lst: unknown argument of .*Did you mean 'save_last'\?"
+    ):
+        instantiate_node(node, "callbacks.model_checkpoint")
 
 
 def test_a_secret_under_a_typed_group_says_to_put_it_at_the_top_level():
