@@ -325,7 +325,8 @@ class RLModule(RLHFModule):
         return truncated_is_weights(mb.logprobs, sampler, mask, self.config.tis_cap)
 
     def optimizer_step(self, opt: Any, sched: Any, loss: Tensor) -> bool:
-        """zero_grad → backward → global grad-norm clip (DeepSpeed clips in its own config) → step.
+        """zero_grad → backward → global grad-norm clip (DeepSpeed clips in its own config) → step →
+        zero_grad (spent gradients are not held through the next rollout: TRL frees them alike).
 
         A loss that is not finite on some rank, or a non-finite gradient norm, is skipped and
         counted: no optimizer or schedule step (lit_rlhf/modules/health.py). The norm is computed
@@ -353,8 +354,7 @@ class RLModule(RLHFModule):
         if applied:
             opt.step()
             sched.step()
-        else:
-            opt.zero_grad()
+        opt.zero_grad()  # the gradients are spent: the next rollout's peak does not hold them
         self.health.count_update(applied)
         return applied
 

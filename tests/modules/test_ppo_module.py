@@ -26,6 +26,8 @@ def test_steps_change_actor_and_critic_and_nothing_frozen(saved_models, tokenize
     assert all(torch.equal(ref0[k], v) for k, v in m.frozen["reference"].state_dict().items())
     assert all(torch.equal(rm0[k], v) for k, v in m.frozen["reward"].state_dict().items())
     assert not any(n.startswith("frozen") for n, _ in m.named_parameters())  # not in checkpoints
+    # spent gradients are released after each step (not held through the next rollout's peak)
+    assert all(p.grad is None for p in m.parameters())
     for k, v in trainer.callback_metrics.items():
         assert math.isfinite(float(v)), k
     for key in (
