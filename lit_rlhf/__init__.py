@@ -4,4 +4,4 @@ Importing the package is cheap: ``lit_rlhf.core`` (the math) needs only torch; L
 transformers and Hydra load when a module, builder or data module is imported.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one home of the version (pyproject.toml reads it; CHANGELOG.md)

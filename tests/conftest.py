@@ -26,6 +26,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 else:
     torch.set_num_threads(min(2, torch.get_num_threads()))
 
+from lit_rlhf.launch.presets import CONF_DIR  # noqa: E402
 from lit_rlhf.launch.schemas import register  # noqa: E402
 
 register()  # the Hydra schemas every preset starts from (train.py does the same)
@@ -74,7 +75,7 @@ _COMPOSED: dict[tuple[str, ...], object] = {}
 
 
 def compose(overrides: list[str], output_dir: Path | None = None):
-    """conf/train.yaml composed like train.py would, with the Hydra runtime set for ${hydra:…}.
+    """lit_rlhf/conf/train.yaml composed like train.py would, with the Hydra runtime set for ${hydra:…}.
 
     Without an ``algo=``/``experiment=`` override the tests get the tiny SFT recipe
     (``experiment=sft_synthetic_tiny``), not train.yaml's default (the demo pipeline, which
@@ -96,7 +97,7 @@ def compose(overrides: list[str], output_dir: Path | None = None):
     key = (os.getcwd(), *overrides)  # hydra.runtime.cwd is the only value composition takes from outside
     if key not in _COMPOSED:
         GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             _COMPOSED[key] = hydra_compose("train", overrides=overrides, return_hydra_config=True)
     cfg = copy.deepcopy(_COMPOSED[key])
     if output_dir is not None:

@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from lit_rlhf.data.io import DataError, iter_rows
+from lit_rlhf.launch.presets import CONF_DIR
 from lit_rlhf.launch.runner import build, plan, run
 from lit_rlhf.utils.config import ConfigError
 from tests.conftest import CPU_FAST, compose
@@ -137,14 +138,13 @@ def test_callable_arguments_missing_from_the_yaml_take_a_plus_and_typos_are_refu
     """A target's argument its YAML does not list takes Hydra's ``+`` (the message says so); with
     it the override passes the check and reaches the target."""
     from lit_rlhf.launch.cli import check_overrides
-    from tests.conftest import ROOT
 
     for key in ("callbacks.model_checkpoint.every_n_train_steps", "trainer.gradient_clip_algorithm"):
         with pytest.raises(ConfigError, match=rf"{key}: unknown key.*: \+{key}=…"):
-            check_overrides(["algo=sft", f"{key}=5"], ROOT / "conf")
-    check_overrides(["algo=sft", "+callbacks.model_checkpoint.every_n_train_steps=5"], ROOT / "conf")
+            check_overrides(["algo=sft", f"{key}=5"], CONF_DIR)
+    check_overrides(["algo=sft", "+callbacks.model_checkpoint.every_n_train_steps=5"], CONF_DIR)
     with pytest.raises(ConfigError, match=r"model_checkpoint.save_lst: unknown key. Did you mean 'save_last'\?"):
-        check_overrides(["algo=sft", "callbacks.model_checkpoint.save_lst=true"], ROOT / "conf")
+        check_overrides(["algo=sft", "callbacks.model_checkpoint.save_lst=true"], CONF_DIR)
 
 
 @pytest.mark.parametrize(

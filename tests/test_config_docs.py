@@ -59,7 +59,7 @@ NESTED = _nested_configs()
 
 
 def test_the_walk_reaches_the_nested_configs():
-    """The walk below is not vacuous: it finds the nested configs a reader meets in conf/."""
+    """The walk below is not vacuous: it finds the nested configs a reader meets in lit_rlhf/conf/."""
     assert {
         "lit_rlhf.rollout.config:GenerationConfig",
         "lit_rlhf.rollout.config:VLLMConfig",

@@ -6,12 +6,13 @@ import functools
 import pytest
 from omegaconf import OmegaConf
 
+from lit_rlhf.launch.presets import CONF_DIR
 from lit_rlhf.launch.runner import _resolve_auto_monitor, plan
 from lit_rlhf.utils.config import ConfigError, to_dict
 from lit_rlhf.utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_strategy
 from tests.conftest import ROOT, compose
 
-CONF = ROOT / "conf"
+CONF = CONF_DIR
 GROUPS = [
     "model",
     "algo",
@@ -117,7 +118,7 @@ def test_option_composes_and_validates(group, option, tmp_path):
         assert p.pipeline.stages == expected[option]
         pipe = p.pipeline_cls(p.pipeline)
         for stage in p.pipeline.stages:
-            job = plan(pipe.compose_stage(pipe.stage_overrides(stage, str(tmp_path), []), str(cfg.paths.root_dir)))
+            job = plan(pipe.compose_stage(pipe.stage_overrides(stage, str(tmp_path), [])))
             assert job.algo_cls is not None and job.algo.export_dir.startswith(str(tmp_path / stage)), stage
         return
     assert p.algo_cls.data_kind in cfg.data
@@ -359,7 +360,7 @@ def _schema_defaults(name: str) -> dict:
 
 
 def _group_file(group: str, name: str) -> tuple[dict, dict, set[str]]:
-    """(what conf/<group>/<name>.yaml composes to from its defaults list alone, its own keys, the
+    """(what lit_rlhf/conf/<group>/<name>.yaml composes to from its defaults list alone, its own keys, the
     typed packages): ``/schema/<s>@<package>`` entries give a dataclass's defaults at that package
     (``_here_``: the whole file), a plain entry is a parent in the same group, composed first."""
     node = _load(group, name)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from lit_rlhf.launch.presets import CONF_DIR
 from lit_rlhf.launch.runner import run
 from tests.conftest import HH_FILE, HH_SOURCE, ROOT, compose
 
@@ -200,7 +201,7 @@ NOT_OFFLINE_CPU["dpo_llama7b_a100x8"] = ["algo.policy_path=/ckpt/sft"]
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("experiment", sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")))
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")))
 def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models):
     from lit_rlhf.launch.runner import plan
 

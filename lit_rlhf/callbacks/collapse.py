@@ -11,7 +11,7 @@ these metrics, or rewards the stage had to skip: ``health/*``) alarm on their ow
 
 :class:`CollapseDetector` is the pure logic (a stream of metric dicts in, reasons out); the
 callback feeds it the values the monitors logged this iteration (so it must come AFTER the
-monitors in the callback list, as in conf/callbacks/rlhf.yaml).
+monitors in the callback list, as in lit_rlhf/conf/callbacks/rlhf.yaml).
 """
 
 from __future__ import annotations

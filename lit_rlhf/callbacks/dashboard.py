@@ -179,8 +179,9 @@ def render(run_dirs: Sequence[str], out: str, labels: Sequence[str] | None = Non
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m lit_rlhf.callbacks.dashboard", description=__doc__.splitlines()[0])
+def main(argv: Sequence[str] | None = None, prog: str = "python -m lit_rlhf.callbacks.dashboard") -> None:
+    """``lit-rlhf report`` (and ``python -m lit_rlhf.callbacks.dashboard``): render the runs' dashboard."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("run_dirs", nargs="+", help="run directories (with csv/metrics.csv)")
     ap.add_argument("--labels", nargs="*", help="legend names, one per run")
     ap.add_argument("--out", help="output PNG (default: <first run dir>/stability.png)")
@@ -188,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = args.out or os.path.join(args.run_dirs[0], "stability.png")
     missing = [d for d in args.run_dirs if not os.path.isdir(d) or find_metrics_csv(d) is None]
     if missing:
-        raise SystemExit(f"python -m lit_rlhf.callbacks.dashboard: {missing_csv_message(missing[0])}")
+        raise SystemExit(f"{prog}: {missing_csv_message(missing[0])}")
     print(render(args.run_dirs, out, args.labels))
 
 

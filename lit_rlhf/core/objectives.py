@@ -11,7 +11,7 @@
   (docs/algorithms.md §6).
 
 A new variant is a function in ``core/losses.py``, an entry here and, where it is a recipe, a
-preset in ``conf/algo/``: the configs validate their names against these tables, the modules call
+preset in ``lit_rlhf/conf/algo/``: the configs validate their names against these tables, the modules call
 through them, and nothing branches on the names elsewhere. This file imports nothing (no torch), so
 a config is checked before any framework is loaded.
 """

@@ -59,6 +59,17 @@ def _cli_overrides(argv: list[str]) -> list[str] | None:
     return out
 
 
+def _user_config_dirs(argv: list[str]) -> list[Path]:
+    """The config folders a command line adds to the package's (Hydra's ``--config-dir``/``-cd``)."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            out.append(Path(argv[i + 1]))
+        elif arg.startswith("--config-dir="):
+            out.append(Path(arg.partition("=")[2]))
+    return out
+
+
 def _missing_key(cfg: Any, dotted: str) -> tuple[str, str, list[str]] | None:
     """(parent path, first missing segment, keys the parent has) when ``dotted`` is not in ``cfg``."""
     from omegaconf import DictConfig
@@ -125,11 +136,12 @@ def _select(cfg: Any, parent: str) -> Any:
 
 def check_overrides(argv: list[str], config_dir: str | Path, config_name: str = "train") -> None:
     """Raise :class:`ConfigError` for a ``key=value`` override whose key the config composed from
-    the command line's group choices lacks (one compose; a swept choice by its first value)."""
-    _check_keys(_cli_overrides(argv) or [], Path(config_dir), config_name)
+    the command line's group choices lacks (one compose; a swept choice by its first value; the
+    user's config folders of ``--config-dir`` and ``hydra.searchpath`` searched as Hydra will)."""
+    _check_keys(_cli_overrides(argv) or [], Path(config_dir), config_name, _user_config_dirs(argv))
 
 
-def _check_keys(overrides: list[str], config_dir: Path, config_name: str) -> None:
+def _check_keys(overrides: list[str], config_dir: Path, config_name: str, user_dirs: list[Path] = ()) -> None:
     if not overrides:
         return
     from hydra import compose, initialize_config_dir
@@ -141,10 +153,16 @@ def _check_keys(overrides: list[str], config_dir: Path, config_name: str) -> Non
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception:
         return  # Hydra reports the parse error itself
-    groups = {p.name for p in config_dir.iterdir() if p.is_dir()}
-    choices, keys = [], []
+    dirs = [config_dir, *(d for d in user_dirs if d.is_dir())]
+    groups = {p.name for d in dirs for p in d.iterdir() if p.is_dir()}
+    # the user's folders join the search path as --config-dir does (Hydra reports a missing one itself)
+    choices = [f"hydra.searchpath=[{','.join('file://' + str(d.resolve()) for d in dirs[1:])}]"] if dirs[1:] else []
+    keys = []
     for o in parsed:
         name = o.key_or_group
+        if name == "hydra.searchpath" and o.type == OverrideType.CHANGE and not dirs[1:]:
+            choices.append(o.input_line)  # a search path given as an override
+            continue
         if o.type != OverrideType.CHANGE or o.package is not None or name.split(".")[0].split("/")[0] == "hydra":
             continue
         if name.split("/")[0] in groups and "." not in name:
@@ -189,7 +207,7 @@ def prepare(argv: list[str], config_dir: str | Path, config_name: str = "train")
     overrides = _cli_overrides(argv)
     if overrides is None:  # --help, --info …: no job
         return argv
-    _check_keys(overrides, Path(config_dir), config_name)
+    _check_keys(overrides, Path(config_dir), config_name, _user_config_dirs(argv))
     extra = []
     chooses_stage = _chooses(overrides, "algo") or _chooses(overrides, "experiment")
     if chooses_stage and not any(o.partition("=")[0].lstrip("+~") == "pipeline" for o in overrides):

@@ -393,7 +393,7 @@ def plan_for(cfg: Any, job: Any, gpu_memory_gb: float | None = None, reserve_gb:
 
 @dataclass
 class PlanSettings:
-    """``memory_plan.*`` (conf/train.yaml), validated by :func:`plan_settings`."""
+    """``memory_plan.*`` (lit_rlhf/conf/train.yaml), validated by :func:`plan_settings`."""
 
     gpu_memory_gb: float | None = field(default=None, metadata={"gt": 0})
     """Memory of one GPU in GiB; None = the visible GPU's (none on CPU: no fit check)."""

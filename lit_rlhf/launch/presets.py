@@ -1,5 +1,5 @@
 """A stage preset's values outside a ``train.py`` job: ``preset("grpo")`` is what ``algo=grpo``
-composes to (conf/algo/grpo.yaml over its typed config's schema), for building a module in Python
+composes to (lit_rlhf/conf/algo/grpo.yaml over its typed config's schema), for building a module in Python
 with the same recipe the command line gets:
 
     from lit_rlhf.launch.presets import preset
@@ -7,7 +7,7 @@ with the same recipe the command line gets:
 
     module = CriticFreeModule(preset("dapo", policy_path="/ckpt/sft", reward_path="/ckpt/rm"))
 
-The values come from the one place they live (conf/algo/*.yaml); nothing here restates them.
+The values come from the one place they live (lit_rlhf/conf/algo/*.yaml); nothing here restates them.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-"""The config tree train.py composes (conf/ beside the package)."""
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+"""The config tree ``lit-rlhf train`` (and train.py) composes: lit_rlhf/conf/, shipped in the package."""
 
 
 def composed(name: str, conf_dir: str | Path = CONF_DIR) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """One training job from a composed Hydra config: validate → build → fit (→ test) → metrics.
 
 ``train.py`` is only the Hydra entry point around :func:`run`; tests call :func:`run` with a
-config composed from ``conf/`` (tests/conftest.py).
+config composed from ``lit_rlhf/conf/`` (tests/conftest.py).
 
 Order matters: a job's missing inputs and its stage config (algo) are checked before torch and
 Lightning are imported (:func:`check_before_imports`: train.py answers in about a second), then every
@@ -142,7 +142,7 @@ def plan(cfg: DictConfig) -> Plan:
         if cfg.get("pipeline") is None:
             raise ConfigError(
                 "algo",
-                "choose a stage (algo=sft, rm, ppo, …: the files in conf/algo) or a "
+                "choose a stage (algo=sft, rm, ppo, …: the files in lit_rlhf/conf/algo) or a "
                 "pipeline (pipeline=demo, what `python train.py` runs by default)",
             )
         pipeline_cls = get_class(cfg.pipeline, "pipeline")

@@ -34,11 +34,11 @@ SCHEMAS = {
     "pipeline": "lit_rlhf.pipelines.demo:DemoConfig",
     "reasoning_pipeline": "lit_rlhf.pipelines.reasoning:ReasoningConfig",
     "model": "lit_rlhf.models.spec:ModelSpec",
-    "tiny_llama": "lit_rlhf.models.spec:TinyLlamaConfig",  # model.tiny of conf/model/tiny_llama.yaml
+    "tiny_llama": "lit_rlhf.models.spec:TinyLlamaConfig",  # model.tiny of lit_rlhf/conf/model/tiny_llama.yaml
     "sft_data": "lit_rlhf.data.configs:SFTDataConfig",
     "preference_data": "lit_rlhf.data.configs:PreferenceDataConfig",
     "prompt_data": "lit_rlhf.data.configs:PromptDataConfig",
-    "task": "lit_rlhf.data.synthetic:TaskConfig",  # data.task of conf/data/synthetic.yaml (the embedded task)
+    "task": "lit_rlhf.data.synthetic:TaskConfig",  # data.task of lit_rlhf/conf/data/synthetic.yaml (the embedded task)
     "reasoning_task": "lit_rlhf.data.reasoning:ReasoningTaskConfig",  # data.reasoning of conf/data/reasoning.yaml
 }
 # the stages' modules and their typed configs' schemas: an unknown algo.* key is reported with

@@ -5,10 +5,10 @@ schedule) ← :class:`StageConfig` (+ the export) ← every stage; :class:`Polic
 a preference or RL stage trains, its forwards and its sampling) ← :class:`DPOConfig` and
 :class:`RLConfig` (the reward, the KL, the clipped surrogate, the minibatches and whitening every RL
 stage shares) ← :class:`PPOConfig`, :class:`CriticFreeConfig`. The classes are registered as Hydra
-schemas (lit_rlhf/launch/schemas.py) that every ``conf/algo/*.yaml`` preset starts from: the
+schemas (lit_rlhf/launch/schemas.py) that every ``lit_rlhf/conf/algo/*.yaml`` preset starts from: the
 dataclass defaults are the values stages share, and each preset sets its paper's recipe for real
 LMs (7B scale, docs/algorithms.md §3) over them, so ``--cfg job`` shows every key and where a
-recipe number comes from (the tiny embedded-task model's values live in conf/experiment/*_tiny.yaml).
+recipe number comes from (the tiny embedded-task model's values live in lit_rlhf/conf/experiment/*_tiny.yaml).
 
 Built by ``lit_rlhf.utils.config.build_config``: a typo'd key, a wrong type or an out-of-range
 value fails at start naming the key (``algo.lr: must be > 0, got -1.0``), before any model is built.
@@ -76,13 +76,13 @@ class PaddingFreeConfig:
 @dataclass
 class SFTConfig(StageConfig):
     """Supervised fine-tuning: token-mean NLL of the response tokens (prompt masked out). The preset
-    (conf/algo/sft.yaml) is the Llama-2 SFT recipe (Touvron et al. 2023 §3.1)."""
+    (lit_rlhf/conf/algo/sft.yaml) is the Llama-2 SFT recipe (Touvron et al. 2023 §3.1)."""
 
 
 @dataclass
 class RMConfig(StageConfig, PaddingFreeConfig):
     """Pairwise reward model (docs/algorithms.md §1): Bradley–Terry + optional LM and centering terms.
-    The preset (conf/algo/rm.yaml) is the Llama-2 reward-model recipe."""
+    The preset (lit_rlhf/conf/algo/rm.yaml) is the Llama-2 reward-model recipe."""
 
     beta_rm: float = field(default=0.0, metadata={"ge": 0.0})
     """Weight of the LM loss on the chosen response (MOSS-RLHF uses 1; needs a causal LM backbone)."""
@@ -318,8 +318,8 @@ def _import_target(path: str, key: str) -> object:
 @dataclass
 class PPOConfig(RLConfig):
     """PPO / PPO-max for language models (docs/algorithms.md §2–§3). Every switch is a key;
-    conf/algo/ppo.yaml is vanilla PPO with the MOSS-RLHF 7B recipe, conf/algo/{ppo_max,ppo_moss_release}.yaml
-    the switches of PPO-max over it."""
+    lit_rlhf/conf/algo/ppo.yaml is vanilla PPO with the MOSS-RLHF 7B recipe,
+    lit_rlhf/conf/algo/{ppo_max,ppo_moss_release}.yaml the switches of PPO-max over it."""
 
     # ---- models
     critic_path: str | None = None
@@ -363,8 +363,8 @@ class DPOConfig(PolicyConfig):
     """Direct preference optimization and its family (docs/algorithms.md §5): DPO (sigmoid), cDPO
     (label smoothing), IPO, and the reference-free SimPO (§5.1) and ORPO (§5.2) and the unpaired KTO
     (§5.3), each a ``loss_type`` of the one module (the table of pair losses: lit_rlhf/core/losses.py
-    ``PAIR_LOSSES``). conf/algo/dpo.yaml is the DPO paper's recipe (Rafailov et al. 2023 App. B);
-    conf/algo/{simpo,orpo,kto}.yaml set their papers' recipes."""
+    ``PAIR_LOSSES``). lit_rlhf/conf/algo/dpo.yaml is the DPO paper's recipe (Rafailov et al. 2023 App. B);
+    lit_rlhf/conf/algo/{simpo,orpo,kto}.yaml set their papers' recipes."""
 
     reference_path: str | None = None
     """The frozen reference π_ref; None = the policy's starting weights (the usual choice). SimPO and
@@ -429,7 +429,7 @@ class DPOConfig(PolicyConfig):
 @dataclass
 class CriticFreeConfig(RLConfig):
     """Critic-free RL (docs/algorithms.md §6): GRPO; DAPO, Dr. GRPO, RLOO, REINFORCE++ (and its
-    group-baseline variant) and ReMax are presets of it. conf/algo/grpo.yaml is GRPO as in
+    group-baseline variant) and ReMax are presets of it. lit_rlhf/conf/algo/grpo.yaml is GRPO as in
     DeepSeekMath (β 0.04 with k3 in the loss, lr 1e-6, per-sequence mean then batch mean, advantages
     scaled by the group std) with TRL's group size 8."""
 

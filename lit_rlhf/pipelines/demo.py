@@ -116,20 +116,22 @@ class StagePipeline:
         forwarded = [o for o in cli if not o.lstrip("+~").startswith(("algo", "pipeline", "hydra"))]
         return [*forwarded, *map(expand, self.config.common), *overrides, f"paths.output_dir={dirs[stage]}"]
 
-    def compose_stage(self, overrides: list[str], root_dir: str) -> Any:
+    def compose_stage(self, overrides: list[str]) -> Any:
         from hydra import compose, initialize_config_dir
         from hydra.core.global_hydra import GlobalHydra
 
+        from lit_rlhf.launch.presets import CONF_DIR
+
         if GlobalHydra.instance().is_initialized():  # inside train.py's Hydra app
             return compose(config_name="train", overrides=overrides)
-        with initialize_config_dir(config_dir=os.path.join(root_dir, "conf"), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return compose(config_name="train", overrides=overrides)
 
     def stage_config(self, stage: str, run_dir: str, cfg: Any) -> Any:
         """The stage's job as composed for this run (cached)."""
         if stage not in self._composed:
             overrides = self.stage_overrides(stage, run_dir, _cli_overrides())
-            self._composed[stage] = self.compose_stage(overrides, str(cfg.paths.root_dir))
+            self._composed[stage] = self.compose_stage(overrides)
         return self._composed[stage]
 
     def export_of(self, stage: str, run_dir: str, cfg: Any) -> str | None:

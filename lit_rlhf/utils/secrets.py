@@ -103,7 +103,7 @@ def restore_secrets(cfg: Any) -> None:
 
 
 class MaskSecrets(Callback):
-    """Hydra callback (conf/hydra/default.yaml): masks the files Hydra has just written (and keeps
+    """Hydra callback (lit_rlhf/conf/hydra/default.yaml): masks the files Hydra has just written (and keeps
     the real values in this process's environment for the ranks Lightning starts from them)."""
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:

@@ -69,7 +69,7 @@ class CPUFSDPStrategy(RLHFFSDPStrategy):
 
 
 def cpu_fsdp_strategy(**kwargs: Any) -> CPUFSDPStrategy:
-    """``conf/strategy/fsdp.yaml``'s wrapping (Llama decoder blocks) and sharding, over gloo."""
+    """``lit_rlhf/conf/strategy/fsdp.yaml``'s wrapping (Llama decoder blocks) and sharding, over gloo."""
     kwargs.setdefault("wrap_layers", ["transformers.models.llama.modeling_llama.LlamaDecoderLayer"])
     return CPUFSDPStrategy(
         process_group_backend="gloo", sharding_strategy="FULL_SHARD", state_dict_type="full", **kwargs

@@ -6,10 +6,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from lit_rlhf.launch.cli import check_overrides
+from lit_rlhf.launch.presets import CONF_DIR
 from lit_rlhf.utils.config import ConfigError
 from tests.conftest import ROOT
 
-CONF = ROOT / "conf"
+CONF = CONF_DIR
 
 
 def error(*argv):
@@ -189,7 +190,7 @@ def test_what_hydra_judges_is_left_to_hydra(argv, then, tmp_path):
 def test_stage_schemas_name_each_stage_modules_own_config():
     """The light maps train.py's checks name configs and data sections by (launch/schemas.py:
     STAGE_SCHEMAS, STAGE_DATA_KINDS) are each stage module's ``config_class`` and ``data_kind``, and
-    cover every stage the conf/algo presets build."""
+    cover every stage the lit_rlhf/conf/algo presets build."""
     import importlib
 
     from omegaconf import OmegaConf

@@ -12,6 +12,7 @@ import warnings
 import pytest
 
 from lit_rlhf.launch.cli import check_overrides, prepare
+from lit_rlhf.launch.presets import CONF_DIR
 from lit_rlhf.utils.config import ConfigError
 from tests.conftest import ROOT, compose
 
@@ -49,7 +50,7 @@ def test_cfg_job_of_a_stage_has_no_pipeline_node():
 
 
 def test_stage_choices_drop_the_pipeline_and_plan_only_runs_in_place():
-    conf = ROOT / "conf"
+    conf = CONF_DIR
     assert prepare(["algo=sft", "--cfg", "job"], conf) == ["algo=sft", "~pipeline", "--cfg", "job"]
     assert prepare(["-m", "experiment=sft_synthetic_tiny,rm_synthetic_tiny", "seed=1"], conf) == [
         "-m",
@@ -80,7 +81,7 @@ def test_a_trainer_key_is_judged_without_importing_lightning():
         "from lit_rlhf.launch.cli import check_overrides as c; from lit_rlhf.utils.config import ConfigError; "
         "from lit_rlhf.launch.schemas import register; register()\n"
         "for key in ('overfit_batches', 'max_stepz'):\n"
-        "    try: c(['algo=sft', f'trainer.{key}=1'], 'conf')\n"
+        "    try: c(['algo=sft', f'trainer.{key}=1'], 'lit_rlhf/conf')\n"
         "    except ConfigError as e: print(e)"
     )
     out = subprocess.run(
@@ -121,7 +122,7 @@ def test_a_secret_under_a_typed_group_says_to_put_it_at_the_top_level():
     ):
         plan(compose(["algo=sft", "+algo.api_key=abc"]))
     with pytest.raises(ConfigError, match=r"A secret goes at the top level: \+hf_token=…"):
-        check_overrides(["algo=sft", "algo.hf_token=abc"], ROOT / "conf")
+        check_overrides(["algo=sft", "algo.hf_token=abc"], CONF_DIR)
 
 
 def test_known_ads_and_harmless_warnings_are_dropped_where_emitted_and_lightning_prints_once(caplog):

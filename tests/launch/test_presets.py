@@ -1,4 +1,4 @@
-"""lit_rlhf.launch.presets: a preset's values in Python are the ones conf/algo/<name>.yaml sets over
+"""lit_rlhf.launch.presets: a preset's values in Python are the ones lit_rlhf/conf/algo/<name>.yaml sets over
 its typed config's defaults, and overrides merge over them without changing them."""
 
 from __future__ import annotations

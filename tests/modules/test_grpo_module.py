@@ -18,7 +18,7 @@ GOLD = {"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"}
 
 
 def make(saved_models, tokenizer, algo="grpo", **kw):
-    """The ``algo`` preset (conf/algo/<algo>.yaml) on the tiny saved models: a larger lr, a short
+    """The ``algo`` preset (lit_rlhf/conf/algo/<algo>.yaml) on the tiny saved models: a larger lr, a short
     rollout (groups of 4 where the preset has groups) and 6 new tokens, then ``kw``."""
     base = preset(algo)
     args = dict(

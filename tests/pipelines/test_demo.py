@@ -5,6 +5,7 @@ import json
 import pytest
 from omegaconf import OmegaConf, open_dict
 
+from lit_rlhf.launch.presets import CONF_DIR
 from lit_rlhf.launch.runner import run
 from tests.conftest import compose
 
@@ -97,15 +98,13 @@ def test_shortened_demo_pipeline(tmp_path):
 
 
 def test_plain_train_py_is_the_pipeline(tmp_path):
-    """`python train.py` with no arguments selects the demo pipeline (conf/train.yaml default)."""
+    """`python train.py` with no arguments selects the demo pipeline (lit_rlhf/conf/train.yaml default)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from tests.conftest import ROOT
-
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = hydra_compose("train")
     assert cfg.pipeline._target_ == "lit_rlhf.pipelines.demo.DemoPipeline" and "algo" not in cfg
     assert cfg.pipeline.stages == ["sft", "rm", "ppo", "ppo_max", "dpo", "grpo", "dapo"]

@@ -8,25 +8,22 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lit_rlhf.utils.compat import PINNED, CompatError, private_attr
+from lit_rlhf.utils.compat import TESTED, CompatError, private_attr
 
 
 def test_a_moved_internal_names_the_package_the_internal_and_the_pinned_version():
     with pytest.raises(CompatError) as err:
         private_attr(object(), "_gone", "lightning", "Trainer.fit_loop._gone")
     text = str(err.value)
-    assert "Trainer.fit_loop._gone" in text and f"lightning=={PINNED['lightning']}" in text
+    assert "Trainer.fit_loop._gone" in text and "lightning 2.6.0 to 2.6.6" in text
     assert "lit_rlhf/utils/compat/lightning.py" in text
 
 
-def test_pins_agree_with_pyproject():
-    import pathlib
+def test_tested_versions_agree_with_pyproject_and_the_lock():
+    from tests.helpers.package_meta import locked, lower_bounds
 
-    import tomllib
-
-    deps = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["dependencies"]
-    pinned = dict(d.split("==") for d in deps if "==" in d)
-    assert {k: pinned[k] for k in PINNED} == PINNED
+    bounds, lock = lower_bounds(), locked()
+    assert {k: (bounds[k], lock[k]) for k in TESTED} == TESTED
 
 
 class _Seen(pl.Callback):
