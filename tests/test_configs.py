@@ -55,7 +55,18 @@ NEEDS_USER_VALUE = {
     },
     **{
         ("algo", a): ["algo.policy_path=/models/sft", *RM]
-        for a in ("grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax")
+        for a in (
+            "grpo",
+            "dapo",
+            "dr_grpo",
+            "rloo",
+            "reinforce_pp",
+            "reinforce_pp_baseline",
+            "remax",
+            "gspo",
+            "cispo",
+            "gmpo",
+        )
     },
     **{
         ("experiment", e): ["algo.policy_path=/models/sft", *RM]

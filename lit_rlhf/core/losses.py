@@ -95,6 +95,175 @@ def ppo_policy_loss(
     return loss, stats
 
 
+def _ratio_stats(
+    loss: Tensor,
+    ratio: Tensor,
+    log_ratio: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    low: float,
+    high: float,
+    clipped: Tensor,
+) -> dict[str, Tensor]:
+    """The statistics every ratio-based objective logs under the same names as ``ppo_policy_loss``:
+    ``ratio`` is the (B, T) ratio the clip reads (per token, or a response's broadcast to its tokens),
+    ``clipped`` (B, T) bool where the clip took effect, [``low``, ``high``] the ratio's clip range."""
+    with torch.no_grad():
+        m = response_mask.bool()
+        return {
+            "loss": loss.detach(),
+            "clipfrac": masked_mean(clipped.float(), response_mask),
+            "clipfrac_low": masked_mean(((ratio < low) & (advantages < 0)).float(), response_mask),
+            "clipfrac_high": masked_mean(((ratio > high) & (advantages > 0)).float(), response_mask),
+            "approx_kl": masked_mean((torch.exp(log_ratio) - 1.0) - log_ratio, response_mask),
+            "ratio_mean": masked_mean(ratio, response_mask),
+            "ratio_max": ratio[m].max() if m.any() else ratio.new_tensor(1.0),
+            "dual_clipfrac": torch.zeros((), device=ratio.device),
+        }
+
+
+def _no_dual_clip(name: str, dual_clip: float | None) -> None:
+    if dual_clip is not None:
+        raise ValueError(f"{name} has no dual clip (algo.dual_clip must be null)")
+
+
+def gspo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    dual_clip: float | None = None,
+    aggregation: str = "seq_mean_token_mean",
+    agg_constant: float | None = None,
+    is_weights: Tensor | None = None,
+    token_level: bool = False,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025, Eq. 5–7; docs/algorithms.md §6.3): the ratio of a whole response,
+    s_i = exp((1/|y_i|) Σ_t (ℓ_θ,t − ℓ_old,t)), in PPO's clipped surrogate per response,
+    l_i = max(−A_i s_i, −A_i clip(s_i, 1 − ε_low, 1 + ε_high)).
+
+    Written per token: every token of response i carries l_{i,t} = max(−A_{i,t} s_i, −A_{i,t} clip(s_i))
+    (= l_i where the advantage is one per response, the critic-free stages), so ``seq_mean_token_mean``
+    is the paper's (1/G) Σ_i l_i. ``token_level`` is GSPO-token (Eq. 13): s_{i,t} = sg[s_i] ·
+    π_θ(y_t)/sg[π_θ(y_t)] has the value s_i and each token's own gradient, for per-token advantages;
+    with one advantage per response both variants have the same value and gradient.
+    ``is_weights`` (B, T), detached, multiply each token's term as in ``ppo_policy_loss``.
+    """
+    _no_dual_clip("gspo", dual_clip)
+    logprobs, old_logprobs, advantages = (zero_outside(x, response_mask) for x in (logprobs, old_logprobs, advantages))
+    log_ratio = logprobs - old_logprobs
+    seq_log_ratio = masked_mean(log_ratio, response_mask, dim=1).unsqueeze(1)  # (B, 1)
+    if token_level:
+        seq_log_ratio = seq_log_ratio.detach() + logprobs - logprobs.detach()
+    ratio = zero_outside(torch.exp(seq_log_ratio.expand_as(logprobs)), response_mask)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * zero_outside(is_weights.detach(), response_mask)
+    loss = aggregate(per_token, response_mask, aggregation, agg_constant)
+    stats = _ratio_stats(
+        loss, ratio, log_ratio, advantages, response_mask, 1 - clip_low, 1 + clip_high, clipped > unclipped
+    )
+    return loss, stats
+
+
+def gspo_token_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    dual_clip: float | None = None,
+    aggregation: str = "seq_mean_token_mean",
+    agg_constant: float | None = None,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO-token: :func:`gspo_policy_loss` with ``token_level=True``."""
+    args = (logprobs, old_logprobs, advantages, response_mask, clip_low, clip_high, dual_clip, aggregation)
+    return gspo_policy_loss(*args, agg_constant, is_weights, token_level=True)
+
+
+def cispo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_low: float = 1.0,
+    clip_high: float = 0.28,
+    dual_clip: float | None = None,
+    aggregation: str = "token_mean",
+    agg_constant: float | None = None,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, Chen et al. 2025, Eq. 4; docs/algorithms.md §6.3): the clipped importance
+    weight, stop-gradient, times the log-probability, so a token whose ratio left the clip range
+    keeps its gradient (PPO's clip drops it):
+
+    l_t = −sg(clip(ρ_t, 1 − ε_low, 1 + ε_high)) · A_t · ℓ_θ,t,   ρ_t = exp(ℓ_θ,t − ℓ_old,t).
+
+    ε_low = 1 is "no lower bound" (the paper's choice). Its gradient −ŵ_t A_t ∇ℓ_θ,t equals the
+    plain policy gradient where ρ = 1. ``is_weights`` (B, T), detached, multiply each token's term.
+    """
+    _no_dual_clip("cispo", dual_clip)
+    logprobs, old_logprobs, advantages = (zero_outside(x, response_mask) for x in (logprobs, old_logprobs, advantages))
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    weight = ratio.detach().clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = -weight * advantages * logprobs
+    if is_weights is not None:
+        per_token = per_token * zero_outside(is_weights.detach(), response_mask)
+    loss = aggregate(per_token, response_mask, aggregation, agg_constant)
+    truncated = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
+    stats = _ratio_stats(loss, ratio, log_ratio, advantages, response_mask, 1 - clip_low, 1 + clip_high, truncated)
+    return loss, stats
+
+
+def gmpo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_low: float = 1.0 - math.exp(-0.4),
+    clip_high: float = math.exp(0.4) - 1.0,
+    dual_clip: float | None = None,
+    aggregation: str = "seq_mean_token_mean",
+    agg_constant: float | None = None,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GMPO (Zhao et al. 2025, Eq. 7; docs/algorithms.md §6.3): the geometric mean of the token
+    ratios, clipped per token in log space, with the advantage of the response:
+
+    r̄_i = exp(sgn(A_i) · (1/|y_i|) Σ_t min(sgn(A_i) δ_t, sgn(A_i) clip(δ_t, log(1 − ε_low), log(1 + ε_high)))),
+    l_i = −A_i r̄_i,   δ_t = ℓ_θ,t − ℓ_old,t.
+
+    The pessimistic side of each token's clip, as in PPO; the defaults are the paper's range
+    (e^−0.4, e^0.4). A_i is the response's advantage (the mean of its tokens': one value per
+    response in the critic-free stages). Written per token (each token of row i carries l_i), so
+    ``seq_mean_token_mean`` is the paper's (1/G) Σ_i l_i. ``is_weights`` multiply each token's term.
+    """
+    _no_dual_clip("gmpo", dual_clip)
+    logprobs, old_logprobs, advantages = (zero_outside(x, response_mask) for x in (logprobs, old_logprobs, advantages))
+    log_ratio = logprobs - old_logprobs
+    seq_adv = masked_mean(advantages, response_mask, dim=1).unsqueeze(1)  # (B, 1)
+    sign = torch.sign(seq_adv)
+    bounded = log_ratio.clamp(math.log(1.0 - clip_low) if clip_low < 1.0 else -math.inf, math.log(1.0 + clip_high))
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * bounded)
+    seq_ratio = torch.exp(masked_mean(pessimistic, response_mask, dim=1)).unsqueeze(1)  # (B, 1)
+    per_token = zero_outside((-seq_adv * seq_ratio).expand_as(logprobs), response_mask)
+    if is_weights is not None:
+        per_token = per_token * zero_outside(is_weights.detach(), response_mask)
+    loss = aggregate(per_token, response_mask, aggregation, agg_constant)
+    ratio = torch.exp(log_ratio)
+    clipped = sign * bounded < sign * log_ratio  # the pessimistic side is the bound
+    advantages = seq_adv.expand_as(logprobs)
+    stats = _ratio_stats(loss, ratio, log_ratio, advantages, response_mask, 1 - clip_low, 1 + clip_high, clipped)
+    return loss, stats
+
+
 def value_loss(
     values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor, clip: float | None = 0.2
 ) -> tuple[Tensor, dict[str, Tensor]]:

@@ -78,6 +78,13 @@ class PolicyLoss:
     """Its function in lit_rlhf/core/losses.py."""
     section: str
     """Its section of docs/algorithms.md."""
+    dual_clip: bool = False
+    """Takes ``algo.dual_clip`` (the others refuse it)."""
+    per_response: bool = False
+    """Reads one advantage per response (a sequence-level objective): the critic-free stages only."""
+    ordered_clip: bool = True
+    """Its clip range is PPO's ratio range, so ``clip_eps_high >= clip_eps_low`` (clip-higher) is
+    checked; CISPO's weight bounds are free."""
 
     @property
     def fn(self) -> Callable[..., Any]:
@@ -86,7 +93,15 @@ class PolicyLoss:
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {
     # PPO's clipped surrogate (Schulman et al. 2017), with clip-higher (DAPO) and dual clip (Ye et al. 2020)
-    "clip": PolicyLoss("ppo_policy_loss", "§2.6"),
+    "clip": PolicyLoss("ppo_policy_loss", "§2.6", dual_clip=True),
+    # GSPO (Zheng et al. 2025): the response's ratio (geometric mean of its tokens') in the clipped surrogate
+    "gspo": PolicyLoss("gspo_policy_loss", "§6.3", per_response=True),
+    # GSPO-token (Zheng et al. 2025, Eq. 13): the response's ratio, each token's own gradient and advantage
+    "gspo_token": PolicyLoss("gspo_token_policy_loss", "§6.3"),
+    # CISPO (MiniMax-M1, 2025): the clipped, stop-gradient importance weight times log π
+    "cispo": PolicyLoss("cispo_policy_loss", "§6.3", ordered_clip=False),
+    # GMPO (Zhao et al. 2025): the geometric mean of the token ratios, clipped per token in log space
+    "gmpo": PolicyLoss("gmpo_policy_loss", "§6.3", per_response=True),
 }
 
 

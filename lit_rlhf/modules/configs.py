@@ -174,13 +174,13 @@ class RLConfig(PolicyConfig):
     """Adaptive β: target sequence KL (nats per response)."""
     kl_horizon: int = field(default=10000, metadata={"ge": 1})
     """Adaptive β: samples over which β moves by at most ±20%."""
-    clip_eps_low: float = field(default=0.2, metadata={"gt": 0.0, "lt": 1.0})
-    """Policy ratio clip below: ρ ≥ 1 − ε_low."""
+    clip_eps_low: float = field(default=0.2, metadata={"gt": 0.0, "le": 1.0})
+    """Policy ratio clip below: ρ ≥ 1 − ε_low (1 = no lower bound: CISPO's weight)."""
     clip_eps_high: float = field(default=0.2, metadata={"gt": 0.0})
     """Policy ratio clip above: ρ ≤ 1 + ε_high (> ε_low = clip-higher; DAPO: 0.28)."""
     policy_loss: str = "clip"
-    """The per-token policy-gradient objective: a key of lit_rlhf/core/objectives.py ``POLICY_LOSSES``
-    (clip: PPO's clipped surrogate, docs/algorithms.md §2.6)."""
+    """The policy-gradient objective: a key of lit_rlhf/core/objectives.py ``POLICY_LOSSES`` (clip:
+    PPO's clipped surrogate, docs/algorithms.md §2.6; gspo, gspo_token, cispo, gmpo: §6.3)."""
     dual_clip: float | None = field(default=None, metadata={"gt": 1.0})
     """Dual-clip constant c > 1 for negative advantages (Ye et al. 2020); None = off."""
     loss_aggregation: str = "token_mean"
@@ -207,10 +207,16 @@ class RLConfig(PolicyConfig):
         for key, table in (("policy_loss", POLICY_LOSSES), ("loss_aggregation", AGGREGATIONS)):
             problem = check_name(table, getattr(self, key))
             check(problem is None, key, problem or "")
+        objective = POLICY_LOSSES.get(self.policy_loss)
         check(
-            self.clip_eps_high >= self.clip_eps_low,
+            self.clip_eps_high >= self.clip_eps_low or (objective is not None and not objective.ordered_clip),
             "clip_eps_high",
             f"must be >= algo.clip_eps_low ({self.clip_eps_low}), got {self.clip_eps_high}",
+        )
+        check(
+            self.dual_clip is None or objective is None or objective.dual_clip,
+            "dual_clip",
+            f"algo.policy_loss={self.policy_loss} has no dual clip: set algo.dual_clip=null",
         )
         check(
             not (self.kl_placement == "loss" and self.kl_estimator == "k1" and self.kl_coef > 0),
@@ -356,6 +362,16 @@ class PPOConfig(RLConfig):
     """MOSS-RLHF's form instead of the bonus: c·|H − target| (fragile; off by default)."""
     ptx_coef: float = field(default=0.0, metadata={"ge": 0.0})
     """PPO-ptx: weight of the LM loss on ``data.prompt.ptx_source`` batches (0 = off)."""
+
+    def validate(self) -> None:
+        super().validate()
+        objective = POLICY_LOSSES.get(self.policy_loss)
+        check(
+            objective is None or not objective.per_response,
+            "policy_loss",
+            f"{self.policy_loss} reads one advantage per response; PPO's GAE gives one per token "
+            f"(use {', '.join(k for k, v in POLICY_LOSSES.items() if not v.per_response)})",
+        )
 
 
 @dataclass
