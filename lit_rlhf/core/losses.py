@@ -17,7 +17,13 @@ from torch import Tensor
 from lit_rlhf.core.masked import masked_mean, masked_sum, zero_outside
 
 
-def aggregate(per_token: Tensor, mask: Tensor, mode: str = "token_mean", constant: float | None = None) -> Tensor:
+def aggregate(
+    per_token: Tensor,
+    mask: Tensor,
+    mode: str = "token_mean",
+    constant: float | None = None,
+    normalizer: Tensor | float | None = None,
+) -> Tensor:
     """Reduce a (B, T) per-token loss to a scalar; padded positions never enter it, nor its gradient.
 
     token_mean: Σ m·l / Σ m (PPO, DAPO); seq_mean_token_mean: (1/B) Σ_i of row i's token mean, a row
@@ -25,15 +31,24 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str = "token_mean", constan
     seq_sum_constant: Σ m·l / (B · constant) (Dr. GRPO; constant = max length). The config's names
     (``algo.loss_aggregation``) are :data:`lit_rlhf.core.objectives.AGGREGATIONS`; a test holds the two
     to the same three.
+
+    ``normalizer`` replaces this batch's own count (Σ m for token_mean, B for the two others) when
+    the batch is one shard of a larger one: the global count over the number of processes whose
+    gradients are averaged, so that the averaged gradient is the global batch's whatever the
+    sharding (docs/algorithms.md §6, "Normalisation over the global batch").
     """
     if mode == "token_mean":
-        return masked_mean(per_token, mask)
+        if normalizer is None:
+            return masked_mean(per_token, mask)
+        return masked_sum(per_token, mask) / normalizer
     if mode == "seq_mean_token_mean":
-        return masked_mean(per_token, mask, dim=1).mean()
+        rows = masked_mean(per_token, mask, dim=1)
+        return rows.mean() if normalizer is None else rows.sum() / normalizer
     if mode == "seq_sum_constant":
         if not constant:
             raise ValueError("seq_sum_constant needs a constant normaliser (e.g. max_new_tokens)")
-        return masked_sum(per_token, mask) / (per_token.shape[0] * constant)
+        count = per_token.shape[0] if normalizer is None else normalizer
+        return masked_sum(per_token, mask) / (count * constant)
     raise ValueError(f"unknown aggregation {mode!r}; one of token_mean, seq_mean_token_mean, seq_sum_constant")
 
 
@@ -48,6 +63,7 @@ def ppo_policy_loss(
     aggregation: str = "token_mean",
     agg_constant: float | None = None,
     is_weights: Tensor | None = None,
+    normalizer: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate (Schulman et al. 2017, Eq. 7), per token, ρ_t = exp(logp − logp_old):
 
@@ -60,6 +76,7 @@ def ppo_policy_loss(
         logprobs, old_logprobs, advantages, response_mask: (B, T); whatever the first three hold
             outside the mask (inf, NaN) reaches neither the loss nor the gradient.
         is_weights: (B, T) detached per-token weights, or None (= 1).
+        normalizer: the aggregation's count when this batch is one shard of the step's (``aggregate``).
     Returns:
         loss, stats {"loss", "clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl", "ratio_mean", "ratio_max",
         "dual_clipfrac"}.
@@ -77,7 +94,7 @@ def ppo_policy_loss(
         per_token = torch.where(advantages < 0, torch.minimum(per_token, cap), per_token)
     if is_weights is not None:
         per_token = per_token * zero_outside(is_weights.detach(), response_mask)
-    loss = aggregate(per_token, response_mask, aggregation, agg_constant)
+    loss = aggregate(per_token, response_mask, aggregation, agg_constant, normalizer)
     with torch.no_grad():
         m = response_mask.bool()
         stats = {
@@ -138,6 +155,7 @@ def gspo_policy_loss(
     aggregation: str = "seq_mean_token_mean",
     agg_constant: float | None = None,
     is_weights: Tensor | None = None,
+    normalizer: Tensor | float | None = None,
     token_level: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, Eq. 5–7; docs/algorithms.md §6.3): the ratio of a whole response,
@@ -163,7 +181,7 @@ def gspo_policy_loss(
     per_token = torch.maximum(unclipped, clipped)
     if is_weights is not None:
         per_token = per_token * zero_outside(is_weights.detach(), response_mask)
-    loss = aggregate(per_token, response_mask, aggregation, agg_constant)
+    loss = aggregate(per_token, response_mask, aggregation, agg_constant, normalizer)
     stats = _ratio_stats(
         loss, ratio, log_ratio, advantages, response_mask, 1 - clip_low, 1 + clip_high, clipped > unclipped
     )
@@ -181,10 +199,11 @@ def gspo_token_policy_loss(
     aggregation: str = "seq_mean_token_mean",
     agg_constant: float | None = None,
     is_weights: Tensor | None = None,
+    normalizer: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO-token: :func:`gspo_policy_loss` with ``token_level=True``."""
     args = (logprobs, old_logprobs, advantages, response_mask, clip_low, clip_high, dual_clip, aggregation)
-    return gspo_policy_loss(*args, agg_constant, is_weights, token_level=True)
+    return gspo_policy_loss(*args, agg_constant, is_weights, normalizer, token_level=True)
 
 
 def cispo_policy_loss(
@@ -198,6 +217,7 @@ def cispo_policy_loss(
     aggregation: str = "token_mean",
     agg_constant: float | None = None,
     is_weights: Tensor | None = None,
+    normalizer: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, Chen et al. 2025, Eq. 4; docs/algorithms.md §6.3): the clipped importance
     weight, stop-gradient, times the log-probability, so a token whose ratio left the clip range
@@ -216,7 +236,7 @@ def cispo_policy_loss(
     per_token = -weight * advantages * logprobs
     if is_weights is not None:
         per_token = per_token * zero_outside(is_weights.detach(), response_mask)
-    loss = aggregate(per_token, response_mask, aggregation, agg_constant)
+    loss = aggregate(per_token, response_mask, aggregation, agg_constant, normalizer)
     truncated = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
     stats = _ratio_stats(loss, ratio, log_ratio, advantages, response_mask, 1 - clip_low, 1 + clip_high, truncated)
     return loss, stats
@@ -233,6 +253,7 @@ def gmpo_policy_loss(
     aggregation: str = "seq_mean_token_mean",
     agg_constant: float | None = None,
     is_weights: Tensor | None = None,
+    normalizer: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GMPO (Zhao et al. 2025, Eq. 7; docs/algorithms.md §6.3): the geometric mean of the token
     ratios, clipped per token in log space, with the advantage of the response:
@@ -256,7 +277,7 @@ def gmpo_policy_loss(
     per_token = zero_outside((-seq_adv * seq_ratio).expand_as(logprobs), response_mask)
     if is_weights is not None:
         per_token = per_token * zero_outside(is_weights.detach(), response_mask)
-    loss = aggregate(per_token, response_mask, aggregation, agg_constant)
+    loss = aggregate(per_token, response_mask, aggregation, agg_constant, normalizer)
     ratio = torch.exp(log_ratio)
     clipped = sign * bounded < sign * log_ratio  # the pessimistic side is the bound
     advantages = seq_adv.expand_as(logprobs)

@@ -70,9 +70,9 @@ PAIR_LOSSES: dict[str, PairLoss] = {
 
 @dataclass(frozen=True)
 class PolicyLoss:
-    """A per-token policy-gradient objective, called as ``fn(logprobs, old_logprobs, advantages,
-    response_mask, clip_low, clip_high, dual_clip, aggregation, agg_constant, is_weights)`` on (B, T)
-    tensors; returns ``(loss, stats)`` (stats named without the ``policy/`` prefix)."""
+    """A policy-gradient objective, called as ``fn(logprobs, old_logprobs, advantages,
+    response_mask, clip_low, clip_high, dual_clip, aggregation, agg_constant, is_weights, normalizer)``
+    on (B, T) tensors; returns ``(loss, stats)`` (stats named without the ``policy/`` prefix)."""
 
     function: str
     """Its function in lit_rlhf/core/losses.py."""

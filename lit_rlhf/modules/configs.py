@@ -187,6 +187,10 @@ class RLConfig(PolicyConfig):
     """How the policy loss (and a KL in the loss) becomes a scalar: a key of lit_rlhf/core/objectives.py
     ``AGGREGATIONS``: token_mean (PPO, DAPO), seq_mean_token_mean (GRPO), seq_sum_constant (Dr. GRPO:
     Σ / (B · max_new_tokens))."""
+    loss_normalization: Literal["global", "local"] = "global"
+    """global: ``loss_aggregation``'s count (tokens, or responses) is the whole minibatch's over all
+    ranks, so the averaged gradient does not depend on how the batch is sharded (docs/algorithms.md §6);
+    local: each rank's own count (what per-rank code computes; for comparison). Alone: the same."""
     whiten_advantages: bool = False
     """Whiten the advantages to mean 0, std 1 over the whole rollout of ALL ranks before the
     minibatches (PPO's GAE advantages, REINFORCE++'s global normalization); false = as computed."""

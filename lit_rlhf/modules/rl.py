@@ -279,6 +279,7 @@ class RLModule(RLHFModule):
         without a finite reward are left out (``valid_mask``). Statistics under ``policy/``."""
         c: RLConfig = self.config
         mask = mb.valid_mask
+        normalizer = self.loss_normalizer(mask)
         loss, pg = POLICY_LOSSES[c.policy_loss].fn(
             fwd.logprobs,
             mb.logprobs,
@@ -290,21 +291,37 @@ class RLModule(RLHFModule):
             c.loss_aggregation,
             self.aggregation_constant(),
             self.importance_weights(mb, mask),
+            normalizer,
         )
         stats = {f"policy/{k}": v for k, v in pg.items()}
         stats["policy/entropy"] = masked_mean(fwd.entropy.detach(), mask)
         if c.kl_placement == "loss":
-            kl_term, kl_stats = self.kl_loss(fwd.logprobs, mb, mask)
+            kl_term, kl_stats = self.kl_loss(fwd.logprobs, mb, mask, normalizer)
             if kl_term is not None:
                 loss = loss + kl_term
                 stats.update(kl_stats)
         return loss, stats
 
+    def loss_normalizer(self, mask: Tensor) -> Tensor | None:
+        """The count ``loss_aggregation`` divides a minibatch's loss by, when the minibatch is sharded
+        over ranks (``loss_normalization=global``): the tokens (token_mean) or responses of all ranks'
+        shards, over the number of ranks, so that the ranks' averaged gradient is the whole
+        minibatch's (docs/algorithms.md §6). One all-reduce of one number per minibatch; None alone
+        or with ``local`` (each rank's own count)."""
+        world = self._trainer.world_size if self._trainer is not None else 1
+        if world <= 1 or self.config.loss_normalization == "local":
+            return None
+        local = mask.sum() if self.config.loss_aggregation == "token_mean" else torch.tensor(mask.shape[0])
+        total = all_reduce_sum(local.detach().float().reshape(1).to(self.device).clone())[0]
+        return total.clamp(min=1.0) / world
+
     def aggregation_constant(self) -> float:
         """The normaliser of ``loss_aggregation=seq_sum_constant``: the longest response, max_new_tokens."""
         return float(self.config.generation.max_new_tokens)
 
-    def kl_loss(self, logprobs: Tensor, mb: Rollout, mask: Tensor) -> tuple[Tensor | None, dict[str, Tensor]]:
+    def kl_loss(
+        self, logprobs: Tensor, mb: Rollout, mask: Tensor, normalizer: Tensor | None = None
+    ) -> tuple[Tensor | None, dict[str, Tensor]]:
         """β · KL(π_θ‖π_ref) for the loss (GRPO's k3, PPO's ``kl_placement=loss``) with the policy
         loss's aggregation, β from :attr:`kl_ctl` — the same β the collapse alarm raises and
         ``kl_ctl/beta`` logs. None while β = 0 or without a reference."""
@@ -312,7 +329,7 @@ class RLModule(RLHFModule):
         if not beta or mb.ref_logprobs is None:
             return None, {}
         per_token = kl_penalty(logprobs, mb.ref_logprobs, self.config.kl_estimator, mask=mask)
-        kl = aggregate(per_token, mask, self.config.loss_aggregation, self.aggregation_constant())
+        kl = aggregate(per_token, mask, self.config.loss_aggregation, self.aggregation_constant(), normalizer)
         return beta * kl, {"policy/kl_loss": kl.detach()}
 
     def importance_weights(self, mb: Rollout, mask: Tensor) -> Tensor | None:
