@@ -1,6 +1,6 @@
 """Sampler–trainer mismatch: how far the log-probs a rollout engine sampled with are from the
-trainer's recomputation, and truncated importance sampling (TIS) to correct for it
-(docs/algorithms.md §2.10).
+trainer's recomputation, and the corrections for it (docs/algorithms.md §2.10): truncated or masked
+importance weights per token or per response, IcePop's band mask, the geometric-mean mask.
 
 The engine that samples (an inlined KV-cache loop, vLLM) and the trainer's forward compute
 log π(y_t|·) with different kernels, precisions and batch shapes, so π_sampler ≠ π_trainer even at
@@ -27,10 +27,7 @@ def truncated_is_weights(trainer_logprobs: Tensor, sampler_logprobs: Tensor, mas
         mask: (B, T) 1 = response token.
         cap: C > 0, the truncation (Yao et al. use 2).
     """
-    if cap <= 0:
-        raise ValueError(f"the TIS cap must be > 0, got {cap}")
-    diff = zero_outside(trainer_logprobs.detach().float() - sampler_logprobs.detach().float(), mask)
-    return zero_outside(torch.exp(diff).clamp(max=cap), mask)
+    return correction_weights(trainer_logprobs, sampler_logprobs, mask, "token_truncate", cap)[0]
 
 
 def sampler_mismatch(trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor) -> dict[str, Tensor]:
@@ -46,3 +43,68 @@ def sampler_mismatch(trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: T
         "sampler_kl": masked_mean(torch.exp(-d) + d - 1.0, mask),
         "sampler_logprob_diff_max": d.abs()[m].max() if m.any() else d.new_zeros(()),
     }
+
+
+def _quantiles(weights: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    kept = weights[mask.bool()].float()
+    if kept.numel() == 0:
+        kept = weights.new_ones(1).float()
+    q = torch.quantile(kept, kept.new_tensor([0.05, 0.5, 0.95]))
+    return {"correction_weight_p05": q[0], "correction_weight_p50": q[1], "correction_weight_p95": q[2]}
+
+
+def correction_weights(
+    trainer_logprobs: Tensor,
+    sampler_logprobs: Tensor,
+    mask: Tensor,
+    mode: str,
+    cap: float = 2.0,
+    band: tuple[float, float] = (0.5, 2.0),
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """(B, T) detached weights of each token's policy-gradient term for a sampler that is not the
+    trainer, and their statistics (docs/algorithms.md §2.10). With d_t = logp_trainer − logp_sampler,
+    r_t = e^{d_t} per token and R_i = e^{Σ_t d_t} per response:
+
+    * ``tis`` / ``token_truncate``: min(r_t, C); ``token_mask``: r_t, or 0 where r_t > C;
+    * ``sequence_truncate``: min(R_i, C) on every token of response i; ``sequence_mask``: R_i, or 0
+      where R_i > C;
+    * ``icepop``: r_t inside ``band`` = [α, β], 0 outside (IcePop);
+    * ``geo_mask``: 1 where the response's geometric-mean ratio e^{mean_t d_t} is inside ``band``,
+      0 for the whole response otherwise.
+
+    Statistics: ``correction_masked_frac`` (the share of response tokens whose weight is 0 by the
+    correction) and the 5/50/95% quantiles of the weights over the response tokens.
+    """
+    if cap <= 0:
+        raise ValueError(f"the correction's cap must be > 0, got {cap}")
+    low, high = band
+    if not 0 <= low < high:
+        raise ValueError(f"the correction band must satisfy 0 <= low < high, got {band}")
+    keep = mask.bool()
+    d = zero_outside(trainer_logprobs.detach().float() - sampler_logprobs.detach().float(), keep)
+    token = torch.exp(d)
+    masked = torch.zeros_like(keep)
+    if mode in ("tis", "token_truncate"):
+        w = token.clamp(max=cap)
+    elif mode == "token_mask":
+        masked = token > cap
+        w = torch.where(masked, torch.zeros_like(token), token)
+    elif mode in ("sequence_truncate", "sequence_mask"):
+        seq = torch.exp(d.sum(1, keepdim=True).clamp(max=80.0)).expand_as(d)  # e^80: past any cap, finite
+        if mode == "sequence_truncate":
+            w = seq.clamp(max=cap)
+        else:
+            masked = seq > cap
+            w = torch.where(masked, torch.zeros_like(seq), seq)
+    elif mode == "icepop":
+        masked = (token < low) | (token > high)
+        w = torch.where(masked, torch.zeros_like(token), token)
+    elif mode == "geo_mask":
+        geo = torch.exp(masked_mean(d, keep, dim=1)).unsqueeze(1).expand_as(d)
+        masked = (geo < low) | (geo > high)
+        w = (~masked).float()
+    else:
+        raise ValueError(f"unknown rollout correction {mode!r}")
+    w = zero_outside(w, keep)
+    stats = {"correction_masked_frac": masked_mean((masked & keep).float(), keep), **_quantiles(w, keep)}
+    return w, stats

@@ -105,6 +105,20 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
 }
 
 
+CORRECTIONS: dict[str, str] = {
+    "none": "no correction: the sampler's tokens are taken as the trainer's",
+    "tis": "min(r_t, C) per token: truncated importance sampling (Yao et al. 2025) = token_truncate",
+    "token_truncate": "min(r_t, C) per token",
+    "token_mask": "r_t per token, 0 where r_t > C",
+    "sequence_truncate": "min(R_i, C) for every token of response i, R_i the product of its token ratios",
+    "sequence_mask": "R_i for every token of response i, 0 where R_i > C",
+    "icepop": "r_t inside the band [low, high], 0 outside (IcePop)",
+    "geo_mask": "1 where the response's geometric-mean ratio is inside the band, else 0 for the whole response",
+}
+"""``algo.rollout_correction`` → the weight it gives each token's policy-gradient term, with the
+trainer-over-sampler ratios r_t (lit_rlhf/core/mismatch.py: ``correction_weights``; docs/algorithms.md §2.10)."""
+
+
 AGGREGATIONS: dict[str, str] = {
     "token_mean": "Σ m·l / Σ m: every token of the batch weighs the same (PPO, DAPO)",
     "seq_mean_token_mean": "the mean over sequences of each sequence's token mean (GRPO, as TRL)",

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lit_rlhf.core.objectives import AGGREGATIONS, PAIR_LOSSES, POLICY_LOSSES, PairLoss, check_name
+from lit_rlhf.core.objectives import AGGREGATIONS, CORRECTIONS, PAIR_LOSSES, POLICY_LOSSES, PairLoss, check_name
 from lit_rlhf.rollout.config import GenerationConfig
 from lit_rlhf.utils.config import check
 
@@ -146,11 +146,17 @@ class RLConfig(PolicyConfig):
     """Keep the sampler's own log-probs of its tokens and log the sampler–trainer mismatch,
     ``rollout/sampler_kl`` and ``rollout/sampler_logprob_diff_max`` (docs/algorithms.md §2.10; one
     log-softmax per decoding step). On with ``rollout_correction=tis``."""
-    rollout_correction: Literal["none", "tis"] = "none"
-    """tis = weight each token's policy-gradient term by min(π_trainer/π_sampler, ``tis_cap``)
-    (truncated importance sampling, Yao et al. 2025; docs/algorithms.md §2.10); none = no correction."""
+    rollout_correction: str = "none"
+    """The correction for a sampler that is not the trainer, a key of lit_rlhf/core/objectives.py
+    ``CORRECTIONS`` (docs/algorithms.md §2.10): tis (= token_truncate: min(π_trainer/π_sampler, C) per
+    token, Yao et al. 2025), token_mask, sequence_truncate, sequence_mask, icepop (band mask per token),
+    geo_mask (a response's geometric-mean ratio outside the band drops it); none = no correction."""
     tis_cap: float = field(default=2.0, metadata={"gt": 0.0})
-    """C of the truncated importance weights (Yao et al. use 2)."""
+    """C of the truncate and mask corrections (Yao et al. use 2; TRL's sequence mask 3)."""
+    correction_band_low: float = field(default=0.5, metadata={"ge": 0.0})
+    """Lower end of the icepop and geo_mask band (IcePop: 0.5)."""
+    correction_band_high: float = field(default=2.0, metadata={"gt": 0.0})
+    """Upper end of the icepop and geo_mask band (IcePop: 2)."""
     max_grad_norm: float | None = field(default=1.0, metadata={"gt": 0.0})
     """Global grad-norm clip over everything trained (DeepSpeed strategies clip in their config)."""
     max_bad_iterations: int = field(default=3, metadata={"ge": 1})
@@ -208,7 +214,16 @@ class RLConfig(PolicyConfig):
             f"and algo.reward_fns (weighted callables); got {rewards or 'none'}",
         )
         check_reward_specs(self.reward_fn, self.reward_fns, self.gold_reward_fn)
-        for key, table in (("policy_loss", POLICY_LOSSES), ("loss_aggregation", AGGREGATIONS)):
+        check(
+            self.correction_band_low < self.correction_band_high,
+            "correction_band_high",
+            f"must be > algo.correction_band_low ({self.correction_band_low}), got {self.correction_band_high}",
+        )
+        for key, table in (
+            ("policy_loss", POLICY_LOSSES),
+            ("loss_aggregation", AGGREGATIONS),
+            ("rollout_correction", CORRECTIONS),
+        ):
             problem = check_name(table, getattr(self, key))
             check(problem is None, key, problem or "")
         objective = POLICY_LOSSES.get(self.policy_loss)

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from lit_rlhf.core.kl import AdaptiveKLController, FixedKLController, kl_penalty, sequence_kl
 from lit_rlhf.core.losses import aggregate
 from lit_rlhf.core.masked import masked_mean
-from lit_rlhf.core.mismatch import sampler_mismatch, truncated_is_weights
+from lit_rlhf.core.mismatch import correction_weights, sampler_mismatch
 from lit_rlhf.core.objectives import POLICY_LOSSES
 from lit_rlhf.core.types import Rollout
 from lit_rlhf.models.spec import ModelSpec
@@ -280,6 +280,7 @@ class RLModule(RLHFModule):
         c: RLConfig = self.config
         mask = mb.valid_mask
         normalizer = self.loss_normalizer(mask)
+        weights, correction = self.importance_weights(mb, mask)
         loss, pg = POLICY_LOSSES[c.policy_loss].fn(
             fwd.logprobs,
             mb.logprobs,
@@ -290,10 +291,11 @@ class RLModule(RLHFModule):
             c.dual_clip,
             c.loss_aggregation,
             self.aggregation_constant(),
-            self.importance_weights(mb, mask),
+            weights,
             normalizer,
         )
         stats = {f"policy/{k}": v for k, v in pg.items()}
+        stats.update({f"rollout/{k}": v for k, v in correction.items()})
         stats["policy/entropy"] = masked_mean(fwd.entropy.detach(), mask)
         if c.kl_placement == "loss":
             kl_term, kl_stats = self.kl_loss(fwd.logprobs, mb, mask, normalizer)
@@ -332,14 +334,19 @@ class RLModule(RLHFModule):
         kl = aggregate(per_token, mask, self.config.loss_aggregation, self.aggregation_constant(), normalizer)
         return beta * kl, {"policy/kl_loss": kl.detach()}
 
-    def importance_weights(self, mb: Rollout, mask: Tensor) -> Tensor | None:
-        """Per-token truncated importance weights min(π_old/π_sampler, C) of a minibatch with
-        ``algo.rollout_correction=tis`` (docs/algorithms.md §2.10), for the policy-gradient term of
-        every RL stage's loss; None without a correction."""
-        if self.config.rollout_correction != "tis":
-            return None
+    def importance_weights(self, mb: Rollout, mask: Tensor) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """Per-token weights of ``algo.rollout_correction`` for a sampler that is not the trainer
+        (lit_rlhf/core/mismatch.py ``correction_weights``: truncated or masked, per token or per
+        response, IcePop's band, the geometric-mean mask; docs/algorithms.md §2.10), for the
+        policy-gradient term of every RL stage's loss, with their statistics (masked share, weight
+        quantiles); (None, {}) without a correction. The ratio is the trainer's recomputation (the
+        proximal policy) over the sampler's (the behaviour policy): decoupled PPO's IS weight."""
+        c = self.config
+        if c.rollout_correction == "none":
+            return None, {}
         sampler = mb.require("sampler_logprobs").sampler_logprobs
-        return truncated_is_weights(mb.logprobs, sampler, mask, self.config.tis_cap)
+        band = (c.correction_band_low, c.correction_band_high)
+        return correction_weights(mb.logprobs, sampler, mask, c.rollout_correction, c.tis_cap, band)
 
     def optimizer_step(self, opt: Any, sched: Any, loss: Tensor) -> bool:
         """zero_grad → backward → global grad-norm clip (DeepSpeed clips in its own config) → step →

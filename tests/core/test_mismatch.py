@@ -56,3 +56,62 @@ def test_tis_weights_scale_each_tokens_surrogate():
     # token 0: ρ = e^0.2 = 1.221 > 1.2 with A > 0: clipped, no gradient; token 1: ρ = 1, −A ρ with w 0.5
     assert logprobs.grad[0, 0].item() == 0.0
     assert logprobs.grad[0, 1].item() == pytest.approx(0.5 * 2.0 / 3, rel=1e-6)
+
+
+# d = trainer − sampler on the response tokens: row 0 [0.5, −1.0, 0.0], row 1 [1.9, 0.2] (and a padded NaN)
+R = [[math.exp(0.5), math.exp(-1.0), 1.0], [math.exp(1.9), math.exp(0.2), 0.0]]
+SEQ = [math.exp(0.5 - 1.0 + 0.0), math.exp(1.9 + 0.2)]  # products of the token ratios: 0.6065, 8.166
+GEO = [math.exp((0.5 - 1.0 + 0.0) / 3), math.exp((1.9 + 0.2) / 2)]  # geometric means: 0.8465, 2.8577
+
+
+@pytest.mark.parametrize(
+    "mode, cap, band, expected, masked",
+    [
+        ("token_truncate", 2.0, (0.5, 2.0), [[R[0][0], R[0][1], 1.0], [2.0, R[1][1], 0.0]], 0),
+        ("token_mask", 2.0, (0.5, 2.0), [[R[0][0], R[0][1], 1.0], [0.0, R[1][1], 0.0]], 1),
+        ("sequence_truncate", 3.0, (0.5, 2.0), [[SEQ[0]] * 3, [3.0, 3.0, 0.0]], 0),
+        ("sequence_mask", 3.0, (0.5, 2.0), [[SEQ[0]] * 3, [0.0, 0.0, 0.0]], 2),
+        ("icepop", 2.0, (0.5, 2.0), [[R[0][0], 0.0, 1.0], [0.0, R[1][1], 0.0]], 2),
+        ("geo_mask", 2.0, (0.5, 2.0), [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]], 2),
+        ("geo_mask", 2.0, (0.9, 3.0), [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]], 3),
+    ],
+)
+def test_every_correction_against_hand_values(mode, cap, band, expected, masked):
+    from lit_rlhf.core.mismatch import correction_weights
+
+    w, stats = correction_weights(TRAINER, SAMPLER, MASK, mode, cap, band)
+    assert torch.allclose(w, torch.tensor(expected), atol=1e-5) and not w.requires_grad
+    assert stats["correction_masked_frac"].item() == pytest.approx(masked / 5)  # of the 5 response tokens
+    kept = sorted(x for row, m in zip(expected, MASK.tolist()) for x, k in zip(row, m) if k)
+    assert stats["correction_weight_p50"].item() == pytest.approx(kept[2], rel=1e-5)  # the median of five
+    assert stats["correction_weight_p05"].item() <= stats["correction_weight_p95"].item()
+
+
+def test_tis_is_token_truncate_and_bad_settings_are_refused():
+    from lit_rlhf.core.mismatch import correction_weights
+
+    a, _ = correction_weights(TRAINER, SAMPLER, MASK, "tis", 2.0)
+    b, _ = correction_weights(TRAINER, SAMPLER, MASK, "token_truncate", 2.0)
+    assert torch.equal(a, b) and torch.equal(a, truncated_is_weights(TRAINER, SAMPLER, MASK, 2.0))
+    with pytest.raises(ValueError, match="band must satisfy"):
+        correction_weights(TRAINER, SAMPLER, MASK, "icepop", 2.0, (2.0, 0.5))
+    with pytest.raises(ValueError, match="unknown rollout correction 'tls'"):
+        correction_weights(TRAINER, SAMPLER, MASK, "tls", 2.0)
+    huge = torch.tensor([[400.0, 400.0, 0.0], [0.0, 0.0, 0.0]])  # a sequence ratio past float range
+    w, stats = correction_weights(huge, torch.zeros(2, 3), MASK, "sequence_mask", 3.0)
+    assert torch.isfinite(w).all() and w[0].sum() == 0 and all(torch.isfinite(v) for v in stats.values())
+
+
+def test_the_correction_names_are_the_configs():
+    from lit_rlhf.core.objectives import CORRECTIONS
+    from lit_rlhf.modules.configs import CriticFreeConfig
+    from lit_rlhf.utils.config import ConfigError, build_config
+    from tests.helpers.presets import preset
+
+    base = {"policy_path": "p", "reward_fn": {"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"}}
+    for name in CORRECTIONS:
+        build_config(CriticFreeConfig, preset("grpo", {**base, "rollout_correction": name}), "algo")
+    with pytest.raises(ConfigError, match="algo.rollout_correction: must be one of"):
+        build_config(CriticFreeConfig, preset("grpo", {**base, "rollout_correction": "tls"}), "algo")
+    with pytest.raises(ConfigError, match="correction_band_high: must be > algo.correction_band_low"):
+        build_config(CriticFreeConfig, preset("grpo", {**base, "correction_band_low": 2.0}), "algo")

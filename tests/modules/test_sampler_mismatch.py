@@ -71,9 +71,9 @@ def test_tis_weights_reach_the_grpo_loss(saved_models, tokenizer, monkeypatch):
 
     def shifted(self, mb, mask):  # the sampler 0.3 nats less likely than the trainer on every token
         mb.sampler_logprobs = mb.logprobs - 0.3
-        w = original(self, mb, mask)
+        w, stats = original(self, mb, mask)
         seen.append((w, mask))
-        return w
+        return w, stats
 
     monkeypatch.setattr(RLModule, "importance_weights", shifted)
     m = grpo_make(saved_models, tokenizer, rollout_correction="tis", tis_cap=1.2)
@@ -83,3 +83,28 @@ def test_tis_weights_reach_the_grpo_loss(saved_models, tokenizer, monkeypatch):
         on = mask.bool()
         assert torch.allclose(w[on], torch.full_like(w[on], 1.2)) and (w[~on] == 0).all()  # e^0.3 = 1.35, capped at 1.2
     assert math.isfinite(float(trainer.callback_metrics["policy/loss"]))
+    assert float(trainer.callback_metrics["rollout/correction_masked_frac"]) == 0.0
+    assert float(trainer.callback_metrics["rollout/correction_weight_p50"]) == pytest.approx(1.2)
+
+
+def test_a_band_correction_drops_the_tokens_outside_it_in_training(saved_models, tokenizer, monkeypatch):
+    """icepop with the band [0.5, 1.2]: a sampler 0.3 nats less likely (r = 1.35) on every token drops
+    them all, and the policy-gradient term of the update is exactly 0 (the KL term stays)."""
+    from lit_rlhf.modules.rl import RLModule
+    from tests.modules.test_grpo_module import data as grpo_data
+    from tests.modules.test_grpo_module import fit as grpo_fit
+    from tests.modules.test_grpo_module import make as grpo_make
+
+    original = RLModule.importance_weights
+
+    def shifted(self, mb, mask):
+        mb.sampler_logprobs = mb.logprobs - 0.3
+        return original(self, mb, mask)
+
+    monkeypatch.setattr(RLModule, "importance_weights", shifted)
+    m = grpo_make(
+        saved_models, tokenizer, rollout_correction="icepop", correction_band_low=0.5, correction_band_high=1.2
+    )
+    trainer = grpo_fit(m, grpo_data(tokenizer), max_steps=1)
+    assert float(trainer.callback_metrics["rollout/correction_masked_frac"]) == 1.0
+    assert float(trainer.callback_metrics["policy/loss"]) == 0.0
