@@ -124,7 +124,7 @@ def test_option_composes_and_validates(group, option, tmp_path):
                 "reinforce_pp_baseline",
                 "remax",
             ],
-            "reasoning": ["sft", "grpo", "dapo", "dr_grpo"],
+            "reasoning": ["sft", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "gmpo"],
         }
         assert p.pipeline.stages == expected[option]
         pipe = p.pipeline_cls(p.pipeline)

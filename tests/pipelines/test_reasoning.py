@@ -32,7 +32,7 @@ SFT_BUDGET = ["data.batch_size=32", "trainer.max_epochs=4", "trainer.max_steps=1
 def test_reasoning_pipeline_raises_held_out_accuracy(tmp_path):
     cfg = compose(BASE, tmp_path)
     assert cfg.pipeline._target_ == "lit_rlhf.pipelines.reasoning.ReasoningPipeline"
-    assert cfg.pipeline.stages == ["sft", "grpo", "dapo", "dr_grpo"]
+    assert cfg.pipeline.stages == ["sft", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "gmpo"]
     with open_dict(cfg):
         cfg.pipeline.stages = ["sft", "grpo"]
         cfg.pipeline.common = BUDGET
