@@ -188,24 +188,6 @@ def gspo_policy_loss(
     return loss, stats
 
 
-def gspo_token_policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-    dual_clip: float | None = None,
-    aggregation: str = "seq_mean_token_mean",
-    agg_constant: float | None = None,
-    is_weights: Tensor | None = None,
-    normalizer: Tensor | float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """GSPO-token: :func:`gspo_policy_loss` with ``token_level=True``."""
-    args = (logprobs, old_logprobs, advantages, response_mask, clip_low, clip_high, dual_clip, aggregation)
-    return gspo_policy_loss(*args, agg_constant, is_weights, normalizer, token_level=True)
-
-
 def cispo_policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -219,7 +201,7 @@ def cispo_policy_loss(
     is_weights: Tensor | None = None,
     normalizer: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """CISPO (MiniMax-M1, Chen et al. 2025, Eq. 4; docs/algorithms.md §6.3): the clipped importance
+    """CISPO (MiniMax-M1, MiniMax 2025, Eq. 4; docs/algorithms.md §6.3): the clipped importance
     weight, stop-gradient, times the log-probability, so a token whose ratio left the clip range
     keeps its gradient (PPO's clip drops it):
 

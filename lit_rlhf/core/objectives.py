@@ -18,6 +18,7 @@ a config is checked before any framework is loaded.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,10 +86,13 @@ class PolicyLoss:
     ordered_clip: bool = True
     """Its clip range is PPO's ratio range, so ``clip_eps_high >= clip_eps_low`` (clip-higher) is
     checked; CISPO's weight bounds are free."""
+    options: tuple[tuple[str, Any], ...] = ()
+    """Keyword arguments its function is called with beyond the common ones (GSPO-token's level)."""
 
     @property
     def fn(self) -> Callable[..., Any]:
-        return _losses_function(self.function)
+        fn = _losses_function(self.function)
+        return functools.partial(fn, **dict(self.options)) if self.options else fn
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {
@@ -97,7 +101,7 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
     # GSPO (Zheng et al. 2025): the response's ratio (geometric mean of its tokens') in the clipped surrogate
     "gspo": PolicyLoss("gspo_policy_loss", "§6.3", per_response=True),
     # GSPO-token (Zheng et al. 2025, Eq. 13): the response's ratio, each token's own gradient and advantage
-    "gspo_token": PolicyLoss("gspo_token_policy_loss", "§6.3"),
+    "gspo_token": PolicyLoss("gspo_policy_loss", "§6.3", options=(("token_level", True),)),
     # CISPO (MiniMax-M1, 2025): the clipped, stop-gradient importance weight times log π
     "cispo": PolicyLoss("cispo_policy_loss", "§6.3", ordered_clip=False),
     # GMPO (Zhao et al. 2025): the geometric mean of the token ratios, clipped per token in log space

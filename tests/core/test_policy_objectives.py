@@ -14,9 +14,10 @@ from lit_rlhf.core.losses import (
     cispo_policy_loss,
     gmpo_policy_loss,
     gspo_policy_loss,
-    gspo_token_policy_loss,
 )
 from lit_rlhf.core.objectives import POLICY_LOSSES
+
+gspo_token_policy_loss = POLICY_LOSSES["gspo_token"].fn
 
 F64 = torch.float64
 
