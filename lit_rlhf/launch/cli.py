@@ -201,9 +201,13 @@ def prepare(argv: list[str], config_dir: str | Path, config_name: str = "train")
     without a pipeline drops the demo pipeline's node (``~pipeline``: ``--cfg job`` does not print
     it); ``--plan`` becomes ``memory_plan.only=true`` (print the job's memory plan and exit) with no
     ``.hydra/`` files, no log file and, unless the command names one with ``hydra.run.dir``, no run
-    directory (the job "runs" in the current directory)."""
+    directory (the job "runs" in the current directory); ``-m`` moves before the overrides."""
     plan = "--plan" in argv
     argv = [a for a in argv if a != "--plan"]
+    # Hydra's parser takes its overrides as one run of arguments: `pipeline=reasoning -m seed=1,2` would be
+    # refused ("unrecognized arguments: seed=1,2"), so the multirun flag goes first, wherever it was written
+    multirun = [a for a in argv if a in ("-m", "--multirun")]
+    argv = multirun[:1] + [a for a in argv if a not in ("-m", "--multirun")]
     overrides = _cli_overrides(argv)
     if overrides is None:  # --help, --info …: no job
         return argv

@@ -58,6 +58,8 @@ def test_stage_choices_drop_the_pipeline_and_plan_only_runs_in_place():
         "~pipeline",
         "seed=1",
     ]
+    # the multirun flag written between overrides (Hydra's parser would refuse the ones after it)
+    assert prepare(["pipeline=reasoning", "-m", "seed=42,1"], conf) == ["-m", "pipeline=reasoning", "seed=42,1"]
     for unchanged in (["seed=3"], ["algo=null"], ["algo=sft", "pipeline=demo"], ["--help", "algo=sft"]):
         assert prepare(unchanged, conf) == unchanged
     assert prepare(["algo=sft", "--plan"], conf) == [
