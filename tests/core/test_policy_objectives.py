@@ -103,7 +103,10 @@ def test_gspo_matches_the_paper_off_policy(seed):
 def test_gspo_token_matches_eq13_with_per_token_advantages_and_equals_gspo_with_one_advantage():
     new, old, adv, mask = _batch(3, per_token_adv=True, scale=0.05)
     loss, _ = gspo_token_policy_loss(new, old, adv, mask, 0.02, 0.03)
-    _check(loss, _gspo_reference(new, old, adv, mask, 0.02, 0.03, token_level=True), new)
+    token_grad = _check(loss, _gspo_reference(new, old, adv, mask, 0.02, 0.03, token_level=True), new)
+    seq_loss, _ = gspo_policy_loss(new, old, adv, mask, 0.02, 0.03)
+    (seq_grad,) = torch.autograd.grad(seq_loss, new)
+    assert not torch.allclose(token_grad, seq_grad)  # per-token advantages: the token variant's own gradient
     new, old, adv, mask = _batch(4, scale=0.05)  # one advantage per response: the same value and gradient
     a, _ = gspo_policy_loss(new, old, adv, mask, 0.02, 0.03)
     b, _ = gspo_token_policy_loss(new, old, adv, mask, 0.02, 0.03)
@@ -125,8 +128,10 @@ def test_cispo_matches_the_paper_and_clipped_tokens_keep_their_gradient(seed):
 def test_gmpo_matches_the_paper(seed):
     new, old, adv, mask = _batch(seed, scale=0.5)
     lo, hi = 1 - math.exp(-0.4), math.exp(0.4) - 1
-    loss, _ = gmpo_policy_loss(new, old, adv, mask, lo, hi)
-    _check(loss, _gmpo_reference(new, old, adv, mask, lo, hi), new)
+    loss, stats = gmpo_policy_loss(new, old, adv, mask, lo, hi)
+    grad = _check(loss, _gmpo_reference(new, old, adv, mask, lo, hi), new)
+    assert float(stats["clipfrac"]) > 0  # the log-space clip acted on some tokens
+    assert (grad[mask > 0] != 0).any() and torch.equal(grad[mask == 0], torch.zeros_like(grad[mask == 0]))
 
 
 def _plain_policy_gradient(new, adv, mask, aggregation):
