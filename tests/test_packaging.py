@@ -73,7 +73,7 @@ def wheel(tmp_path_factory) -> Path:
 
     source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
     git = ["git", "ls-files", "--cached", "--others", "--exclude-standard"]
-    listed = subprocess.run(git, cwd=ROOT, capture_output=True, text=True)
+    listed = subprocess.run(git, cwd=ROOT, capture_output=True, text=True, timeout=120)
     if listed.returncode == 0:
         files = listed.stdout.splitlines()
     else:  # not a git checkout: the package and what its build reads
@@ -84,7 +84,7 @@ def wheel(tmp_path_factory) -> Path:
             (source / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, source / name)
     build = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(out)]
-    subprocess.run([*build, str(source)], check=True, capture_output=True)
+    subprocess.run([*build, str(source)], check=True, capture_output=True, timeout=900)
     (found,) = out.glob("lit_rlhf-*.whl")
     return found
 
@@ -117,7 +117,7 @@ def test_installed_wheel_runs_from_an_empty_folder(wheel, tmp_path):
     environment; from an empty folder, without the repository on the path: ``--help``, a 2-step SFT
     on the embedded task, the 7B headline's ``plan``, and an experiment from the user's own folder."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     pip = [
         str(venv / "bin" / "python"),
         "-m",
@@ -129,8 +129,8 @@ def test_installed_wheel_runs_from_an_empty_folder(wheel, tmp_path):
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LIT_RLHF_ROOT", "VIRTUAL_ENV")}
     env.update(DS_BUILD_OPS="0", HF_HUB_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
-    subprocess.run([*pip, "torch==2.13.0"], check=True, env=env)
-    subprocess.run([*pip, str(wheel)], check=True, env=env)
+    subprocess.run([*pip, "torch==2.13.0"], check=True, env=env, timeout=1200)
+    subprocess.run([*pip, str(wheel)], check=True, env=env, timeout=1200)
     work = tmp_path / "empty"
     work.mkdir()
     cli = str(venv / "bin" / "lit-rlhf")
@@ -147,6 +147,7 @@ def test_installed_wheel_runs_from_an_empty_folder(wheel, tmp_path):
         capture_output=True,
         text=True,
         check=True,
+        timeout=300,
     ).stdout
     assert str(venv) in where and str(ROOT) not in where  # the installed copy, not the checkout
 
@@ -174,5 +175,6 @@ def test_installed_wheel_runs_from_an_empty_folder(wheel, tmp_path):
         env=env,
         capture_output=True,
         text=True,
+        timeout=600,
     )
     assert bad.returncode != 0 and "Did you mean 'lr'" in bad.stderr and "Traceback" not in bad.stderr

@@ -124,6 +124,7 @@ def test_cli_and_missing_csv(tmp_path):
         capture_output=True,
         text=True,
         cwd=ROOT,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "run" / "stability.png").stat().st_size > 20_000
@@ -145,6 +146,7 @@ def test_cli_says_in_one_line_what_it_needs(tmp_path):
             capture_output=True,
             text=True,
             cwd=ROOT,
+            timeout=300,
         )
         assert out.returncode == 1 and "Traceback" not in out.stderr
         assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith(

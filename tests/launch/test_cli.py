@@ -228,6 +228,7 @@ def test_key_checks_and_printed_configs_import_neither_torch_nor_lightning(tmp_p
             capture_output=True,
             text=True,
             cwd=ROOT,
+            timeout=300,
         )
         assert expect in out.stdout + out.stderr, out.stderr[-2000:]
         imported = {

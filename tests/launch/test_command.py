@@ -66,6 +66,7 @@ def test_python_dash_m_runs_the_command(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
+        timeout=300,
     )
     assert proc.returncode == 1 and "Did you mean 'lr'" in proc.stderr and "Traceback" not in proc.stderr
     assert list(tmp_path.iterdir()) == []
