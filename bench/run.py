@@ -1,4 +1,5 @@
-"""lit_rlhf benchmarks: PPO, RM, DPO and GRPO steps vs TRL, the PPO step vs its compute floor, generation.
+"""lit_rlhf benchmarks: PPO, RM, DPO and GRPO steps vs TRL, the PPO step vs its compute floor, generation,
+answer extraction on degenerate responses.
 
     python bench/run.py              # full run (make bench): installs TRL 1.12.0 into bench/.trl
     python bench/run.py --smoke      # tiny shapes, 1 timed step, no TRL: a CI check that it runs
@@ -73,6 +74,8 @@ TARGETS = {
     "ppo_lora_rss_over_full": ("<=", 0.60),
     "ppo_ours_rss_over_trl": ("<=", 1.0),
     "grpo_ours_rss_over_trl": ("<=", 1.0),
+    "extraction_scaling": ("<=", 2.0),
+    "extraction_1mb_s": ("<=", 2.0),
 }
 
 
@@ -147,7 +150,7 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
     ]
     for name in r:
         c = r[name]
-        if not isinstance(c, dict) or name in ("floor", "sync_engine"):
+        if not isinstance(c, dict) or name in ("floor", "sync_engine", "extraction"):
             continue
         unit = UNITS.get(name.split("_")[0])
         if "error" in c or unit not in c:
@@ -228,6 +231,23 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
         if "rss_mb" in r.get(a, {}) and "rss_mb" in r.get(b, {}):
             derived[f"{a}_rss_over_trl"] = r[a]["rss_mb"] / r[b]["rss_mb"]
             row(f"{name} peak RSS, lit_rlhf / TRL", f"{a}_rss_over_trl", derived[f"{a}_rss_over_trl"])
+    ext = r.get("extraction", {})
+    if "scaling" in ext:
+        derived["extraction_scaling"] = ext["scaling"]
+        size = lambda n: "1 MB" if n == 1_000_000 else f"{n // 1000} kB"  # noqa: E731
+        row(
+            f"answer extraction, seconds per byte at {size(ext['large_bytes'])} / at {size(ext['small_bytes'])} "
+            "(worst degenerate pattern)",
+            "extraction_scaling",
+            ext["scaling"],
+        )
+        if ext["large_bytes"] == 1_000_000:
+            derived["extraction_1mb_s"] = ext["large_s"]
+            row(
+                "answer extraction of a 1 MB degenerate response, seconds (slowest pattern)",
+                "extraction_1mb_s",
+                ext["large_s"],
+            )
     missed = misses(derived)
     unmeasured = [name for name in TARGETS if derived.get(name) is None]
     lines += ["", f"Targets missed: {'; '.join(missed)}" if missed else "Every measured target held."]
@@ -290,7 +310,7 @@ def main() -> None:
                 print(f"[bench] {name}: {rounds[name][-1]}", flush=True)
         for name, runs in rounds.items():
             ok = [x for x in runs if "error" not in x]
-            key = {"floor": "floor_s", "sync_engine": "bench_sync_s"}.get(name, "step_s")
+            key = {"floor": "floor_s", "sync_engine": "bench_sync_s", "extraction": "large_s"}.get(name, "step_s")
             results[name] = sorted(ok, key=lambda x: x[key])[(len(ok) - 1) // 2] if ok else runs[-1]
             results[name]["rounds"] = [x.get(key) for x in runs]
             if any("ratio" in x for x in ok):  # a paired case: its own ratio per round

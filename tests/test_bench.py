@@ -1,6 +1,7 @@
 """The benchmark suite: its ratios are computed from the cases' measurements as documented, and it
 runs end to end in smoke mode (tiny shapes, no TRL, no timing asserts)."""
 
+import importlib
 import json
 import statistics
 import subprocess
@@ -122,7 +123,7 @@ def test_bench_smoke(tmp_path, bench):
     floor = r["floor"]
     assert floor["floor_s"] == pytest.approx(floor["generate_s"] + floor["score_forwards_s"] + floor["train_fwd_bwd_s"])
     for case in ours:
-        if case not in ("floor", "sync_engine"):
+        if case not in ("floor", "sync_engine", "extraction"):
             unit = bench.UNITS[case.split("_")[0]]
             per_step = s["batch"] * s["new_tokens"] if unit == "tokens_per_s" else s["batch"]
             assert r[case]["step_s"] > 0 and r[case][unit] == pytest.approx(per_step / r[case]["step_s"]), case
@@ -134,6 +135,14 @@ def test_bench_smoke(tmp_path, bench):
     assert saved["ratios"]["ppo_vllm_over_ppo_ours"] == pytest.approx(
         r["ppo_vllm"]["samples_per_s"] / r["ppo_ours"]["samples_per_s"]
     )
+    ext = r["extraction"]  # smoke sizes: 10 kB and 100 kB, so no 1 MB bound is claimed
+    assert (ext["small_bytes"], ext["large_bytes"]) == (10_000, 100_000) and set(ext["patterns"]) == set(
+        importlib.import_module("cases.extraction").PATTERNS
+    )
+    assert (
+        saved["ratios"]["extraction_scaling"] == ext["scaling"] == max(p["scaling"] for p in ext["patterns"].values())
+    )
+    assert "extraction_1mb_s" not in saved["ratios"]
     grpo = r["grpo_ours"]
     assert 0 < grpo["rollout_s"] < grpo["step_s"] and grpo["update_s"] == pytest.approx(
         grpo["step_s"] - grpo["rollout_s"]
@@ -158,6 +167,8 @@ def test_the_targets_are_the_documented_ones(bench):
         "ppo_lora_rss_over_full": "PPO step peak RSS, LoRA / full fine-tuning",
         "ppo_ours_rss_over_trl": "PPO peak RSS, lit_rlhf / TRL",
         "grpo_ours_rss_over_trl": "GRPO peak RSS, lit_rlhf / TRL",
+        "extraction_scaling": "answer extraction, seconds per byte at 1 MB / at 100 kB",
+        "extraction_1mb_s": "answer extraction of a 1 MB degenerate response, seconds",
     }
     assert set(stated) == set(bench.TARGETS)
     for name, label in stated.items():

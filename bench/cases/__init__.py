@@ -2,7 +2,8 @@
 generation (``generation.py``), PPO with its naive floor and its memory cases (``ppo.py``), the
 reward model (``rm.py``), DPO (``dpo.py``), the vLLM rollout engine (``engine.py``), GRPO — also
 both trainers in one process, steps
-alternating: :class:`Alternation` (``grpo.py``, ``alternation.py``); shared set-up and timers in
+alternating: :class:`Alternation` (``grpo.py``, ``alternation.py``), answer extraction on degenerate
+responses (``extraction.py``); shared set-up and timers in
 ``common.py``. Each case takes the models folder and the shapes and returns a dict of measurements."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from .alternation import Alternation
 from .common import ROOT, build_models, peak_rss_mb, shapes
 from .dpo import case_dpo_ours, case_dpo_trl
 from .engine import case_generate_vllm, case_sync_engine
+from .extraction import case_extraction
 from .generation import case_generate_bare, case_generate_ours
 from .grpo import case_grpo_ours, case_grpo_paired, case_grpo_trl
 from .ppo import case_floor, case_ppo_memory, case_ppo_ours, case_ppo_trl
@@ -36,6 +38,7 @@ CASES = {
     "grpo_paired": case_grpo_paired,
     "ppomem_full": lambda models, s: case_ppo_memory(models, s, lora=False),
     "ppomem_lora": lambda models, s: case_ppo_memory(models, s, lora=True),
+    "extraction": case_extraction,
 }
 TRL_CASES = {"ppo_trl", "rm_trl", "dpo_trl", "dpo_trl_precomputed", "grpo_trl", "grpo_paired"}
 

@@ -33,15 +33,27 @@ from lit_rlhf.utils.config import resolve_config
 log = logging.getLogger(__name__)
 
 
-def row_answer(row: Row, field: str, fmt: str = "raw") -> str:
+def row_answer(row: Row, field: str, fmt: str = "raw") -> str | list[str]:
     """The ground truth of a prompt row (``data.prompt.answer_field``): the column as text (a number
-    becomes its text), or with ``fmt="gsm8k"`` the text after the last "####" of a worked solution."""
+    becomes its text), or with ``fmt="gsm8k"`` the text after the last "####" of a worked solution;
+    a list of them (several acceptable answers, any of which scores) is a list of such texts."""
     if field not in row.data:
         have = ", ".join(sorted(row.data)) or "none"
         raise DataError(f"{row.where}: missing answer field '{field}' (data.prompt.answer_field); the row has: {have}")
     value = row.data[field]
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise DataError(f"{row.where}: answer field '{field}' is an empty list (give at least one answer)")
+        return [_answer_text(row, f"{field}[{i}]", item, fmt) for i, item in enumerate(value)]
+    return _answer_text(row, field, value, fmt)
+
+
+def _answer_text(row: Row, field: str, value: Any, fmt: str) -> str:
+    """One ground truth of :func:`row_answer` (``field`` names it in errors: ``answer`` or ``answer[1]``)."""
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise DataError(f"{row.where}: answer field '{field}' must be text or a number, got {type(value).__name__}")
+        raise DataError(
+            f"{row.where}: answer field '{field}' must be text, a number or a list of them, got {type(value).__name__}"
+        )
     text = value if isinstance(value, str) else format(value, "g") if isinstance(value, float) else str(value)
     if fmt == "gsm8k":
         if "####" not in text:

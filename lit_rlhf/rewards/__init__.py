@@ -8,8 +8,15 @@ Importing this package is cheap: math-verify loads when ``math_accuracy`` builds
 """
 
 from lit_rlhf.rewards.base import MissingAnswerError, VerifiableReward
-from lit_rlhf.rewards.extract import answer_after_prefix, clean_answer, extract_final_answer, reference_answer
-from lit_rlhf.rewards.math_reward import GroundTruthParseError, MathAccuracy, math_accuracy
+from lit_rlhf.rewards.extract import (
+    answer_after_prefix,
+    answer_region,
+    clean_answer,
+    extract_final_answer,
+    last_boxed,
+    reference_answer,
+)
+from lit_rlhf.rewards.math_reward import GroundTruthParseError, MathAccuracy, math_accuracy, math_text
 from lit_rlhf.rewards.text import ExactMatch, FormatReward, exact_match, format_reward
 
 __all__ = [
@@ -20,10 +27,13 @@ __all__ = [
     "MissingAnswerError",
     "VerifiableReward",
     "answer_after_prefix",
+    "answer_region",
     "clean_answer",
     "exact_match",
     "extract_final_answer",
     "format_reward",
+    "last_boxed",
     "math_accuracy",
+    "math_text",
     "reference_answer",
 ]

@@ -2,7 +2,8 @@
 
 A reward is called as ``fn(prompts, responses, ended, **columns)`` and returns one float per
 response. Verifiable rewards read the ground truth from the ``answer`` column (one entry per
-response, same order; ``None`` = none for that row); every other column is accepted and ignored.
+response, same order; ``None`` = none for that row; a list or tuple = several acceptable answers,
+the response scoring its best against them); every other column is accepted and ignored.
 A response whose check raises scores 0.0 and is counted, the run goes on: after each call
 ``last_errors`` holds the count and ``last_error_example`` the first message (``None`` without
 errors), for the caller to log as ``reward/<name>_errors``.
@@ -38,6 +39,18 @@ class VerifiableReward:
     def score(self, response: str, truth: str | None) -> float:
         raise NotImplementedError
 
+    def _score_against(self, response: str, truth: Any) -> float:
+        """:meth:`score` against one ground truth, or the best against each of a list of them."""
+        if not self.needs_answer:
+            return float(self.score(response, None))
+        if truth is None:
+            raise MissingAnswerError("no ground truth for this row (answer is None)")
+        if isinstance(truth, (list, tuple)):
+            if not truth or any(t is None for t in truth):
+                raise MissingAnswerError(f"a list of acceptable answers must be non-empty, without None: {truth!r}")
+            return max(float(self.score(response, str(t))) for t in truth)
+        return float(self.score(response, str(truth)))
+
     def __call__(
         self,
         prompts: Sequence[str],
@@ -66,9 +79,7 @@ class VerifiableReward:
         errors, example = 0, None
         for i, (response, truth) in enumerate(zip(responses, truths)):
             try:
-                if self.needs_answer and truth is None:
-                    raise MissingAnswerError("no ground truth for this row (answer is None)")
-                value = float(self.score(response, None if truth is None else str(truth)))
+                value = self._score_against(response, truth)
             except self.errors as err:
                 errors += 1
                 if example is None:

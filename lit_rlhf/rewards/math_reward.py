@@ -8,6 +8,7 @@ else it is switched off (``None``), so a call from a worker thread runs without 
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -18,6 +19,39 @@ from lit_rlhf.utils.config import ConfigError
 
 class GroundTruthParseError(ValueError):
     """math-verify finds no expression in a ground truth."""
+
+
+_LETTERS = re.compile(r"[A-Za-z' -]+")
+_WORD = re.compile(r"[A-Za-z]{2,}")
+_PERCENT = re.compile(r"\s*(?:\\%|%|\\text\{\s*\\?%\s*\}|\\?percent)\s*$")
+_THOUSANDS = re.compile(r"(?<=\d)(?:\\,|\{,\}|\\!|\\ )(?=\d{3}(?!\d))")
+_TEXT = re.compile(r"\\(?:text|textbf|mathrm)\{([^{}]*)\}")
+_SPACE = re.compile(r"\s+")
+
+
+def math_text(text: str) -> str:
+    """An answer or ground truth as math_accuracy compares it: a trailing percent sign (``%``,
+    ``\\%``, ``\\text{%}``, ``percent``) dropped, LaTeX thousands spacing (``1\\,000``,
+    ``1{,}000``) written ``1,000``, ``−`` (U+2212) as ``-``.
+
+    >>> math_text("1\\,000\\%")
+    '1,000'
+    """
+    text = text.replace("\u2212", "-")
+    text = _THOUSANDS.sub(",", text)
+    return _PERCENT.sub("", text).strip()
+
+
+def is_words(text: str) -> bool:
+    """A ground truth of words (letters, spaces, ``'`` and ``-`` only, with a word of two letters
+    or more: ``forty two``, ``Paris``, ``no solution``), which math_accuracy compares as text; a
+    single letter (``B``, ``x``) stays a symbol."""
+    return _LETTERS.fullmatch(text) is not None and _WORD.search(text) is not None
+
+
+def _as_words(text: str) -> str:
+    """Text to compare a words ground truth with: ``\\text{…}`` unwrapped, case-folded, spaces collapsed."""
+    return _SPACE.sub(" ", _TEXT.sub(r"\1", text)).strip().casefold()
 
 
 def _import_math_verify() -> Any:
@@ -35,16 +69,26 @@ def _import_math_verify() -> Any:
 class MathAccuracy(VerifiableReward):
     """1.0 when the response's final answer is mathematically equivalent to the ground truth, else 0.0.
 
-    The rule, per response:
+    The rule, per response (docs/rewards.md §2 has the conventions with examples):
 
-    1. answer = :func:`~lit_rlhf.rewards.extract.extract_final_answer` (last ``\\boxed{…}``, then
-       ``#### …``, then "the answer is …", then the last number); none found → 0.0;
+    1. answer = :func:`~lit_rlhf.rewards.extract.extract_final_answer` (the region after
+       ``</think>`` and inside ``<answer>…</answer>``, then the last ``\\boxed{…}``, ``#### …``,
+       "the answer is …", the last math span or standalone number); none found → 0.0;
     2. truth = the ground truth, reduced to what follows its last ``####`` (GSM8K form), cleaned
-       like an answer (surrounding ``$``, ``*``, trailing ``.``);
-    3. both are parsed by ``math_verify.parse`` as ``\\boxed{<text>}`` (so bare LaTeX, plain
-       numbers, ``3/4``, ``1,234`` and ``x = 3`` all parse); an answer that does not parse → 0.0;
-       a ground truth that does not parse is an error (counted);
-    4. 1.0 if ``math_verify.verify(truth, answer)`` (sympy equivalence: ``\\frac{1}{2}`` = ``0.5`` =
+       like an answer (surrounding ``$``, ``*``, trailing ``.``); a list or tuple of ground truths is
+       several acceptable answers (1.0 when any matches, :class:`~lit_rlhf.rewards.base.VerifiableReward`);
+    3. both are normalised (:func:`math_text`): a percent is its number (``28\\%``, ``28%``,
+       ``28 percent`` and ``28`` are one answer; ``0.28`` is another), ``1\\,000`` and ``1{,}000``
+       are ``1,000``, the Unicode minus is ``-``;
+    4. the same text on both sides (ignoring whitespace) → 1.0, before any parse (``12:00``, which
+       sympy cannot read, equals ``12:00``);
+    5. a ground truth of words (:func:`is_words`: ``forty two``, ``Paris``) is compared as text,
+       case-insensitively, with ``\\text{…}`` removed from the answer — math-verify would read it
+       as a product of symbols, so that ``two forty`` equalled ``forty two``;
+    6. otherwise both are parsed by ``math_verify.parse`` as ``\\boxed{<text>}`` (so bare LaTeX,
+       plain numbers, ``3/4``, ``1,234`` and ``x = 3`` all parse); an answer that does not parse →
+       0.0; a ground truth that does not parse is an error (counted); 1.0 if
+       ``math_verify.verify(truth, answer)`` (sympy equivalence: ``\\frac{1}{2}`` = ``0.5`` =
        ``1/2``; ``1,000`` = ``1000``; ``x = 3`` = ``3``), else 0.0.
 
     Counted errors (score 0.0, ``last_errors``): a ``None`` ground truth, an unparseable ground
@@ -77,7 +121,7 @@ class MathAccuracy(VerifiableReward):
     def _parse_truth(self, truth: str, timeout: int | None) -> Any:
         key = (truth, timeout)
         if key not in self._truths:
-            text = clean_answer(reference_answer(truth))
+            text = math_text(clean_answer(reference_answer(truth)))
             parsed = self._parse(text, timeout) if text else []
             if not parsed:
                 raise GroundTruthParseError(f"math-verify finds no expression in the ground truth {truth!r}")
@@ -87,12 +131,18 @@ class MathAccuracy(VerifiableReward):
         return self._truths[key]
 
     def score(self, response: str, truth: str | None) -> float:
+        answer = extract_final_answer(response)
+        gold_text = math_text(clean_answer(reference_answer(truth or "")))
+        if is_words(gold_text):
+            return 1.0 if answer is not None and _as_words(answer) == gold_text.casefold() else 0.0
         timeout = self._timeout()
         gold = self._parse_truth(truth or "", timeout)
-        answer = extract_final_answer(response)
         if answer is None:
             return 0.0
-        parsed = self._parse(answer, timeout)
+        answer = math_text(answer)
+        if _SPACE.sub("", answer) == _SPACE.sub("", gold_text):
+            return 1.0
+        parsed = self._parse(answer, timeout) if answer else []
         if not parsed:
             return 0.0
         return 1.0 if self._mv.verify(gold, parsed, timeout_seconds=timeout, raise_on_error=True) else 0.0

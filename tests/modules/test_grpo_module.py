@@ -407,3 +407,26 @@ def test_answer_fields_are_read_and_checked(tokenizer, tmp_path):
         DataError, match=r"missing answer field 'a' \(data.prompt.answer_field\); the row has: answer, q"
     ):
         PromptDataModule(source=str(path), prompt_field="q", answer_field="a", batch_size=1).connect(tokenizer).setup()
+
+
+def test_a_list_answer_field_is_several_acceptable_answers(tokenizer, tmp_path):
+    import json
+
+    from lit_rlhf.data.io import DataError
+
+    rows = [{"q": "the cat", "a": ["5", 10, 2.5]}, {"q": "a dog", "a": "7"}]
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dm = PromptDataModule(source=str(path), prompt_field="q", answer_field="a", batch_size=2)
+    dm.connect(tokenizer).setup()
+    batch = next(iter(dm.train_dataloader()))
+    assert sorted(zip(batch["prompts"], batch["columns"]["answer"]), key=lambda r: r[0]) == [
+        ("a dog", "7"),
+        ("the cat", ["5", "10", "2.5"]),  # each entry as text, the list kept whole through collation
+    ]
+    for bad, says in (([], r"qa.jsonl:1: answer field 'a' is an empty list"), (["5", {"x": 1}], r"'a\[1\]' must be")):
+        path.write_text(json.dumps({"q": "x", "a": bad}) + "\n")
+        with pytest.raises(DataError, match=says):
+            PromptDataModule(source=str(path), prompt_field="q", answer_field="a", batch_size=1).connect(
+                tokenizer
+            ).setup()

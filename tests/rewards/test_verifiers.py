@@ -15,6 +15,7 @@ from lit_rlhf.rewards import (
     exact_match,
     extract_final_answer,
     format_reward,
+    last_boxed,
     math_accuracy,
     reference_answer,
 )
@@ -55,7 +56,7 @@ def score(fn, responses, answers=None, **columns):
         ("the ANSWER is: **42**", "42"),
         ("So the final answer is 3.5.", "3.5"),  # a '.' inside a number does not end the sentence
         ("The answer is $\\frac{1}{2}$.\nCheck: 0.5", "\\frac{1}{2}"),
-        ("The answer is 18 apples! Yes 3", "18 apples"),
+        ("The answer is 18 apples! Yes 3", "18"),  # a number followed by words is the number
         ("The answer is 4 and the answer is 5.", "5"),  # the last one
         ("The answer is\n42", "42"),  # an empty span falls through (to the last number)
         ("I got 3 apples, then 7", "7"),
@@ -68,10 +69,71 @@ def score(fn, responses, answers=None, **columns):
         ("pi is 3.14", "3.14"),
         ("no number here", None),
         ("", None),
+        # the region: after </think>, inside the last closed <answer>
+        (r"<think>so \boxed{3}</think> <answer>5</answer>", "5"),
+        ("<think>3 + 4 = 7, so 7", None),  # never left the reasoning
+        ("</think> 12", "12"),
+        ("<answer>1</answer> <answer>2</answer> 3", "2"),
+        ("<answer>7 oranges</answer>", "7"),
+        ("<answer>12", "12"),  # an unclosed tag is not a region
+        ("<answer></answer> 3", None),  # an empty answer is no answer
+        # the last math span, and numbers that do not stand alone
+        (r"so $x = \frac{3}{4}$.", r"x = \frac{3}{4}"),
+        (r"$$y = 2$$ at the end", "y = 2"),
+        ("He paid $5 and got $3 back, so $2", "2"),  # dollars pair up; the number after them wins
+        (r"so x is \frac{3}{4}", None),
+        (r"\frac{1+\sqrt5}{2}", None),
+        ("x lies in [0,1)", None),
+        ("(3+4)", None),
+        ("it is 5 (which is odd)", "5"),
+        ("(which is 5)", "5"),
+        ("so x^2", None),
+        ("H2", None),
+        ("it is 28%", "28"),
+        # numbers as written
+        ("it is \u22125", "-5"),
+        ("it is .4", ".4"),
+        (r"in total 1\,000", r"1\,000"),
+        (r"costs \$5", "5"),
+        # where an answer span ends
+        ("the answer is 5 dollars.", "5"),
+        ("the answer is 5 or 6.", "5 or 6"),
+        # boxes
+        (r"\boxed{\boxed{3}}", "3"),
+        (r"\boxed{a}\boxed{b", "a"),
+        (r"\fbox{12}", "12"),
+        (r"\boxed{1} }} \boxed{2}", "2"),  # stray closers before a box do not matter
     ],
 )
 def test_extract_final_answer(text, expected):
     assert extract_final_answer(text) == expected
+
+
+def _last_boxed_by_rescanning(text: str) -> str | None:
+    """An independent reference for last_boxed: from each box's "{", scan forward until it closes,
+    trying the boxes from the last one back (quadratic, the obvious algorithm)."""
+    import re
+
+    for match in reversed(list(re.finditer(r"\\(?:boxed|fbox)\s*\{", text))):
+        depth, start = 1, match.end()
+        for i in range(start, len(text)):
+            if text[i] == "{" and text[i - 1] != "\\":
+                depth += 1
+            elif text[i] == "}" and text[i - 1] != "\\":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i]
+    return None
+
+
+def test_last_boxed_agrees_with_rescanning_on_random_text():
+    import random
+
+    rng = random.Random(0)
+    pieces = ["\\boxed{", "\\fbox {", "{", "}", "\\{", "\\}", "x", "1", " ", "\\frac"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 14)))
+        assert last_boxed(text) == _last_boxed_by_rescanning(text), text
 
 
 def test_clean_prefix_and_reference():
@@ -149,7 +211,7 @@ def test_a_verifier_that_raises_on_one_response_scores_it_zero_and_goes_on(accur
         return real(gold, target, **kwargs)
 
     monkeypatch.setattr(math_verify, "verify", flaky)
-    out = score(accuracy, [r"\boxed{12}", r"\boxed{13}", r"\boxed{14}"], ["12", "13", "15"])
+    out = score(accuracy, [r"\boxed{12}", r"\boxed{13}", r"\boxed{14}"], ["12", "13.0", "15"])
     assert out == [1.0, 0.0, 0.0]
     assert accuracy.last_errors == 1
     assert accuracy.last_error_example == "response 1: RuntimeError: sympy fell over"
@@ -251,7 +313,7 @@ def test_exact_match_default_uses_the_extraction_chain():
         "no number",
     ]
     answers = ["42", " 42 ", "steps\n#### 42", "42", "42", "0.5", "1234", "42"]
-    assert score(fn, responses, answers) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert score(fn, responses, answers) == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     assert fn.last_errors == 0
 
 
