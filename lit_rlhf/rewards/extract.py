@@ -83,16 +83,10 @@ def normalize_text(text: str) -> str:
     return text.replace("\u2212", "-").replace("\\$", "")
 
 
-def answer_region(text: str) -> str | None:
-    """The part of a response that can hold its answer (module docstring): after the last
-    ``</think>``; ``None`` inside a ``<think>`` never closed; then the last closed
-    ``<answer>…</answer>``'s content when there is one."""
-    region, _tagged = _region(text)
-    return region
-
-
-def _region(text: str) -> tuple[str | None, bool]:
-    """(:func:`answer_region`, whether that region is an ``<answer>`` tag's content)."""
+def answer_region(text: str) -> tuple[str | None, bool]:
+    """The part of a response that can hold its answer (module docstring), and whether it is an
+    ``<answer>`` tag's content: after the last ``</think>``; ``None`` inside a ``<think>`` never
+    closed; then the last closed ``<answer>…</answer>``'s content when there is one."""
     close = text.rfind("</think>")
     if close >= 0:
         text = text[close + len("</think>") :]
@@ -136,12 +130,8 @@ def last_boxed(text: str) -> str | None:
 def last_number(text: str) -> str | None:
     """The last number in ``text`` as written (``-3``, ``2.5``, ``3/4``, ``1,234``), or ``None``
     (whether it stands alone is :func:`extract_final_answer`'s rule 6)."""
-    found = _last_number_match(text)
+    found = _last_match(_NUMBER, text)
     return found.group() if found else None
-
-
-def _last_number_match(text: str) -> re.Match[str] | None:
-    return _last_match(_NUMBER, text)
 
 
 def _last_match(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
@@ -237,7 +227,7 @@ def extract_final_answer(text: str) -> str | None:
     >>> extract_final_answer("<think>maybe \\\\boxed{3}</think> <answer>5</answer>")
     '5'
     """
-    region, tagged = _region(normalize_text(text))
+    region, tagged = answer_region(normalize_text(text))
     if region is None:
         return None
     boxed = last_boxed(region)
@@ -249,7 +239,7 @@ def extract_final_answer(text: str) -> str | None:
             return clean_answer(_number_before_words(span))
     if tagged:
         return clean_answer(_number_before_words(clean_answer(region))) or None
-    number = _last_number_match(region)
+    number = _last_match(_NUMBER, region)
     math = _last_math_span(region)
     if math is not None and clean_answer(math[1]) and (number is None or math[0] > number.start()):
         return clean_answer(math[1])

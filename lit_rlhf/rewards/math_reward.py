@@ -118,13 +118,13 @@ class MathAccuracy(VerifiableReward):
     def _parse(self, text: str, timeout: int | None) -> list:
         return self._mv.parse("\\boxed{" + text + "}", parsing_timeout=timeout, raise_on_error=True)
 
-    def _parse_truth(self, truth: str, timeout: int | None) -> Any:
-        key = (truth, timeout)
+    def _parse_truth(self, text: str, timeout: int | None) -> Any:
+        """The ground truth's normalised text (:func:`math_text`) parsed, kept per (text, timeout)."""
+        key = (text, timeout)
         if key not in self._truths:
-            text = math_text(clean_answer(reference_answer(truth)))
             parsed = self._parse(text, timeout) if text else []
             if not parsed:
-                raise GroundTruthParseError(f"math-verify finds no expression in the ground truth {truth!r}")
+                raise GroundTruthParseError(f"math-verify finds no expression in the ground truth {text!r}")
             if len(self._truths) >= 4096:  # a GRPO group repeats its truth; older truths are not asked again
                 self._truths.clear()
             self._truths[key] = parsed
@@ -136,7 +136,7 @@ class MathAccuracy(VerifiableReward):
         if is_words(gold_text):
             return 1.0 if answer is not None and _as_words(answer) == gold_text.casefold() else 0.0
         timeout = self._timeout()
-        gold = self._parse_truth(truth or "", timeout)
+        gold = self._parse_truth(gold_text, timeout)
         if answer is None:
             return 0.0
         answer = math_text(answer)
