@@ -399,8 +399,10 @@ def test_dapo_two_processes_identical(grpo_runs, models):
     that leaves rank 1 short of groups while rank 0 has its own at once: both ranks draw the same
     number of extra batches (every rank samples while any rank is short; sampling is collective)
     and train on as many groups (the fewest: 1 of 2), so their updates stay in step instead of
-    hanging. (Under DeepSpeed and FSDP GRPO runs the update and rollout code PPO's ZeRO-2/3 and
-    FSDP tests cover; the helper's ``--strategy deepspeed|fsdp`` runs them, not repeated in CI.)"""
+    hanging; each minibatch is accumulated over micro-batches of 2 (``algo.micro_batch_size``: every
+    rank runs as many backward passes, each all-reduced). (Under DeepSpeed and FSDP GRPO runs the
+    update and rollout code PPO's ZeRO-2/3 and FSDP tests cover; the helper's ``--strategy
+    deepspeed|fsdp`` runs them, not repeated in CI.)"""
     ranks = grpo_runs["dapo"]
     # DAPO: 1 group (4 rows) each = 1 minibatch x μ 2 = 2 steps an iteration
     assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == 4

@@ -268,13 +268,20 @@ def gmpo_policy_loss(
 
 
 def value_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor, clip: float | None = 0.2
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    response_mask: Tensor,
+    clip: float | None = 0.2,
+    normalizer: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss: ½ · token mean of max((V − G)², (clip(V, V_old ± ε_v) − G)²).
 
     Args:
         values: (B, T) current critic; old_values: (B, T) at rollout; returns: (B, T) GAE targets;
             what they hold outside ``response_mask`` reaches neither the loss nor the gradient.
+        normalizer: the token count to divide by instead of this batch's own, when it is one shard
+            or micro-batch of a larger one (as :func:`aggregate`'s).
     Returns:
         loss, stats {"loss", "clipfrac", "value_mean", "explained_variance"}.
     """
@@ -287,7 +294,7 @@ def value_loss(
     else:
         err_clipped = err
         per_token = err
-    loss = 0.5 * masked_mean(per_token, response_mask)
+    loss = 0.5 * aggregate(per_token, response_mask, "token_mean", normalizer=normalizer)
     with torch.no_grad():
         resid_var = masked_mean(
             (returns - old_values - masked_mean(returns - old_values, response_mask)) ** 2, response_mask
@@ -344,7 +351,11 @@ def pairwise_rm_loss(
 
 
 def entropy_loss(
-    entropy: Tensor, response_mask: Tensor, coef: float, target: float | None = None
+    entropy: Tensor,
+    response_mask: Tensor,
+    coef: float,
+    target: float | None = None,
+    normalizer: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Entropy regularizer to ADD to the loss (docs/algorithms.md §2).
 
@@ -353,20 +364,31 @@ def entropy_loss(
 
     Args:
         entropy: (B, T) per-token entropies H(π(·|s_t)).
+        normalizer: the plain bonus's token count instead of this batch's own (as :func:`aggregate`'s).
+            The target form is not linear in the batch's tokens, so it cannot be split: it takes none.
     """
-    mean_h = masked_mean(entropy, response_mask)
-    loss = coef * (mean_h - target).abs() if target is not None else -coef * mean_h
+    if target is not None:
+        if normalizer is not None:
+            raise ValueError("the entropy target's |mean H − target| cannot be split over shards: no normalizer")
+        mean_h = masked_mean(entropy, response_mask)
+        loss = coef * (mean_h - target).abs()
+    else:
+        mean_h = aggregate(entropy, response_mask, "token_mean", normalizer=normalizer)
+        loss = -coef * mean_h
     return loss, {"entropy": mean_h.detach(), "loss": loss.detach()}
 
 
-def ptx_loss(logprobs: Tensor, loss_mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+def ptx_loss(
+    logprobs: Tensor, loss_mask: Tensor, normalizer: Tensor | float | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO-ptx (InstructGPT, Ouyang et al. 2022, Eq. 2): token-mean NLL of the policy on
     pretraining/SFT tokens, to be weighted by c_ptx.
 
     Args:
         logprobs: (B, T) log π(x_t | x_<t) of the batch's tokens; loss_mask: (B, T) tokens scored.
+        normalizer: the token count instead of this batch's own (as :func:`aggregate`'s).
     """
-    loss = -masked_mean(logprobs, loss_mask)
+    loss = -aggregate(logprobs, loss_mask, "token_mean", normalizer=normalizer)
     return loss, {"loss": loss.detach()}
 
 

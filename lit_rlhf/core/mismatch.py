@@ -66,6 +66,9 @@ def correction_weights(
     r_t = e^{d_t} per token and R_i = e^{Σ_t d_t} per response:
 
     * ``tis`` / ``token_truncate``: min(r_t, C); ``token_mask``: r_t, or 0 where r_t > C;
+    * ``decoupled``: r_t uncapped, decoupled PPO's behaviour weight π_prox/μ (Hilton et al. 2022; the
+      trainer's recomputation is the proximal policy, the sampler the behaviour policy); d_t is held
+      below 80 so that the weight stays finite;
     * ``sequence_truncate``: min(R_i, C) on every token of response i; ``sequence_mask``: R_i, or 0
       where R_i > C;
     * ``icepop``: r_t inside ``band`` = [α, β], 0 outside (IcePop);
@@ -86,6 +89,8 @@ def correction_weights(
     masked = torch.zeros_like(keep)
     if mode in ("tis", "token_truncate"):
         w = token.clamp(max=cap)
+    elif mode == "decoupled":
+        w = torch.exp(d.clamp(max=80.0))
     elif mode == "token_mask":
         masked = token > cap
         w = torch.where(masked, torch.zeros_like(token), token)

@@ -114,6 +114,7 @@ CORRECTIONS: dict[str, str] = {
     "tis": "min(r_t, C) per token: truncated importance sampling (Yao et al. 2025) = token_truncate",
     "token_truncate": "min(r_t, C) per token",
     "token_mask": "r_t per token, 0 where r_t > C",
+    "decoupled": "r_t per token, uncapped: decoupled PPO's behaviour weight π_prox/μ (Hilton et al. 2022)",
     "sequence_truncate": "min(R_i, C) for every token of response i, R_i the product of its token ratios",
     "sequence_mask": "R_i for every token of response i, 0 where R_i > C",
     "icepop": "r_t inside the band [low, high], 0 outside (IcePop)",

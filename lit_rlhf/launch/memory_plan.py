@@ -229,7 +229,9 @@ def setup_from(cfg: Any, job: Any) -> Setup:
     if rl:  # RL stages: prompts + responses (validation-only sampling, e.g. DPO's drift, is not planned)
         prompt_len = getattr(data, "max_prompt_length", 256) or 256
         seq, gen_batch = prompt_len + gen_len, algo.rollout_batch_size
-        micro = getattr(algo, "minibatch_size", None) or algo.rollout_batch_size
+        micro = (
+            getattr(algo, "micro_batch_size", None) or getattr(algo, "minibatch_size", None) or algo.rollout_batch_size
+        )
     else:
         seq, gen_batch = getattr(data, "max_length", 512) or 512, 0
         micro = getattr(data, "batch_size", None) or 8
@@ -380,13 +382,13 @@ def plan_for(cfg: Any, job: Any, gpu_memory_gb: float | None = None, reserve_gb:
             if peak <= usable:
                 plan.alternatives.append((label, peak))
         if base.micro_batch > 1:
+            # RL: algo.micro_batch_size splits the update only, generation keeps its batch
+            knob = "algo.micro_batch_size" if base.gen_batch else "data.batch_size"
             for micro in (base.micro_batch // 2, 1):
-                alt = replace(
-                    base, micro_batch=micro, gen_batch=min(base.gen_batch, max(micro, 1) * 4) if base.gen_batch else 0
-                )
+                alt = replace(base, micro_batch=micro)
                 peak = estimate(cfg, job, alt, gpu_memory_gb).peak
                 if peak <= usable:
-                    plan.alternatives.append((f"micro-batch {micro} (algo.minibatch_size / data batch_size)", peak))
+                    plan.alternatives.append((f"micro-batch {micro} ({knob})", peak))
                     break
     return plan
 

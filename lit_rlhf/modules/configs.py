@@ -140,6 +140,11 @@ class RLConfig(PolicyConfig):
     """Responses sampled per RL iteration and process (the rollout buffer; sets the prompt loader's batch)."""
     minibatch_size: int | None = field(default=None, metadata={"ge": 1})
     """Responses per optimizer step; None = the whole rollout (one step per pass)."""
+    micro_batch_size: int | None = field(default=None, metadata={"ge": 1})
+    """Responses per forward and backward within one optimizer step (gradient accumulation): each
+    minibatch is cut into micro-batches of this many rows, every loss term divided by the whole
+    minibatch's counts, so the step is the one pass's exactly (docs/algorithms.md §6) with the
+    activations of one micro-batch. None = the whole minibatch at once. Not with DeepSpeed strategies."""
     logprobs_at_sampling_temperature: bool = False
     """False: log-probs at temperature 1 (docs/algorithms.md §2.1); True: logits / sampling temperature."""
     monitor_sampler: bool = False
@@ -149,8 +154,10 @@ class RLConfig(PolicyConfig):
     rollout_correction: str = "none"
     """The correction for a sampler that is not the trainer, a key of lit_rlhf/core/objectives.py
     ``CORRECTIONS`` (docs/algorithms.md §2.10): tis (= token_truncate: min(π_trainer/π_sampler, C) per
-    token, Yao et al. 2025), token_mask, sequence_truncate, sequence_mask, icepop (band mask per token),
-    geo_mask (a response's geometric-mean ratio outside the band drops it); none = no correction."""
+    token, Yao et al. 2025), token_mask, decoupled (the uncapped behaviour weight of decoupled PPO, Hilton
+    et al. 2022: the ratio's clip is around the trainer's recomputation, the proximal policy),
+    sequence_truncate, sequence_mask, icepop (band mask per token), geo_mask (a response's geometric-mean
+    ratio outside the band drops it); none = no correction."""
     tis_cap: float = field(default=2.0, metadata={"gt": 0.0})
     """C of the truncate and mask corrections (Yao et al. use 2; TRL's sequence mask 3)."""
     correction_band_low: float = field(default=0.5, metadata={"ge": 0.0})
@@ -378,7 +385,9 @@ class PPOConfig(RLConfig):
     entropy_coef: float = field(default=0.0, metadata={"ge": 0.0})
     """Entropy bonus −c·H (0 = off)."""
     entropy_target: float | None = field(default=None, metadata={"ge": 0.0})
-    """MOSS-RLHF's form instead of the bonus: c·|H − target| (fragile; off by default)."""
+    """MOSS-RLHF's form instead of the bonus: c·|H − target| (fragile; off by default). Its |mean H −
+    target| is each rank's own minibatch's (it is not linear in the tokens, so it cannot be split
+    over micro-batches: not with ``micro_batch_size``)."""
     ptx_coef: float = field(default=0.0, metadata={"ge": 0.0})
     """PPO-ptx: weight of the LM loss on ``data.prompt.ptx_source`` batches (0 = off)."""
 
@@ -390,6 +399,12 @@ class PPOConfig(RLConfig):
             "policy_loss",
             f"{self.policy_loss} reads one advantage per response; PPO's GAE gives one per token "
             f"(use {', '.join(k for k, v in POLICY_LOSSES.items() if not v.per_response)})",
+        )
+        check(
+            self.entropy_target is None or not self.entropy_coef or self.micro_batch_size is None,
+            "micro_batch_size",
+            "algo.entropy_target's |mean H − target| is of the whole minibatch and cannot be split into "
+            "micro-batches: set algo.micro_batch_size=null or algo.entropy_target=null",
         )
 
 

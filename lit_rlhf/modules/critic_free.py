@@ -35,7 +35,7 @@ from lit_rlhf.core.kl import kl_penalty
 from lit_rlhf.core.shaping import overlong_penalty
 from lit_rlhf.core.types import Rollout, cat_rollouts
 from lit_rlhf.modules.configs import CriticFreeConfig
-from lit_rlhf.modules.rl import PolicyForward, RLModule
+from lit_rlhf.modules.rl import LossCounts, PolicyForward, RLModule
 from lit_rlhf.rollout.collect import generate_and_score
 from lit_rlhf.utils.distributed import all_reduce_min, all_reduce_sum
 
@@ -196,11 +196,15 @@ class CriticFreeModule(RLModule):
 
     # -------------------------------------------------------------------- 3. update
     def minibatch_loss(
-        self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None = None
+        self,
+        mb: Rollout,
+        fwd: PolicyForward,
+        ptx: dict[str, Tensor] | None = None,
+        counts: LossCounts | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The shared policy loss alone (:meth:`RLModule.policy_loss`: the surrogate, + β·KL when
-        ``kl_placement=loss``, with the configured aggregation); ``ptx``: unused."""
-        return self.policy_loss(mb, fwd)
+        ``kl_placement=loss``, with the configured aggregation and ``counts``); ``ptx``: unused."""
+        return self.policy_loss(mb, fwd, counts)
 
     # -------------------------------------------------------------- state
     def rl_state_dict(self) -> dict[str, Any]:

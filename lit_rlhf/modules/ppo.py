@@ -33,7 +33,7 @@ from lit_rlhf.core.running_stats import RunningMoments
 from lit_rlhf.core.shaping import penalize_missing_eos, reparameterize_scores, shape_rewards
 from lit_rlhf.core.types import Rollout
 from lit_rlhf.modules.configs import PPOConfig
-from lit_rlhf.modules.rl import PolicyForward, RLModule
+from lit_rlhf.modules.rl import LossCounts, PolicyForward, RLModule
 from lit_rlhf.utils.distributed import all_reduce_sum
 
 log = logging.getLogger(__name__)
@@ -130,19 +130,30 @@ class PPOModule(RLModule):
 
     # -------------------------------------------------------------------- 3. update
     def ptx_term(self, ptx: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        """Token-mean LM loss of the actor on an SFT batch (PPO-ptx, docs/algorithms.md §2.6)."""
+        """Token-mean LM loss of the actor on an SFT batch (PPO-ptx, docs/algorithms.md §2.6), over
+        the tokens of all ranks' chunks with ``loss_normalization=global`` (:meth:`count_over_ranks`)."""
         logits = self.actor(input_ids=ptx["input_ids"], attention_mask=ptx["attention_mask"]).logits
-        return ptx_loss(shifted_token_logprobs(logits, ptx["input_ids"]), ptx["response_mask"])
+        tokens = self.count_over_ranks(ptx["response_mask"].sum().reshape(1))[0]
+        return ptx_loss(shifted_token_logprobs(logits, ptx["input_ids"]), ptx["response_mask"], tokens)
 
     def minibatch_loss(
-        self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None
+        self,
+        mb: Rollout,
+        fwd: PolicyForward,
+        ptx: dict[str, Tensor] | None,
+        counts: LossCounts | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Actor + critic loss of one minibatch (one backward covers both, docs/algorithms.md §2.6)."""
+        """Actor + critic loss of one minibatch or micro-batch (one backward covers both,
+        docs/algorithms.md §2.6); the policy, entropy and value terms divide by ``counts`` (the whole
+        minibatch's, over ranks: :meth:`RLModule.loss_counts`)."""
         c: PPOConfig = self.config
         mask = mb.valid_mask
-        actor_loss, stats = self.policy_loss(mb, fwd)  # the surrogate (+ β·KL with kl_placement=loss)
+        counts = counts or self.loss_counts(mask)
+        actor_loss, stats = self.policy_loss(mb, fwd, counts)  # the surrogate (+ β·KL with kl_placement=loss)
         if c.entropy_coef:
-            ent_loss, _ = entropy_loss(fwd.entropy, mask, c.entropy_coef, c.entropy_target)
+            # the target form |mean H − target| cannot be split: it is each (micro-)batch's own
+            tokens = counts.tokens if c.entropy_target is None else None
+            ent_loss, _ = entropy_loss(fwd.entropy, mask, c.entropy_coef, c.entropy_target, tokens)
             actor_loss = actor_loss + ent_loss
         if ptx is not None and c.ptx_coef:
             ptx_l, ptx_stats = self.ptx_term(ptx)
@@ -152,7 +163,7 @@ class PPOModule(RLModule):
             # critic warm-up: the actor stays in the graph with zero weight, so every parameter
             # gets a (zero) gradient and DDP needs no find_unused_parameters
             actor_loss = actor_loss * 0.0
-        vf_loss, vf_stats = value_loss(fwd.values, mb.values, mb.returns, mask, c.value_clip)
+        vf_loss, vf_stats = value_loss(fwd.values, mb.values, mb.returns, mask, c.value_clip, counts.tokens)
         stats.update({f"critic/{k}": v for k, v in vf_stats.items()})
         return actor_loss + c.vf_coef * vf_loss, stats
 

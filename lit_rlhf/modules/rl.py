@@ -13,7 +13,8 @@ iteration, in the order it runs (docs/architecture.md "One RL iteration"):
    (GRPO, RLOO, Dr. GRPO), KL-shaped returns-to-go with a batch-wide or greedy baseline (REINFORCE++,
    ReMax);
 3. **update** — ``num_passes()`` × shuffled minibatches of :meth:`minibatch_loss` (the other stage
-   hook), one backward + one optimizer step each; a non-finite loss or gradient is a counted skip;
+   hook), one optimizer step each (the backward of each micro-batch between: gradient accumulation,
+   every term divided by the whole minibatch's counts); a non-finite loss or gradient is a counted skip;
 4. **end of iteration** — β's controller sees the KL of all ranks' rollouts; the statistics are
    reduced over ranks, logged, and returned as ``{"rollout", "stats"}`` for the monitor callbacks.
 
@@ -59,6 +60,19 @@ from lit_rlhf.utils.config import ConfigError
 from lit_rlhf.utils.distributed import all_reduce_max, all_reduce_sum
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LossCounts:
+    """What the loss terms of one minibatch divide by, when it is sharded over ranks or split into
+    micro-batches (:meth:`RLModule.loss_counts`, docs/algorithms.md §6)."""
+
+    tokens: Tensor  # response tokens: token_mean, the value, entropy terms
+    rows: Tensor  # responses: seq_mean_token_mean, seq_sum_constant
+
+    def for_aggregation(self, mode: str) -> Tensor:
+        """The count ``algo.loss_aggregation=mode`` divides by."""
+        return self.tokens if mode == "token_mean" else self.rows
 
 
 @dataclass
@@ -179,9 +193,11 @@ class RLModule(RLHFModule):
         With one pass over one minibatch, the weights the update starts from ARE the rollout
         weights, so log π_old (and V_old) equal that forward's outputs, detached — exactly, as
         long as no dropout makes train-mode and eval-mode forwards differ (TRL's GRPO takes its
-        old log-probs the same way). ``algo.fuse_first_forward=false`` turns it off.
+        old log-probs the same way). ``algo.fuse_first_forward=false`` turns it off; micro-batches
+        (``algo.micro_batch_size`` below the rollout) forward one at a time, so they are not fused.
         """
         one_update = self.num_passes() == 1 and self.minibatch_rows(batch_size) >= batch_size
+        one_update = one_update and (self.config.micro_batch_size or batch_size) >= batch_size
         dropout = has_dropout(self.actor) or has_dropout(self.critic)
         return self.config.fuse_first_forward and one_update and not dropout
 
@@ -219,8 +235,8 @@ class RLModule(RLHFModule):
 
     # -------------------------------------------------------------------- 3. update
     def update(self, rollout: Rollout, ptx: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
-        """:meth:`num_passes` × shuffled minibatches of one backward + one optimizer step each
-        (the fused path: one step on the whole rollout, in order, from the kept first forward).
+        """:meth:`num_passes` × shuffled minibatches of one optimizer step each (:meth:`minibatch_step`;
+        the fused path: one step on the whole rollout, in order, from the kept first forward).
         ``ptx`` (PPO-ptx's SFT batch) is split into as many chunks as there are minibatches."""
         opt, sched = self.optimizers(), self.lr_schedulers()
         first, self._first_forward = self._first_forward, None
@@ -241,11 +257,36 @@ class RLModule(RLHFModule):
                 break
             mb = rollout if first is not None else rollout.select(idx.to(rollout.scores.device))
             chunk = ptx_chunks[i % len(ptx_chunks)] if ptx_chunks else None
-            loss, stats = self.minibatch_loss(mb, first or self.policy_forward(mb), chunk)
-            self.optimizer_step(opt, sched, loss)
+            stats = self.minibatch_step(opt, sched, mb, first, chunk)
             for k, v in stats.items():
                 collected.setdefault(k, []).append(v.detach().float())
         return mean_over_minibatches(collected)
+
+    def minibatch_step(
+        self, opt: Any, sched: Any, mb: Rollout, first: PolicyForward | None, ptx: dict[str, Tensor] | None
+    ) -> dict[str, Tensor]:
+        """One optimizer step on one minibatch. Its micro-batches of ``algo.micro_batch_size`` rows are
+        forwarded and backpropagated one at a time (gradient accumulation), every loss term divided
+        by the whole minibatch's counts (:meth:`loss_counts`), so their gradients add up to the
+        minibatch's in one pass exactly; PPO-ptx's chunk joins the first micro-batch. A non-finite
+        loss on any rank stops the accumulation and skips the step (counted). Returns the minibatch's
+        statistics (:func:`sum_over_micro_batches`)."""
+        n = mb.scores.shape[0]
+        size = min(self.config.micro_batch_size or n, n)
+        parts = [None] if size >= n else list(torch.arange(n, device=mb.scores.device).split(size))
+        counts = self.loss_counts(mb.valid_mask)
+        opt.zero_grad()
+        finite, per_part = True, []
+        for j, rows in enumerate(parts):
+            part = mb if rows is None else mb.select(rows)
+            loss, stats = self.minibatch_loss(part, first or self.policy_forward(part), ptx if j == 0 else None, counts)
+            per_part.append(stats)
+            finite = all_ranks_finite(loss.detach())
+            if not finite:
+                break
+            self.manual_backward(loss)
+        self.optimizer_step(opt, sched, finite)
+        return sum_over_micro_batches(per_part)
 
     def policy_forward(self, mb: Rollout) -> PolicyForward:
         """Policy log-probs and entropies (and critic values) of a minibatch, with grad."""
@@ -265,13 +306,20 @@ class RLModule(RLHFModule):
         return PolicyForward(logprobs, entropy, values)
 
     def minibatch_loss(
-        self, mb: Rollout, fwd: PolicyForward, ptx: dict[str, Tensor] | None
+        self,
+        mb: Rollout,
+        fwd: PolicyForward,
+        ptx: dict[str, Tensor] | None,
+        counts: LossCounts | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Stage hook: the loss of one minibatch (everything trained, one backward) and its named
-        statistics; it starts from :meth:`policy_loss`, the part every RL stage shares."""
+        """Stage hook: the loss of one minibatch, or of one micro-batch of it (everything trained, one
+        backward), and its named statistics; every term divides by ``counts`` (default: ``mb``'s own,
+        :meth:`loss_counts`). It starts from :meth:`policy_loss`, the part every RL stage shares."""
         raise NotImplementedError
 
-    def policy_loss(self, mb: Rollout, fwd: PolicyForward) -> tuple[Tensor, dict[str, Tensor]]:
+    def policy_loss(
+        self, mb: Rollout, fwd: PolicyForward, counts: LossCounts | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """The policy-gradient objective ``algo.policy_loss`` (lit_rlhf/core/objectives.py
         ``POLICY_LOSSES``; clip: the clipped surrogate with ε_low/ε_high and the dual clip) with the
         truncated importance weights of ``algo.rollout_correction``, + β·KL(π_θ‖π_ref) when the KL is
@@ -279,7 +327,7 @@ class RLModule(RLHFModule):
         without a finite reward are left out (``valid_mask``). Statistics under ``policy/``."""
         c: RLConfig = self.config
         mask = mb.valid_mask
-        normalizer = self.loss_normalizer(mask)
+        normalizer = (counts or self.loss_counts(mask)).for_aggregation(c.loss_aggregation)
         weights, correction = self.importance_weights(mb, mask)
         loss, pg = POLICY_LOSSES[c.policy_loss].fn(
             fwd.logprobs,
@@ -304,18 +352,24 @@ class RLModule(RLHFModule):
                 stats.update(kl_stats)
         return loss, stats
 
-    def loss_normalizer(self, mask: Tensor) -> Tensor | None:
-        """The count ``loss_aggregation`` divides a minibatch's loss by, when the minibatch is sharded
-        over ranks (``loss_normalization=global``): the tokens (token_mean) or responses of all ranks'
-        shards, over the number of ranks, so that the ranks' averaged gradient is the whole
-        minibatch's (docs/algorithms.md §6). One all-reduce of one number per minibatch; None alone
-        or with ``local`` (each rank's own count)."""
+    def loss_counts(self, mask: Tensor) -> LossCounts:
+        """What every loss term of a minibatch divides by (docs/algorithms.md §6): its response tokens
+        and its responses (those of ``mask``). Under ``loss_normalization=global`` they are summed over
+        the ranks and divided by their number, so that the ranks' averaged gradient is the whole
+        minibatch's whatever the sharding; under ``local``, this rank's own (the per-rank form). Every
+        micro-batch of the minibatch divides by these same counts, so accumulation never changes the
+        gradient. One all-reduce of two numbers per minibatch, with several ranks and ``global``."""
+        tokens, rows = self.count_over_ranks(torch.stack([mask.sum(), mask.new_tensor(float(mask.shape[0]))]))
+        return LossCounts(tokens=tokens, rows=rows)
+
+    def count_over_ranks(self, local: Tensor) -> Tensor:
+        """Counts (a 1-D tensor) as the loss divides by them: summed over ranks / their number under
+        ``loss_normalization=global`` with several ranks, else this rank's own; at least 1 in total."""
+        local = local.detach().float().to(self.device)
         world = self._trainer.world_size if self._trainer is not None else 1
         if world <= 1 or self.config.loss_normalization == "local":
-            return None
-        local = mask.sum() if self.config.loss_aggregation == "token_mean" else torch.tensor(mask.shape[0])
-        total = all_reduce_sum(local.detach().float().reshape(1).to(self.device).clone())[0]
-        return total.clamp(min=1.0) / world
+            return local.clamp(min=1.0)
+        return all_reduce_sum(local.clone()).clamp(min=1.0) / world
 
     def aggregation_constant(self) -> float:
         """The normaliser of ``loss_aggregation=seq_sum_constant``: the longest response, max_new_tokens."""
@@ -348,13 +402,15 @@ class RLModule(RLHFModule):
         band = (c.correction_band_low, c.correction_band_high)
         return correction_weights(mb.logprobs, sampler, mask, c.rollout_correction, c.tis_cap, band)
 
-    def optimizer_step(self, opt: Any, sched: Any, loss: Tensor) -> bool:
-        """zero_grad → backward → global grad-norm clip (DeepSpeed clips in its own config) → step →
-        zero_grad (spent gradients are not held through the next rollout: TRL frees them alike).
+    def optimizer_step(self, opt: Any, sched: Any, finite_loss: bool) -> bool:
+        """After the minibatch's backward passes: global grad-norm clip (DeepSpeed clips in its own
+        config) → step → zero_grad (spent gradients are not held through the next rollout: TRL frees
+        them alike).
 
-        A loss that is not finite on some rank, or a non-finite gradient norm, is skipped and
-        counted: no optimizer or schedule step (lit_rlhf/modules/health.py). The norm is computed
-        once for the check and the clip, across shards under FSDP
+        A loss that was not finite on some rank (``finite_loss`` false, the same on every rank), or a
+        non-finite gradient norm, is skipped and counted: no optimizer or schedule step
+        (lit_rlhf/modules/health.py). The norm is computed once for the check and the clip, across
+        shards under FSDP
         (:func:`lit_rlhf.runtime.strategies.sharded_grad_norm`), so every rank decides alike. Under
         DeepSpeed the gradients live in the engine: only the loss is checked there. Returns
         whether the update was applied.
@@ -365,16 +421,13 @@ class RLModule(RLHFModule):
 
         strategy = self.trainer.strategy
         max_norm = self.config.max_grad_norm
-        opt.zero_grad()
-        applied = all_ranks_finite(loss.detach())
-        if applied:
-            self.manual_backward(loss)
-            if not isinstance(strategy, DeepSpeedStrategy):
-                params = [p for group in opt.param_groups for p in group["params"]]
-                norm = sharded_grad_norm(params, strategy)
-                applied = bool(torch.isfinite(norm))
-                if applied and max_norm is not None:
-                    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        applied = finite_loss
+        if applied and not isinstance(strategy, DeepSpeedStrategy):
+            params = [p for group in opt.param_groups for p in group["params"]]
+            norm = sharded_grad_norm(params, strategy)
+            applied = bool(torch.isfinite(norm))
+            if applied and max_norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         if applied:
             opt.step()
             sched.step()
@@ -552,6 +605,8 @@ class RLModule(RLHFModule):
         return self.actor
 
     def on_fit_start(self) -> None:
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
         from lit_rlhf.data.chat import get_template
         from lit_rlhf.data.prompts import PromptDataModule
         from lit_rlhf.rollout.scorers import ModelScorer
@@ -564,6 +619,13 @@ class RLModule(RLHFModule):
                 f"the prompt loader's batch ({dm.config.batch_size}) is not the {prompts} prompts of "
                 f"algo.rollout_batch_size={self.config.rollout_batch_size}: build the data module with "
                 "that batch size"
+            )
+        if self.config.micro_batch_size and isinstance(self.trainer.strategy, DeepSpeedStrategy):
+            # its engine owns accumulation (gradient_accumulation_steps) and reduces on every backward
+            raise ConfigError(
+                "algo.micro_batch_size",
+                "not with a DeepSpeed strategy, whose engine accumulates by its own gradient_accumulation_steps; "
+                "set algo.micro_batch_size=null (or use ddp / fsdp)",
             )
         for m in self.frozen.values():
             m.to(self.device)
@@ -693,6 +755,19 @@ def minibatch_indices(n: int, size: int, passes: int, generator: torch.Generator
         order = torch.randperm(n, generator=generator)
         for start in range(0, n, size):
             yield order[start : start + size]
+
+
+def sum_over_micro_batches(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """A minibatch's statistics from its micro-batches': the loss terms (keys ending in ``loss``)
+    are shares of the minibatch's loss, each divided by the whole minibatch's counts, so they add up;
+    the other statistics are the micro-batches' own, averaged (``*_max``: the maximum)."""
+    if len(parts) == 1:
+        return parts[0]
+    out: dict[str, Tensor] = {}
+    for key in {k for p in parts for k in p}:
+        values = torch.stack([p[key].detach().float().reshape(()) for p in parts if key in p])
+        out[key] = values.sum() if key.endswith("loss") else values.max() if key.endswith("_max") else values.mean()
+    return out
 
 
 def mean_over_minibatches(collected: dict[str, list[Tensor]]) -> dict[str, Tensor]:

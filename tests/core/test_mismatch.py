@@ -69,6 +69,7 @@ GEO = [math.exp((0.5 - 1.0 + 0.0) / 3), math.exp((1.9 + 0.2) / 2)]  # geometric 
     [
         ("token_truncate", 2.0, (0.5, 2.0), [[R[0][0], R[0][1], 1.0], [2.0, R[1][1], 0.0]], 0),
         ("token_mask", 2.0, (0.5, 2.0), [[R[0][0], R[0][1], 1.0], [0.0, R[1][1], 0.0]], 1),
+        ("decoupled", 2.0, (0.5, 2.0), [[R[0][0], R[0][1], 1.0], [R[1][0], R[1][1], 0.0]], 0),
         ("sequence_truncate", 3.0, (0.5, 2.0), [[SEQ[0]] * 3, [3.0, 3.0, 0.0]], 0),
         ("sequence_mask", 3.0, (0.5, 2.0), [[SEQ[0]] * 3, [0.0, 0.0, 0.0]], 2),
         ("icepop", 2.0, (0.5, 2.0), [[R[0][0], 0.0, 1.0], [0.0, R[1][1], 0.0]], 2),
@@ -100,6 +101,63 @@ def test_tis_is_token_truncate_and_bad_settings_are_refused():
     huge = torch.tensor([[400.0, 400.0, 0.0], [0.0, 0.0, 0.0]])  # a sequence ratio past float range
     w, stats = correction_weights(huge, torch.zeros(2, 3), MASK, "sequence_mask", 3.0)
     assert torch.isfinite(w).all() and w[0].sum() == 0 and all(torch.isfinite(v) for v in stats.values())
+
+
+def test_decoupled_ppo_against_its_formula_with_three_policies():
+    """Hilton et al. 2022, decoupled PPO: behaviour μ (a stale sampler), proximal π_prox (the
+    trainer's recomputation), current π_θ. Token t's loss is −(π_prox/μ) · min(r A, clip(r, 1 ± ε) A)
+    with r = π_θ/π_prox: the clip is around the proximal policy, the uncapped behaviour weight outside
+    it. Written out in float64 loops, value and gradient; with π_θ = π_prox = μ it is the plain policy
+    gradient −mean A; a behaviour log-ratio past float range stays finite."""
+    from lit_rlhf.core.mismatch import correction_weights
+
+    current = [[-1.0, -0.4, -2.5, -0.7], [-0.2, -1.6, -3.0, 0.0]]
+    prox = [[-1.1, -0.5, -2.0, -0.7], [-0.3, -1.0, -3.0, 0.0]]
+    behaviour = [[-1.6, -0.2, -2.2, -0.1], [-0.3, -2.9, -2.0, 0.0]]
+    adv = [[1.0, -0.5, 2.0, 1.0], [-1.0, 0.7, 0.3, 0.0]]
+    mask = [[1, 1, 1, 1], [1, 1, 1, 0]]
+    eps = 0.2
+    n = sum(map(sum, mask))
+    want, want_grad = 0.0, [[0.0] * 4 for _ in range(2)]
+    for i in range(2):
+        for t in range(4):
+            if not mask[i][t]:
+                continue
+            w = math.exp(prox[i][t] - behaviour[i][t])
+            r = math.exp(current[i][t] - prox[i][t])
+            a = adv[i][t]
+            unclipped, clipped = r * a, min(max(r, 1 - eps), 1 + eps) * a
+            want -= w * min(unclipped, clipped) / n
+            # d/d log π_θ: −w r A where the unclipped term is the min (inside the clip they are equal), else 0
+            if unclipped <= clipped:
+                want_grad[i][t] = -w * r * a / n
+
+    t64 = dict(dtype=torch.float64)
+    logprobs = torch.tensor(current, **t64, requires_grad=True)
+    m = torch.tensor(mask, **t64)
+    weights, stats = correction_weights(torch.tensor(prox, **t64), torch.tensor(behaviour, **t64), m, "decoupled")
+    loss, _ = ppo_policy_loss(
+        logprobs, torch.tensor(prox, **t64), torch.tensor(adv, **t64), m, eps, eps, None, is_weights=weights
+    )
+    loss.backward()
+    assert loss.item() == pytest.approx(want, rel=1e-6)  # the weights are float32
+    assert torch.allclose(logprobs.grad, torch.tensor(want_grad, **t64), rtol=1e-6, atol=1e-9)
+    assert stats["correction_weight_p95"].item() > 2.0  # uncapped: a weight past tis's cap is kept
+    coupled, _ = ppo_policy_loss(logprobs, torch.tensor(behaviour, **t64), torch.tensor(adv, **t64), m, eps, eps)
+    assert coupled.item() != pytest.approx(want, rel=1e-3)  # PPO clipped around μ is another objective
+
+    # on-policy (π_θ = π_prox = μ): the plain policy gradient, value and gradient
+    same = torch.tensor(prox, **t64, requires_grad=True)
+    w1, _ = correction_weights(same.detach(), same.detach(), m, "decoupled")
+    pg, _ = ppo_policy_loss(same, same.detach(), torch.tensor(adv, **t64), m, eps, eps, is_weights=w1)
+    pg.backward()
+    a_masked = torch.tensor(adv, **t64) * m
+    assert pg.item() == pytest.approx(-a_masked.sum().item() / n, rel=1e-12)
+    assert torch.allclose(same.grad, -a_masked / n, rtol=1e-12)
+
+    far = torch.tensor([[300.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    w, stats = correction_weights(far, torch.zeros(2, 4), torch.tensor(mask), "decoupled")
+    assert torch.isfinite(w).all() and all(torch.isfinite(v) for v in stats.values())
 
 
 def test_the_correction_names_are_the_configs():

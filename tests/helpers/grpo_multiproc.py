@@ -84,6 +84,8 @@ def run(args) -> None:
     )
     # GRPO with groups of 4, μ = 2 passes of 2 minibatches; the REINFORCE++ preset has 2 minibatches of 4
     algo = {"num_generations": 4, "minibatch_size": 4, "num_iterations": 2} if args.preset is None else {}
+    if args.dapo:  # and accumulated over micro-batches of 2 under DDP (each backward all-reduces)
+        algo["micro_batch_size"] = 2
     engine = {"engine": args.engine, "vllm": {"kv_cache_gib": 0.0625}}
     cfg = build_config(
         CriticFreeConfig,

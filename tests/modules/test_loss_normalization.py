@@ -1,7 +1,7 @@
 """The RL loss does not depend on how a minibatch is sharded (``algo.loss_normalization=global``,
 docs/algorithms.md §6): a 2-process DDP step over shards of very different sizes and response lengths
-gives the gradient of one process on the whole minibatch, for every aggregation; per-rank counts
-(``local``) do not."""
+gives the gradient of one process on the whole minibatch, for every aggregation, and so does each
+shard accumulated over micro-batches of one row; per-rank counts (``local``) do not."""
 
 from __future__ import annotations
 
@@ -46,13 +46,15 @@ def _loss(model, rows, aggregation, normalizer, objective="clip"):
 
 
 def _normalizer(mask, aggregation, mode, world):
-    """The module's own ``loss_normalizer`` (its all-reduce), on a stand-in for the module."""
+    """The module's own ``loss_counts`` (its all-reduce), on a stand-in for the module: the count
+    ``aggregation`` divides by."""
     fake = SimpleNamespace(
         _trainer=SimpleNamespace(world_size=world),
         config=SimpleNamespace(loss_normalization=mode, loss_aggregation=aggregation),
         device=torch.device("cpu"),
     )
-    return RLModule.loss_normalizer(fake, mask)
+    fake.count_over_ranks = lambda local: RLModule.count_over_ranks(fake, local)
+    return RLModule.loss_counts(fake, mask).for_aggregation(aggregation)
 
 
 def _rank(rank: int, store: str, out: str) -> None:
@@ -70,6 +72,12 @@ def _rank(rank: int, store: str, out: str) -> None:
                     normalizer = _normalizer(_batch()[2][rows], aggregation, mode, 2)
                     _loss(model, rows, aggregation, normalizer, objective).backward()  # DDP averages
                     grads[(aggregation, mode, objective)] = [p.grad.clone() for p in model.parameters()]
+                    # and each shard accumulated over two micro-batches ([0, 1] + [2], [3] + [4]), each
+                    # dividing by the same counts (every rank runs as many backward passes: DDP's all-reduces pair up)
+                    model.zero_grad()
+                    for part in (rows[:-1], rows[-1:]):
+                        _loss(model, part, aggregation, normalizer, objective).backward()
+                    grads[(aggregation, mode, objective, "micro")] = [p.grad.clone() for p in model.parameters()]
         torch.save(grads, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -93,16 +101,20 @@ def test_a_sharded_step_has_the_whole_minibatchs_gradient(two_rank_grads, aggreg
     for grads in two_rank_grads:  # DDP leaves every rank the same averaged gradient
         for got, want in zip(grads[(aggregation, "global", objective)], whole):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        for got, want in zip(grads[(aggregation, "global", objective, "micro")], whole):  # sharded and accumulated
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
         # the per-rank counts weigh the small shard's rows and tokens up: another gradient
         assert not all(
             torch.allclose(g, w, rtol=1e-3, atol=1e-6) for g, w in zip(grads[(aggregation, "local", objective)], whole)
         )
 
 
-def test_alone_or_local_there_is_no_normalizer_and_aggregate_divides_by_the_one_given():
+def test_alone_or_local_the_counts_are_the_ranks_own_and_aggregate_divides_by_the_one_given():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    assert _normalizer(mask, "token_mean", "global", 1) is None
-    assert _normalizer(mask, "token_mean", "local", 2) is None
+    for mode, world in (("global", 1), ("local", 2)):  # no collective: this rank's tokens and rows
+        assert float(_normalizer(mask, "token_mean", mode, world)) == 3.0
+        assert float(_normalizer(mask, "seq_mean_token_mean", mode, world)) == 2.0
+    assert float(_normalizer(torch.zeros(2, 3), "token_mean", "global", 1)) == 1.0  # never 0: no NaN
     x = torch.tensor([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]])
     assert float(aggregate(x, mask, "token_mean", normalizer=2.0)) == 3.5  # (1 + 2 + 4) / 2
     assert float(aggregate(x, mask, "seq_mean_token_mean", normalizer=4.0)) == 1.375  # (1.5 + 4) / 4
