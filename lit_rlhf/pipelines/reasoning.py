@@ -4,7 +4,7 @@ held-out accuracy (docs/rewards.md §7-§8).
 The stages (SFT on an imperfect teacher, then GRPO, DAPO and Dr. GRPO with the exact-match reward)
 run as ordinary jobs through :class:`~lit_rlhf.pipelines.demo.StagePipeline`; :class:`ReasoningPipeline`
 then answers the task's test problems with every policy, greedily and k times sampled, scored by
-the task's exact checker: greedy accuracy, pass@k, mean@k and length against SFT (``summary.md``).
+the task's exact checker: greedy accuracy, pass@k, mean@k, KL and length against SFT (``summary.md``).
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ class ReasoningPipeline(StagePipeline):
             str(stage_cfg.data.prompt.template),
             int(stage_cfg.data.prompt.max_prompt_length),
             c.pass_k,
+            reference=self.label(c.baseline),
         )
         base = results[self.label(c.baseline)]
         checks = {
@@ -116,12 +117,14 @@ def evaluate_reasoning(
     template: str,
     max_prompt_length: int,
     k: int,
+    reference: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """Every policy on the same held-out problems through the one rollout path
     (:func:`~lit_rlhf.rollout.evaluate.evaluate_verifiable`), scored by the task's exact checker
     (:func:`~lit_rlhf.data.reasoning.answer_reward_fn`: the answer line equals the problem's
     solution and the response ended): greedy accuracy and length, pass@k and mean@k from ``k``
-    samples with ``gen``."""
+    samples with ``gen``, and each other policy's KL to the ``reference`` one (a key of
+    ``policies``: the SFT policy RL started from) on those samples."""
     import torch
 
     from lit_rlhf.data.chat import get_template
@@ -136,11 +139,15 @@ def evaluate_reasoning(
 
     chat = get_template(template)
     scorer = CallableScorer(answer_reward_fn(task.config), "reasoning.answer_reward_fn")
-    results, engine = {}, None
+    results, engine, ref_model = {}, None, None
+    if reference is not None and k:
+        path = policies[reference]
+        ref_model = freeze(build_causal_lm(ModelSpec(name_or_path=path), build_tokenizer(ModelSpec(name_or_path=path))))
     try:
         for name, path in policies.items():
             tok = build_tokenizer(ModelSpec(name_or_path=path))
             policy = freeze(build_causal_lm(ModelSpec(name_or_path=path), tok))
+            against = ref_model if name != reference else None
             engine = engine_for(policy, gen, path, engine)  # None: the hf loop samples from the policy
             torch.manual_seed(0)
             parts = []
@@ -150,16 +157,11 @@ def evaluate_reasoning(
                     (encode_prompt(tok, r["prompt"], max_prompt_length, chat)[0], r["prompt"], {"answer": r["answer"]})
                     for r in chunk
                 ]
-                parts.append(
-                    evaluate_verifiable(
-                        policy, collate_prompts(items, tok.pad_token_id), tok, gen, scorer, k, engine=engine
-                    )
-                )
+                batch = collate_prompts(items, tok.pad_token_id)
+                parts.append(evaluate_verifiable(policy, batch, tok, gen, scorer, k, engine=engine, reference=against))
+            fields = ("greedy_correct", "greedy_length", "sample_correct", "sample_kl")
             ev = type(parts[0])(
-                *(
-                    torch.cat([getattr(p, f) for p in parts])
-                    for f in ("greedy_correct", "greedy_length", "sample_correct")
-                )
+                *(None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts]) for f in fields)
             )
             results[name] = ev.metrics()
     finally:
@@ -173,13 +175,17 @@ def format_accuracy_table(results: dict[str, dict[str, float]], baseline: str, k
     cols = [("greedy accuracy", "greedy_accuracy")] + (
         [(f"pass@{k}", f"pass@{k}"), (f"mean@{k}", f"mean@{k}")] if k else []
     )
-    lines = ["| policy | " + " | ".join(c for c, _ in cols) + " | length (greedy) |", "|---" * (len(cols) + 2) + "|"]
+    kl = any("kl" in res for res in results.values())
+    head = " | ".join(c for c, _ in cols) + f"{f' | KL to {baseline}' if kl else ''} | length (greedy) |"
+    lines = [f"| policy | {head}", "|---" * (len(cols) + 2 + kl) + "|"]
     base = results[baseline]
     for name, res in results.items():
         cells = [
             f"{100 * res[key]:.1f}%" + ("" if name == baseline else f" ({100 * (res[key] - base[key]):+.1f})")
             for _, key in cols
         ]
+        if kl:
+            cells.append(f"{res['kl']:.2f}" if "kl" in res else "0")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {res['greedy_length']:.1f} |")
     return "\n".join(
         lines
@@ -187,6 +193,7 @@ def format_accuracy_table(results: dict[str, dict[str, float]], baseline: str, k
             "",
             f"- {n} held-out problems (the task's test split, never trained on); in brackets: "
             f"points over {baseline}; pass@{k} and mean@{k} from {k} samples per problem "
-            "at the RL stages' sampling settings",
+            "at the RL stages' sampling settings"
+            + (f"; KL: KL(policy ‖ {baseline}) in nats per response on those samples" if kl else ""),
         ]
     )

@@ -1,4 +1,5 @@
-"""Evaluation of a verifiable task on one prompt batch: greedy accuracy, pass@k, mean@k, length.
+"""Evaluation of a verifiable task on one prompt batch: greedy accuracy, pass@k, mean@k, length, and
+the KL of the samples to a reference policy.
 
 One implementation for the RL stages' validation (``algo.val_pass_k``: ``val/greedy_accuracy``,
 ``val/pass@k``, ``val/mean@k``) and the reasoning pipeline's table (lit_rlhf/pipelines/demo.py). A
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lit_rlhf.core.kl import sequence_kl
 from lit_rlhf.core.passk import mean_at_k, pass_at_k_batch
 from lit_rlhf.rollout.collect import generate_and_score
 from lit_rlhf.rollout.config import GenerationConfig
@@ -24,12 +26,13 @@ from lit_rlhf.rollout.config import GenerationConfig
 
 @dataclass
 class VerifiableEval:
-    """Per prompt of the batch: the greedy response's correctness and length (B,), and the
-    correctness of k sampled responses (B, k)."""
+    """Per prompt of the batch: the greedy response's correctness and length (B,), the
+    correctness of k sampled responses (B, k), and with a reference their mean KL (B,)."""
 
     greedy_correct: Tensor
     greedy_length: Tensor
     sample_correct: Tensor
+    sample_kl: Tensor | None = None  # (B,) mean over the k samples of Σ_t log π/π_ref (nats per response)
 
     def metrics(self) -> dict[str, float]:
         """Means over the batch's prompts: pass@k and mean@k by lit_rlhf.core.passk from the k
@@ -43,6 +46,8 @@ class VerifiableEval:
             rows = self.sample_correct.tolist()
             out[f"pass@{k}"] = pass_at_k_batch(rows, k)
             out[f"mean@{k}"] = mean_at_k(rows)
+        if self.sample_kl is not None:
+            out["kl"] = float(self.sample_kl.float().mean())
         return out
 
 
@@ -57,11 +62,14 @@ def evaluate_verifiable(
     correct_at: float = 1.0,
     padding_free: bool = False,
     engine: Any = None,
+    reference: Any = None,
 ) -> VerifiableEval:
     """Greedy decoding of every prompt of ``batch`` (``gen`` with ``do_sample=False``) and ``k``
     samples per prompt with ``gen`` (one request of k rows per prompt), scored by ``scorer`` with
     the batch's columns (the ground truth) through the one rollout path (``engine``: its sampler,
-    None = the hf loop)."""
+    None = the hf loop). With a ``reference`` model, the samples' KL(π‖π_ref): the exact k1 sum of
+    log-ratios of each sampled response (:func:`lit_rlhf.core.kl.sequence_kl`, unclamped, as
+    ``stability/kl``), averaged over a prompt's k samples."""
     greedy = generate_and_score(
         policy,
         batch,
@@ -72,7 +80,7 @@ def evaluate_verifiable(
         padding_free=padding_free,
         engine=engine,
     )
-    b = greedy.scores.shape[0]
+    b, sample_kl = greedy.scores.shape[0], None
     if k:
         samples = generate_and_score(
             policy,
@@ -80,12 +88,16 @@ def evaluate_verifiable(
             tokenizer,
             gen,
             scorer=scorer,
-            policy_logprobs=False,
             padding_free=padding_free,
             engine=engine,
             responses_per_prompt=k,
+            reference=reference,
+            policy_logprobs=reference is not None,
         )
         sample_correct = (samples.scores >= correct_at).view(b, k)
+        if reference is not None:
+            kl = sequence_kl(samples.logprobs, samples.ref_logprobs, samples.response_mask, "k1", clamp=None)
+            sample_kl = kl.view(b, k).mean(1).cpu()
     else:
         sample_correct = torch.zeros(b, 0, dtype=torch.bool)
-    return VerifiableEval(greedy.scores >= correct_at, greedy.response_lengths, sample_correct.cpu())
+    return VerifiableEval(greedy.scores >= correct_at, greedy.response_lengths, sample_correct.cpu(), sample_kl)

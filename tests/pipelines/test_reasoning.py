@@ -49,6 +49,7 @@ def test_reasoning_pipeline_raises_held_out_accuracy(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     sft, grpo = summary["policies"]["SFT (imperfect teacher)"], summary["policies"]["GRPO"]
     assert set(sft) == {"greedy_accuracy", "greedy_length", "pass@4", "mean@4"}
+    assert set(grpo) == set(sft) | {"kl"} and grpo["kl"] > 0  # GRPO has moved away from the SFT policy
     # SFT starts part-way: it reproduces the teacher's systematic errors greedily, not everything
     assert 0.25 < sft["greedy_accuracy"] < 0.8, sft
     # the verifiable reward teaches it the hard facts: a real gain on problems it never trained on
@@ -59,6 +60,7 @@ def test_reasoning_pipeline_raises_held_out_accuracy(tmp_path):
     )
     table = (tmp_path / "summary.md").read_text()
     assert "| GRPO |" in table and "pass@4" in table and "200 held-out problems" in table
+    assert "| KL to SFT (imperfect teacher) |" in table and f"| {grpo['kl']:.2f} |" in table
     # training logged the verifiable evaluation and the reward component by name
     assert "grpo/val/greedy_accuracy" in metrics and "grpo/val/pass@4" in metrics
     assert "grpo/reward/accuracy" in metrics and metrics["grpo/reward/accuracy_errors"] == 0

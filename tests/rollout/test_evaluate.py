@@ -67,3 +67,41 @@ def test_k_zero_is_greedy_only(policy_and_batch, tokenizer):
     rec = Recorder()
     ev = evaluate_verifiable(policy, batch, tokenizer, GenerationConfig(max_new_tokens=4), CallableScorer(rec), k=0)
     assert len(rec.rows) == len(batch["prompts"]) and set(ev.metrics()) == {"greedy_accuracy", "greedy_length"}
+
+
+def test_the_samples_kl_to_a_reference_is_the_sum_of_their_log_ratios(policy_and_batch, tokenizer, monkeypatch):
+    """With a reference, ``kl`` is the mean over prompts of the mean over their k samples of
+    Σ_t log π(y_t) − log π_ref(y_t): recomputed here from full forwards of both models on the
+    sampled rows, token by token; the policy against itself is exactly 0."""
+    import copy
+
+    import lit_rlhf.rollout.evaluate as evaluate
+
+    policy, batch = policy_and_batch
+    reference = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    seen = []
+    real = evaluate.generate_and_score
+    monkeypatch.setattr(evaluate, "generate_and_score", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
+    gen = GenerationConfig(max_new_tokens=6, temperature=1.0)
+    torch.manual_seed(1)
+    ev = evaluate_verifiable(policy, batch, tokenizer, gen, CallableScorer(Recorder()), k=3, reference=reference)
+    samples = seen[-1]
+    ids, width = samples.input_ids, samples.prompt_ids.shape[1]
+    with torch.no_grad():
+        lp = torch.log_softmax(policy(input_ids=ids, attention_mask=samples.attention_mask).logits.double(), -1)
+        lr = torch.log_softmax(reference(input_ids=ids, attention_mask=samples.attention_mask).logits.double(), -1)
+    b, per_row = len(batch["prompts"]), []
+    for i in range(ids.shape[0]):
+        total = 0.0
+        for t in range(samples.response_mask.shape[1]):
+            if samples.response_mask[i, t]:
+                tok, pos = int(ids[i, width + t]), width + t - 1  # the logits at pos predict the token at pos + 1
+                total += float(lp[i, pos, tok] - lr[i, pos, tok])
+        per_row.append(total)
+    want = sum(sum(per_row[3 * j : 3 * j + 3]) / 3 for j in range(b)) / b
+    assert ev.metrics()["kl"] == pytest.approx(want, rel=1e-4, abs=1e-6) and abs(want) > 1e-3
+    same = evaluate_verifiable(policy, batch, tokenizer, gen, CallableScorer(Recorder()), k=3, reference=policy)
+    assert same.metrics()["kl"] == 0.0
