@@ -72,8 +72,12 @@ def add_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
             than a plain linear one (the adapter and merged exports handle those only).
     """
     from peft import inject_adapter_in_model
+    from transformers.pytorch_utils import Conv1D
 
     key, config = "model.lora.target_modules", peft_config(spec)
+    # GPT-2's projections are transformers' Conv1D, a linear layer storing its weight as (in, out):
+    # peft adapts it with fan_in_fan_out (set here rather than by peft's warning, per layer either way)
+    config.fan_in_fan_out = any(isinstance(m, Conv1D) for m in model.modules())
     try:
         inject_adapter_in_model(config, model)
     except (TypeError, ValueError) as err:  # peft's NoMatchingPeftModuleError is a ValueError
@@ -103,15 +107,21 @@ def add_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
 
 
 def _check_linear(layers: dict[str, nn.Module], key: str) -> None:
-    """Every adapted layer a plain ``nn.Linear`` one: what :func:`merged_state_dict` and
-    :func:`adapter_state_dict` handle (an embedding would only fail at the export, after training)."""
+    """Every adapted layer a linear one, ``nn.Linear`` or transformers' ``Conv1D`` (GPT-2; its weight
+    is (in, out), peft's fan_in_fan_out): what :func:`merged_state_dict` and :func:`adapter_state_dict`
+    handle (an embedding would only fail at the export, after training)."""
     from peft.tuners.lora import Linear as LoraLinear
+    from transformers.pytorch_utils import Conv1D
 
     for name, layer in layers.items():
-        if not isinstance(layer, LoraLinear) or layer.fan_in_fan_out:
-            base = type(getattr(layer, "base_layer", layer)).__name__
+        base = getattr(layer, "base_layer", layer)
+        linear = isinstance(base, nn.Linear) and not getattr(layer, "fan_in_fan_out", False)
+        conv1d = isinstance(base, Conv1D) and getattr(layer, "fan_in_fan_out", False)
+        if not isinstance(layer, LoraLinear) or not (linear or conv1d):
             raise ConfigError(
-                key, f"{name} is a {base}: only nn.Linear layers can be adapted (the exports handle no other)"
+                key,
+                f"{name} is a {type(base).__name__}: only linear layers (nn.Linear, transformers' Conv1D) can be "
+                "adapted (the exports handle no other)",
             )
 
 
@@ -193,19 +203,22 @@ class AdaptersDisabled:
 
 def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The state dict of the plain model: for each LoRA layer ``P``, ``P.weight = W + (alpha/r) B A``
-    (from ``state_dict``'s values when given, e.g. the best checkpoint's) and no adapter keys."""
+    (transposed for a Conv1D's (in, out) weight; from ``state_dict``'s values when given, e.g. the
+    best checkpoint's) and no adapter keys."""
     from peft.tuners.lora import Linear as LoraLinear
 
     sd = dict(model.state_dict() if state_dict is None else state_dict)
     for name, layer in lora_layers(model).items():
-        if not isinstance(layer, LoraLinear) or layer.fan_in_fan_out or any(layer.use_dora.values()):
+        if not isinstance(layer, LoraLinear) or any(layer.use_dora.values()):
             raise NotImplementedError(
-                f"merging {name} ({type(layer).__name__}) is not supported: only plain LoRA on nn.Linear layers"
+                f"merging {name} ({type(layer).__name__}) is not supported: only plain LoRA on linear layers"
             )
         (adapter,) = layer.active_adapters
         w = sd.pop(f"{name}.base_layer.weight")
         a, b = sd.pop(f"{name}.lora_A.{adapter}.weight"), sd.pop(f"{name}.lora_B.{adapter}.weight")
         delta = (b.float() @ a.float()) * layer.scaling[adapter]
+        if layer.fan_in_fan_out:
+            delta = delta.T
         sd[f"{name}.weight"] = (w.float() + delta).to(w.dtype)
         if f"{name}.base_layer.bias" in sd:
             sd[f"{name}.bias"] = sd.pop(f"{name}.base_layer.bias")
@@ -237,6 +250,7 @@ def save_adapter(
     save_file(weights, os.path.join(directory, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = peft_config(spec, base_path).to_dict()
     config["target_modules"] = sorted({name.rsplit(".", 1)[-1] for name in lora_layers(model)})
+    config["fan_in_fan_out"] = any(layer.fan_in_fan_out for layer in lora_layers(model).values())
     with open(os.path.join(directory, ADAPTER_CONFIG), "w") as fh:
         json.dump(config, fh, indent=2, default=list)
 

