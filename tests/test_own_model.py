@@ -1,0 +1,236 @@
+"""The README's "Your own model and data" commands, through train.py's code path (compose + run), on
+a saved Hugging Face model as a user's: a tiny random Qwen2 (head size 32) beside a byte-level BPE
+tokenizer with a ChatML template, and files in TRL's conversational formats. SFT → reward model on
+the SFT export → PPO-max from both exports → GRPO on a GSM8K-style file, each on a short budget and
+on CPU (the README's GPU settings, ``trainer=gpu``'s bf16 and DeepSpeed, are the only overrides
+besides the budget); then GRPO with the vLLM engine and PPO-max with LoRA. What each stage reads is
+the previous stage's export, as in the README."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lit_rlhf.launch.runner import run
+from tests.conftest import compose
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.xdist_group("vllm")]
+
+CPU = ["trainer=cpu", "trainer.enable_progress_bar=false", "logger=csv", "model.dtype=float32"]
+SHORT = ["trainer.max_steps=2", "trainer.max_epochs=-1", "trainer.val_check_interval=2"]
+SHORT += ["trainer.check_val_every_n_epoch=null"]
+RL = ["algo.rollout_batch_size=8", "algo.generation.max_new_tokens=8", "data.prompt.max_prompt_length=48"]
+RL += ["data.prompt.val_rows=1-4", "data.prompt.train_rows=5-"]
+
+SAYS = ["Say yes.", "Say no.", "Help me.", "Be brief.", "Hi there.", "How can I help?"]
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def own(tmp_path_factory):
+    """(model folder, data folder): the saved model and the four files of the README's commands."""
+    import torch
+    import transformers as tf
+
+    from tests.data.test_chat import make_chat_tokenizer
+
+    root = tmp_path_factory.mktemp("own")
+    tok = make_chat_tokenizer("chatml", root)
+    torch.manual_seed(0)
+    config = tf.Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+    )
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(root / "qwen")
+    tok.save_pretrained(root / "qwen")
+    user = [{"role": "user", "content": s} for s in SAYS]
+    reply = [{"role": "assistant", "content": s} for s in reversed(SAYS)]
+    data = root / "data"
+    data.mkdir()
+    _write(data / "chat.jsonl", [{"messages": [u, a]} for u, a in zip(user * 4, reply * 4)])
+    _write(
+        data / "prefs.jsonl",
+        [
+            {"prompt": [u], "chosen": [a], "rejected": [{"role": "assistant", "content": "no"}]}
+            for u, a in zip(user * 4, reply * 4)
+        ],
+    )
+    _write(data / "prompts.jsonl", [{"prompt": [u]} for u in user * 4])
+    _write(
+        data / "gsm8k.jsonl",
+        [
+            {"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+            for a in range(6)
+            for b in range(4)
+        ],
+    )
+    return root / "qwen", data
+
+
+def _run(stage_dir, overrides):
+    return run(compose([*overrides, *CPU, *SHORT], stage_dir))
+
+
+@pytest.fixture(scope="module")
+def chain(own, tmp_path_factory):
+    """The README's commands 2 to 5 in order, each from the previous exports: {stage: (run dir, metrics)}."""
+    model, data = own
+    runs = tmp_path_factory.mktemp("runs")
+    out = {}
+    out["sft"] = (
+        runs / "sft",
+        _run(
+            runs / "sft",
+            [
+                "algo=sft",
+                "model=hf",
+                f"model.name_or_path={model}",
+                "data=chat",
+                f"data.sft.source={data / 'chat.jsonl'}",
+                "data.batch_size=4",
+            ],
+        ),
+    )
+    out["rm"] = (
+        runs / "rm",
+        _run(
+            runs / "rm",
+            [
+                "algo=rm",
+                "model=hf",
+                f"model.name_or_path={runs / 'sft' / 'policy'}",
+                "data=chat",
+                f"data.preference.source={data / 'prefs.jsonl'}",
+                "data.batch_size=4",
+            ],
+        ),
+    )
+    ppo = [
+        "algo=ppo_max",
+        "model=hf",
+        f"algo.policy_path={runs / 'sft' / 'policy'}",
+        f"algo.reward_path={runs / 'rm' / 'reward_model'}",
+    ]
+    ppo += ["data=chat", f"data.prompt.source={data / 'prompts.jsonl'}", "algo.minibatch_size=4", *RL]
+    out["ppo_max"] = runs / "ppo_max", _run(runs / "ppo_max", ppo)
+    grpo = [
+        "algo=grpo",
+        "model=hf",
+        f"algo.policy_path={runs / 'sft' / 'policy'}",
+        "data=qa_file",
+        "data.prompt.template=auto",
+    ]
+    grpo += [
+        f"data.prompt.source={data / 'gsm8k.jsonl'}",
+        "data.prompt.prompt_field=question",
+        "data.prompt.answer_format=gsm8k",
+    ]
+    grpo += [
+        "algo.reward_fns=[{_target_: lit_rlhf.rewards.math_accuracy, name: accuracy}]",
+        "algo.num_generations=4",
+        *RL,
+    ]
+    out["grpo"] = runs / "grpo", _run(runs / "grpo", grpo)
+    out["_grpo_overrides"] = grpo, None
+    out["_ppo_overrides"] = ppo, None
+    return out
+
+
+def test_the_readme_commands_run_in_order_on_a_saved_model(chain):
+    import os
+
+    sft_dir, sft = chain["sft"]
+    assert os.path.isfile(sft_dir / "policy" / "config.json") and sft["train/loss"] > 0
+    rm_dir, rm = chain["rm"]
+    assert os.path.isdir(rm_dir / "reward_model") and 0.0 <= rm["val/accuracy"] <= 1.0
+    _, ppo = chain["ppo_max"]
+    assert ppo["rl/iteration"] == 1.0  # 2 optimizer steps: one iteration of 2 minibatches, from the exports
+    for key in ("critic/loss", "policy/loss", "stability/kl"):
+        assert key in ppo, key
+    _, grpo = chain["grpo"]
+    assert grpo["reward/accuracy_errors"] == 0 and 0.0 <= grpo["reward/accuracy"] <= 1.0
+
+
+def test_grpo_with_the_vllm_engine_and_ppo_max_with_lora_from_the_same_exports(chain, tmp_path):
+    grpo, _ = chain["_grpo_overrides"]
+    vllm = _run(
+        tmp_path / "grpo_vllm",
+        [*grpo, "algo.generation.engine=vllm", "algo.generation.vllm.kv_cache_gib=0.0625", "algo.monitor_sampler=true"],
+    )
+    assert vllm["reward/accuracy_errors"] == 0 and 0.0 <= vllm["rollout/sampler_kl"] < 1e-6
+    ppo, _ = chain["_ppo_overrides"]
+    lora = _run(tmp_path / "ppo_lora", [*ppo, "model.lora.enabled=true"])
+    assert "policy/loss" in lora and "critic/loss" in lora
+    assert (tmp_path / "ppo_lora" / "actor" / "adapter_config.json").is_file()  # the adapter export
+
+
+def test_dpo_from_the_sft_export(chain, own, tmp_path):
+    _, data = own
+    sft_dir, _ = chain["sft"]
+    dpo = _run(
+        tmp_path / "dpo",
+        ["algo=dpo", "model=hf", f"algo.policy_path={sft_dir / 'policy'}", "data=chat"]
+        + [f"data.preference.source={data / 'prefs.jsonl'}", "data.batch_size=4"],
+    )
+    assert dpo["stability/kl"] > 0 and (tmp_path / "dpo" / "policy" / "config.json").is_file()  # it moved
+
+
+@pytest.mark.parametrize(
+    "arch, stage",
+    [("gemma2", "grpo_vllm"), ("gpt_neox", "grpo_vllm"), ("olmo2", "grpo_vllm"), ("gpt2", "ppo_max_lora")],
+)
+def test_the_architectures_that_failed_run_the_stage_that_failed(arch, stage, own, tmp_path):
+    """Gemma 2 (tied head) and GPT-NeoX and OLMo 2 (vLLM's Transformers backend) with GRPO on the vLLM
+    engine, GPT-2 (Conv1D) with LoRA PPO-max: saved like a user's model, through train.py's path."""
+    import torch
+    import transformers as tf
+    from transformers import AutoTokenizer
+
+    from tests.rollout.test_vllm_architectures import _config
+
+    model_dir, data = own
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(_config(arch, len(tok))).save_pretrained(tmp_path / arch)
+    tok.save_pretrained(tmp_path / arch)
+    policy = tmp_path / arch
+    if stage == "grpo_vllm":
+        overrides = ["algo=grpo", "model=hf", f"algo.policy_path={policy}", "data=qa_file", "data.prompt.template=auto"]
+        overrides += [f"data.prompt.source={data / 'gsm8k.jsonl'}", "data.prompt.prompt_field=question"]
+        overrides += ["data.prompt.answer_format=gsm8k", "algo.num_generations=4", *RL]
+        overrides += ["algo.reward_fns=[{_target_: lit_rlhf.rewards.math_accuracy, name: accuracy}]"]
+        overrides += [
+            "algo.generation.engine=vllm",
+            "algo.generation.vllm.kv_cache_gib=0.0625",
+            "algo.monitor_sampler=true",
+        ]
+        metrics = _run(tmp_path / "run", overrides)
+        assert metrics["reward/accuracy_errors"] == 0 and 0.0 <= metrics["rollout/sampler_kl"] < 1e-4  # fp32 noise
+    else:
+        overrides = [
+            "algo=ppo_max",
+            "model=hf",
+            f"algo.policy_path={policy}",
+            "data=chat",
+            "algo.minibatch_size=4",
+            *RL,
+        ]
+        overrides += [f"data.prompt.source={data / 'prompts.jsonl'}", "model.lora.enabled=true"]
+        overrides += [
+            "algo.reward_fn={_target_: lit_rlhf.rewards.format_reward, pattern: '.*'}",
+            "algo.reward_path=null",
+        ]
+        metrics = _run(tmp_path / "run", overrides)
+        assert "policy/loss" in metrics and (tmp_path / "run" / "actor" / "adapter_config.json").is_file()
