@@ -3,8 +3,8 @@ a saved Hugging Face model as a user's: a tiny random Qwen2 (head size 32) besid
 tokenizer with a ChatML template, and files in TRL's conversational formats. SFT → reward model on
 the SFT export → PPO-max from both exports → GRPO on a GSM8K-style file, each on a short budget and
 on CPU (the README's GPU settings, ``trainer=gpu``'s bf16 and DeepSpeed, are the only overrides
-besides the budget); then GRPO with the vLLM engine and PPO-max with LoRA. What each stage reads is
-the previous stage's export, as in the README."""
+besides the budget); then PPO-max with LoRA and DPO from the exports, and GRPO with the vLLM engine.
+What each stage reads is the previous stage's export, as in the README."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import pytest
 from lit_rlhf.launch.runner import run
 from tests.conftest import compose
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.xdist_group("vllm")]
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+VLLM = pytest.mark.xdist_group("vllm")  # the tests with an engine share the worker of the other engine tests
 
 CPU = ["trainer=cpu", "trainer.enable_progress_bar=false", "logger=csv", "model.dtype=float32"]
 SHORT = ["trainer.max_steps=2", "trainer.max_epochs=-1", "trainer.val_check_interval=2"]
@@ -143,7 +144,6 @@ def chain(own, tmp_path_factory):
         *RL,
     ]
     out["grpo"] = runs / "grpo", _run(runs / "grpo", grpo)
-    out["_grpo_overrides"] = grpo, None
     out["_ppo_overrides"] = ppo, None
     return out
 
@@ -163,20 +163,11 @@ def test_the_readme_commands_run_in_order_on_a_saved_model(chain):
     assert grpo["reward/accuracy_errors"] == 0 and 0.0 <= grpo["reward/accuracy"] <= 1.0
 
 
-def test_grpo_with_the_vllm_engine_and_ppo_max_with_lora_from_the_same_exports(chain, tmp_path):
-    grpo, _ = chain["_grpo_overrides"]
-    vllm = _run(
-        tmp_path / "grpo_vllm",
-        [*grpo, "algo.generation.engine=vllm", "algo.generation.vllm.kv_cache_gib=0.0625", "algo.monitor_sampler=true"],
-    )
-    assert vllm["reward/accuracy_errors"] == 0 and 0.0 <= vllm["rollout/sampler_kl"] < 1e-6
+def test_ppo_max_with_lora_and_dpo_from_the_sft_export(chain, own, tmp_path):
     ppo, _ = chain["_ppo_overrides"]
     lora = _run(tmp_path / "ppo_lora", [*ppo, "model.lora.enabled=true"])
     assert "policy/loss" in lora and "critic/loss" in lora
     assert (tmp_path / "ppo_lora" / "actor" / "adapter_config.json").is_file()  # the adapter export
-
-
-def test_dpo_from_the_sft_export(chain, own, tmp_path):
     _, data = own
     sft_dir, _ = chain["sft"]
     dpo = _run(
@@ -189,11 +180,18 @@ def test_dpo_from_the_sft_export(chain, own, tmp_path):
 
 @pytest.mark.parametrize(
     "arch, stage",
-    [("gemma2", "grpo_vllm"), ("gpt_neox", "grpo_vllm"), ("olmo2", "grpo_vllm"), ("gpt2", "ppo_max_lora")],
+    [
+        pytest.param("qwen2", "grpo_vllm", marks=VLLM),
+        pytest.param("gemma2", "grpo_vllm", marks=VLLM),
+        pytest.param("gpt_neox", "grpo_vllm", marks=VLLM),
+        pytest.param("olmo2", "grpo_vllm", marks=VLLM),
+        ("gpt2", "ppo_max_lora"),
+    ],
 )
-def test_the_architectures_that_failed_run_the_stage_that_failed(arch, stage, own, tmp_path):
-    """Gemma 2 (tied head) and GPT-NeoX and OLMo 2 (vLLM's Transformers backend) with GRPO on the vLLM
-    engine, GPT-2 (Conv1D) with LoRA PPO-max: saved like a user's model, through train.py's path."""
+def test_each_architecture_runs_its_stage_through_train_py(arch, stage, own, tmp_path):
+    """GRPO on the vLLM engine (the README's command 5 with ``engine=vllm``) with Qwen2, Gemma 2 (tied
+    head), GPT-NeoX and OLMo 2 (vLLM's Transformers backend); GPT-2 (Conv1D) with LoRA PPO-max:
+    saved like a user's model, through train.py's path."""
     import torch
     import transformers as tf
     from transformers import AutoTokenizer
@@ -201,11 +199,13 @@ def test_the_architectures_that_failed_run_the_stage_that_failed(arch, stage, ow
     from tests.rollout.test_vllm_architectures import _config
 
     model_dir, data = own
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    torch.manual_seed(0)
-    tf.AutoModelForCausalLM.from_config(_config(arch, len(tok))).save_pretrained(tmp_path / arch)
-    tok.save_pretrained(tmp_path / arch)
-    policy = tmp_path / arch
+    policy = model_dir
+    if arch != "qwen2":
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        torch.manual_seed(0)
+        tf.AutoModelForCausalLM.from_config(_config(arch, len(tok))).save_pretrained(tmp_path / arch)
+        tok.save_pretrained(tmp_path / arch)
+        policy = tmp_path / arch
     if stage == "grpo_vllm":
         overrides = ["algo=grpo", "model=hf", f"algo.policy_path={policy}", "data=qa_file", "data.prompt.template=auto"]
         overrides += [f"data.prompt.source={data / 'gsm8k.jsonl'}", "data.prompt.prompt_field=question"]
