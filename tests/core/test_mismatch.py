@@ -173,3 +173,18 @@ def test_the_correction_names_are_the_configs():
         build_config(CriticFreeConfig, preset("grpo", {**base, "rollout_correction": "tls"}), "algo")
     with pytest.raises(ConfigError, match="correction_band_high: must be > algo.correction_band_low"):
         build_config(CriticFreeConfig, preset("grpo", {**base, "correction_band_low": 2.0}), "algo")
+
+
+def test_the_sampler_kl_of_tiny_gaps_is_their_half_square_not_rounding_noise():
+    """Gaps of 1e-6 (an fp32 engine against the trainer) give k3 terms of 5e-13, below float32's
+    rounding of e^{-d} + d − 1 (which made the mean slightly negative): computed in float64 it is
+    ½·mean d² to first order, and never negative."""
+    g = torch.Generator().manual_seed(0)
+    trainer = -torch.rand(8, 16, generator=g) * 5
+    gap = (torch.rand(8, 16, generator=g) - 0.5) * 4e-6
+    sampler = trainer + gap
+    mask = torch.ones(8, 16)
+    stats = sampler_mismatch(trainer, sampler, mask)
+    d = (sampler.double() - trainer.double()).flatten()  # the gap as the float32 inputs hold it
+    want = float((d**2).mean() / 2)
+    assert stats["sampler_kl"].item() >= 0 and stats["sampler_kl"].item() == pytest.approx(want, rel=1e-3)
