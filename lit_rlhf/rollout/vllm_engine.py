@@ -105,21 +105,41 @@ def _strip_wrappers(name: str) -> str:
 
 def _keep_transformers_models_eager() -> list[str]:
     """vLLM runs architectures it has no native model for (GPT-NeoX, OLMo 2, Phi, …) through its
-    Transformers backend, which decorates the *transformers* decoder class itself for torch.compile:
-    the class's ``__call__`` then reads ``do_not_compile``, which its ``__init__`` now sets on each
-    instance. Instances built before the engine (the trainer's policy, its reference, a reward
-    model of that architecture) have none and fail with ``AttributeError: … 'do_not_compile'``. A
-    class default of True makes them run their plain forward, as before the engine existed; vLLM's
-    own instances keep the value they set. Returns the classes mended."""
+    Transformers backend, which decorates the *transformers* decoder class itself for torch.compile,
+    for the whole process: its ``__call__`` then reads ``do_not_compile``, which the decorated
+    ``__init__`` sets, and that ``__init__`` requires vLLM's current config. So instances built before
+    the engine (the trainer's policy, its reference) failed with ``AttributeError: … 'do_not_compile'``,
+    and instances built after it outside vLLM (the next evaluated policy, a model counted for the
+    memory plan) with vLLM's "Current vLLM config is not set". Each decorated class gets a class
+    default ``do_not_compile = True`` (its plain forward) and an ``__init__`` that is vLLM's inside
+    vLLM's model construction and the original one elsewhere. Returns the classes mended."""
     try:
         from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+        from vllm.config.vllm import get_current_vllm_config_or_none
     except ImportError:  # another vLLM layout: nothing of this kind to mend
         return []
+    import inspect
+
     mended = []
     for cls in TorchCompileWithNoGuardsWrapper.__subclasses__():
-        if cls.__module__.startswith("transformers.") and "do_not_compile" not in vars(cls):
-            cls.do_not_compile = True
-            mended.append(cls.__name__)
+        if not cls.__module__.startswith("transformers.") or "_lit_rlhf_mended" in vars(cls):
+            continue
+        cls.do_not_compile = True
+        decorated = cls.__init__
+        original = inspect.getclosurevars(decorated).nonlocals.get("old_init")
+        if original is not None:
+
+            def __init__(self, *args, _vllm=decorated, _plain=original, **kwargs):
+                if kwargs.get("vllm_config") is not None or get_current_vllm_config_or_none() is not None:
+                    _vllm(self, *args, **kwargs)
+                else:
+                    kwargs.pop("vllm_config", None)
+                    kwargs.pop("prefix", None)
+                    _plain(self, *args, **kwargs)
+
+            cls.__init__ = __init__
+        cls._lit_rlhf_mended = True
+        mended.append(cls.__name__)
     return mended
 
 

