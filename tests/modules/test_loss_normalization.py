@@ -14,6 +14,9 @@ from lit_rlhf.core.losses import aggregate
 from lit_rlhf.core.objectives import AGGREGATIONS, POLICY_LOSSES
 from lit_rlhf.modules.rl import RLModule
 
+# one worker builds the 2-process gradients for every test of this file (pytest-xdist would spread them)
+pytestmark = pytest.mark.xdist_group("loss_normalization")
+
 VOCAB, T = 11, 7
 LENGTHS = [7, 1, 4, 2, 6]  # rows 0-2 on rank 0, rows 3-4 on rank 1: unequal rows and tokens
 SHARDS = {0: [0, 1, 2], 1: [3, 4]}
