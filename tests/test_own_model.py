@@ -185,13 +185,19 @@ def test_ppo_max_with_lora_and_dpo_from_the_sft_export(chain, own, tmp_path):
         pytest.param("gemma2", "grpo_vllm", marks=VLLM),
         pytest.param("gpt_neox", "grpo_vllm", marks=VLLM),
         pytest.param("olmo2", "grpo_vllm", marks=VLLM),
+        pytest.param("mistral", "grpo_vllm", marks=VLLM),
+        pytest.param("qwen3", "grpo_vllm", marks=VLLM),
+        pytest.param("gemma3", "grpo_vllm", marks=VLLM),
+        pytest.param("phi3", "grpo_vllm", marks=VLLM),
+        pytest.param("gpt2", "grpo_vllm", marks=VLLM),
         ("gpt2", "ppo_max_lora"),
     ],
 )
 def test_each_architecture_runs_its_stage_through_train_py(arch, stage, own, tmp_path):
-    """GRPO on the vLLM engine (the README's command 5 with ``engine=vllm``) with Qwen2, Gemma 2 (tied
-    head), GPT-NeoX and OLMo 2 (vLLM's Transformers backend); GPT-2 (Conv1D) with LoRA PPO-max:
-    saved like a user's model, through train.py's path."""
+    """GRPO on the vLLM engine (the README's command 5 with ``engine=vllm``) with every architecture of
+    tests/rollout/test_vllm_architectures.py (Gemma 2 and 3: tied head; GPT-NeoX and OLMo 2: vLLM's
+    Transformers backend); GPT-2 (Conv1D) with LoRA PPO-max: saved like a user's model, through
+    train.py's path."""
     import torch
     import transformers as tf
     from transformers import AutoTokenizer
