@@ -39,21 +39,14 @@ def own(tmp_path_factory):
     import transformers as tf
 
     from tests.data.test_chat import make_chat_tokenizer
+    from tests.rollout.test_vllm_architectures import _config
 
     root = tmp_path_factory.mktemp("own")
     tok = make_chat_tokenizer("chatml", root)
     torch.manual_seed(0)
-    config = tf.Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-    )
+    config = _config("qwen2", len(tok))  # the architecture test's tiny Qwen2, at Qwen2's own init scale
+    config.update({"max_position_embeddings": 256, "initializer_range": 0.02})
+    config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
     tf.AutoModelForCausalLM.from_config(config).save_pretrained(root / "qwen")
     tok.save_pretrained(root / "qwen")
     user = [{"role": "user", "content": s} for s in SAYS]

@@ -146,8 +146,10 @@ def evaluate_reasoning(
     try:
         for name, path in policies.items():
             tok = build_tokenizer(ModelSpec(name_or_path=path))
-            policy = freeze(build_causal_lm(ModelSpec(name_or_path=path), tok))
-            against = ref_model if name != reference else None
+            if name == reference and ref_model is not None:  # already loaded as the KL's reference
+                policy, against = ref_model, None
+            else:
+                policy, against = freeze(build_causal_lm(ModelSpec(name_or_path=path), tok)), ref_model
             engine = engine_for(policy, gen, path, engine)  # None: the hf loop samples from the policy
             torch.manual_seed(0)
             parts = []

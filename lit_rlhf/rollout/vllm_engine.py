@@ -103,7 +103,7 @@ def _strip_wrappers(name: str) -> str:
     return name
 
 
-def _keep_transformers_models_eager() -> list[str]:
+def _mend_transformers_classes() -> list[str]:
     """vLLM runs architectures it has no native model for (GPT-NeoX, OLMo 2, Phi, …) through its
     Transformers backend, which decorates the *transformers* decoder class itself for torch.compile,
     for the whole process: its ``__call__`` then reads ``do_not_compile``, which the decorated
@@ -143,17 +143,6 @@ def _keep_transformers_models_eager() -> list[str]:
     return mended
 
 
-class _DropRecord(logging.Filter):
-    """Drops the records of one message (an expected failure vLLM logs with a traceback)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__()
-        self.message = message
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != self.message
-
-
 @contextlib.contextmanager
 def _quiet_chat_template_warmup() -> Iterator[None]:
     """vLLM warms up a chat template at start-up and, without a tokenizer (``skip_tokenizer_init``:
@@ -161,7 +150,10 @@ def _quiet_chat_template_warmup() -> Iterator[None]:
     failure as a warning with a traceback. Nothing is wrong; the record is dropped while the engine
     builds."""
     target = logging.getLogger("vllm.renderers.base")
-    drop = _DropRecord("Chat template warmup failed")
+
+    def drop(record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Chat template warmup failed"
+
     target.addFilter(drop)
     try:
         yield
@@ -251,8 +243,6 @@ def _check_buildable(hf_config: Any, config: VLLMConfig, device: str) -> None:
             from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
         except ImportError:
             return
-        heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
-        head = getattr(hf_config, "head_dim", None) or (hf_config.hidden_size // heads if heads else None)
         experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
         if experts:
             raise ConfigError(
@@ -260,6 +250,8 @@ def _check_buildable(hf_config: Any, config: VLLMConfig, device: str) -> None:
                 f"vLLM's CPU build cannot take synced weights of a mixture of experts ({experts} experts): its "
                 "fused MoE gates are built once at load time; use algo.generation.engine=hf for this model on CPU",
             )
+        heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
+        head = getattr(hf_config, "head_dim", None) or (hf_config.hidden_size // heads if heads else None)
         supported = CPUAttentionBackend.get_supported_head_sizes()
         if head is not None and int(head) not in supported:
             raise ConfigError(
@@ -308,9 +300,9 @@ class VLLMEngine:
         )
         self.device = param.device
         self.llm, self._workdir = self._build(hf_config, type(model).__name__)
-        mended = _keep_transformers_models_eager()
+        mended = _mend_transformers_classes()
         if mended:
-            log.debug("vllm decorated transformers' %s for torch.compile: existing instances kept eager", mended)
+            log.debug("vllm decorated transformers' %s for torch.compile: mended for use outside vLLM", mended)
         self.engine_modules: set[str] = set(self.llm.collective_rpc(_module_names)[0])
 
         self.version: Any = _UNSYNCED  # the weights version the engine holds (sync's argument)
