@@ -23,7 +23,7 @@ from lit_rlhf.rollout.generate import GenerationConfig, sample
 from lit_rlhf.utils.facts import recall
 
 log = logging.getLogger(__name__)
-Scorer = Callable[..., Tensor]  # (input_ids, attention_mask, prompts, responses, ended, columns=None) -> (B,)
+Scorer = Any  # lit_rlhf/rollout/scorers.py: scorer.submit(ids, mask, prompts, responses, ended, columns=…)() -> (B,)
 
 
 def repeat_prompts(batch: Mapping[str, Any], times: int) -> dict[str, Any]:
@@ -150,6 +150,8 @@ def generate_and_score(
     texts = decode_responses(tokenizer, response_ids, response_mask, ended)
     prompts = list(batch["prompts"])
     columns = {k: list(v) for k, v in (batch.get("columns") or {}).items()}
+    # scoring starts first: a remote or async reward is in flight while the forwards below run
+    scores = scorer.submit(ids, mask, prompts, texts, ended, columns=columns) if scorer is not None else None
     return Rollout(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -160,7 +162,7 @@ def generate_and_score(
         ref_logprobs=logprobs_of(reference) if reference is not None else None,
         sampler_logprobs=sampled_logprobs,
         values=_eval_forward(critic, lambda: response_values(critic, ids, mask, width)) if critic is not None else None,
-        scores=scorer(ids, mask, prompts, texts, ended, columns=columns) if scorer is not None else None,
+        scores=scores() if scores is not None else None,
         prompts_text=prompts,
         responses_text=texts,
         columns=columns,

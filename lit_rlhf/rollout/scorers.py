@@ -3,8 +3,14 @@
 reward, the verifiers of lit_rlhf.rewards), or a weighted sum of such functions
 (:class:`WeightedScorer`, ``algo.reward_fns``).
 
-Every scorer is called as ``scorer(input_ids, attention_mask, prompts, responses, ended, columns=…)``
-and answers :meth:`take_errors` (responses a function could not check, by component name).
+Every scorer is called as ``scorer(input_ids, attention_mask, prompts, responses, ended, columns=…)``,
+or in two halves: ``pending = scorer.submit(<same arguments>)`` starts the scoring — an ``async``
+reward (a remote reward model, an LLM judge, a user's ``async def``) is then in flight in a
+background thread (lit_rlhf/utils/aio.py) — and ``pending()`` waits for the (B,) scores; the rollout
+runs its reference and policy forwards in between (lit_rlhf/rollout/collect.py). Every scorer
+answers :meth:`take_errors` (responses a function could not score, by component name),
+:meth:`take_unscored` (how many of those it left NaN on purpose: excused by the health check) and
+:meth:`take_outage` (why every endpoint of a remote reward is down, or None).
 """
 
 from __future__ import annotations
@@ -82,9 +88,19 @@ class ModelScorer:
         device = input_ids.device
         return self.model(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float()
 
+    def submit(self, *args: Any, **kwargs: Any) -> Callable[[], Tensor]:
+        """The scores, computed when asked for (a local model has nothing to overlap with)."""
+        return lambda: self(*args, **kwargs)
+
     def take_errors(self) -> dict[str, tuple[int, str | None]]:
         """A reward model scores every response: nothing to count (see :meth:`CallableScorer.take_errors`)."""
         return {}
+
+    def take_unscored(self) -> int:
+        return 0
+
+    def take_outage(self) -> str | None:
+        return None
 
 
 class RewardFunctionError(UserError, RuntimeError):
@@ -96,20 +112,25 @@ class CallableScorer:
     (e.g. the embedded task's gold reward, a verifier of lit_rlhf.rewards), on the decoded texts.
     ``columns`` are the rows' dataset columns (the ground truth ``answer`` of a verifiable task,
     docs/rewards.md), passed as keywords the function accepts (by name, or all with ``**kwargs``).
+    An ``async def`` function (or an object with an ``async def __call__``) is awaited in a
+    background thread from :meth:`submit` on.
 
     A function that raises, or returns the wrong number of values or non-numbers, stops the run
     with a :class:`RewardFunctionError` naming it; non-finite values are passed on as they are
     (the RL stage counts and skips those samples). A function that scores a response it cannot
-    check as 0 and counts it (``last_errors``, the verifiers do) has those counts summed in
-    :attr:`errors` until :meth:`take_errors` reads them.
+    check as 0 — or NaN, and says so in ``last_unscored`` (a remote reward whose endpoint failed) —
+    and counts it (``last_errors``, the verifiers do) has those counts summed in :attr:`errors`
+    until :meth:`take_errors` reads them; a remote reward's ``outage`` is kept for :meth:`take_outage`.
     """
 
-    def __init__(self, fn: Callable[..., Sequence[float]], name: str | None = None):
+    def __init__(self, fn: Callable[..., Any], name: str | None = None):
         self.fn = fn
         self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
-        self.errors = 0
+        self.errors = self.unscored = 0
         self.error_example: str | None = None
+        self.outage: str | None = None
         self._accepts = _keyword_names(fn)
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
     def __call__(
         self,
@@ -120,32 +141,67 @@ class CallableScorer:
         ended: Tensor,
         columns: Mapping[str, Sequence[Any]] | None = None,
     ) -> Tensor:
+        return self.submit(input_ids, attention_mask, prompts, responses, ended, columns=columns)()
+
+    def submit(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        ended: Tensor,
+        columns: Mapping[str, Sequence[Any]] | None = None,
+    ) -> Callable[[], Tensor]:
+        """Start scoring (an async function: now, in a background thread; a plain one: when the
+        returned callable is called) and return the callable that gives the (B,) scores."""
         kwargs = {k: list(v) for k, v in (columns or {}).items() if self._accepts is None or k in self._accepts}
+        args = (list(prompts), list(responses), ended.tolist())
+        device, n = input_ids.device, len(responses)
+        if not self.is_async:
+            return lambda: self._finish(self._guarded(lambda: self.fn(*args, **kwargs)), device, n)
+        from lit_rlhf.utils import aio
+
+        future = aio.start(self._guarded(lambda: self.fn(*args, **kwargs)), name=f"reward {self.name}")
+        return lambda: self._finish(self._guarded(future.result), device, n)
+
+    def _guarded(self, call: Callable[[], Any]) -> Any:
         try:
-            values = self.fn(list(prompts), list(responses), ended.tolist(), **kwargs)
+            return call()
         except Exception as err:
             raise RewardFunctionError(f"reward function {self.name} raised {type(err).__name__}: {err}") from err
+
+    def _finish(self, values: Any, device: torch.device, n: int) -> Tensor:
         try:
-            out = torch.as_tensor(values, dtype=torch.float32, device=input_ids.device).flatten()
+            out = torch.as_tensor(values, dtype=torch.float32, device=device).flatten()
         except (TypeError, ValueError, RuntimeError) as err:
             raise RewardFunctionError(
                 f"reward function {self.name} returned {type(values).__name__}, not numbers ({err})"
             ) from err
-        if out.numel() != len(responses):
-            raise RewardFunctionError(
-                f"reward function {self.name} returned {out.numel()} values for {len(responses)} responses"
-            )
+        if out.numel() != n:
+            raise RewardFunctionError(f"reward function {self.name} returned {out.numel()} values for {n} responses")
         errors = int(getattr(self.fn, "last_errors", 0) or 0)
         if errors:
             self.errors += errors
             self.error_example = self.error_example or getattr(self.fn, "last_error_example", None)
+        self.unscored += int(getattr(self.fn, "last_unscored", 0) or 0)
+        self.outage = self.outage or getattr(self.fn, "outage", None)
         return out
 
     def take_errors(self) -> dict[str, tuple[int, str | None]]:
-        """{short name: (responses the function could not check since the last call of this method
-        (scored 0), the first error message among them)}."""
+        """{short name: (responses the function could not score since the last call of this method
+        (scored 0, or NaN when it counts them as unscored), the first error message among them)}."""
         out = {self.name.rsplit(".", 1)[-1]: (self.errors, self.error_example)}
         self.errors, self.error_example = 0, None
+        return out
+
+    def take_unscored(self) -> int:
+        """Responses left NaN on purpose since the last call (a failed remote request), not a fault
+        of the policy's outputs: the health check excuses them (lit_rlhf/modules/health.py)."""
+        out, self.unscored = self.unscored, 0
+        return out
+
+    def take_outage(self) -> str | None:
+        out, self.outage = self.outage, None
         return out
 
 
@@ -168,35 +224,53 @@ class WeightedScorer:
         self.parts = list(parts)
         self.components: dict[str, Tensor] = {}
 
-    def __call__(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        prompts: Sequence[str],
-        responses: Sequence[str],
-        ended: Tensor,
-        columns: Mapping[str, Sequence[Any]] | None = None,
-    ) -> Tensor:
-        total = None
-        self.components = {}
-        for name, weight, scorer in self.parts:
-            value = scorer(input_ids, attention_mask, prompts, responses, ended, columns=columns)
-            self.components[name] = value
-            total = weight * value if total is None else total + weight * value
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        return self.submit(*args, **kwargs)()
+
+    def submit(self, *args: Any, **kwargs: Any) -> Callable[[], Tensor]:
+        """Every component's :meth:`CallableScorer.submit` (async ones are in flight together), and
+        the callable that sums their scores."""
+        pending = [(name, weight, scorer.submit(*args, **kwargs)) for name, weight, scorer in self.parts]
+
+        def total() -> Tensor:
+            out = None
+            self.components = {}
+            for name, weight, result in pending:
+                value = result()
+                self.components[name] = value
+                out = weight * value if out is None else out + weight * value
+            return out
+
         return total
 
     def take_errors(self) -> dict[str, tuple[int, str | None]]:
-        """Per component: responses its function could not check since the last call (see
+        """Per component: responses its function could not score since the last call (see
         :meth:`CallableScorer.take_errors`)."""
         return {name: next(iter(scorer.take_errors().values()), (0, None)) for name, _, scorer in self.parts}
+
+    def take_unscored(self) -> int:
+        """Rows some component left NaN on purpose (NaN in one component makes the sum NaN)."""
+        return max([scorer.take_unscored() for _, _, scorer in self.parts], default=0)
+
+    def take_outage(self) -> str | None:
+        outages = [scorer.take_outage() for _, _, scorer in self.parts]
+        return next((o for o in outages if o), None)
 
 
 def callable_scorer(spec: Mapping[str, Any]) -> CallableScorer:
     """The scorer of one ``{_target_: factory, **kwargs}`` reward (``algo.reward_fn``,
     ``algo.gold_reward_fn``), checked at start by ``modules/configs.py: check_reward_specs``."""
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
-    return CallableScorer(instantiate(spec), spec["_target_"])
+    try:
+        fn = instantiate(spec)
+    except InstantiationException as err:  # e.g. RemoteReward's check of its settings: say it in one line
+        cause = err.__cause__
+        if isinstance(cause, UserError):
+            raise RewardFunctionError(f"reward {spec['_target_']}: {cause}") from cause
+        raise
+    return CallableScorer(fn, spec["_target_"])
 
 
 def weighted_scorer(specs: Sequence[Mapping[str, Any]]) -> WeightedScorer:
