@@ -57,6 +57,11 @@ class ResumableDataLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._pending = dict(state)
 
+    def rewind(self) -> None:
+        """Count the last batch yielded as not delivered: a checkpoint written now resumes with it
+        (an RL iteration that stopped before its update, lit_rlhf/modules/rl.py)."""
+        self._yielded = max(0, self._yielded - 1)
+
     def _resume_skip(self, epoch: int | None) -> int:
         state, self._pending = self._pending, None
         if not state:

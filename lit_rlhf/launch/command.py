@@ -4,6 +4,7 @@
                                      a sweep (-m); the job's Hydra app over lit_rlhf/conf/
     lit-rlhf plan [overrides]        the job's per-GPU memory plan, nothing loaded (= train … --plan)
     lit-rlhf report RUN_DIR …        the stability dashboard of finished runs (lit_rlhf/callbacks/dashboard.py)
+    lit-rlhf serve --model DIR …     a reward model behind HTTP (lit_rlhf/serve.py)
     lit-rlhf --help | --version
 
 The configs ship inside the package (lit_rlhf/conf/), so the command runs from any folder and
@@ -26,11 +27,12 @@ from omegaconf import DictConfig
 
 from lit_rlhf.launch.presets import CONF_DIR
 
-USAGE = """usage: lit-rlhf {train,plan,report} …
+USAGE = """usage: lit-rlhf {train,plan,report,serve} …
 
   lit-rlhf train [overrides]        run a stage, an experiment, a pipeline or a sweep (-m)
   lit-rlhf plan [overrides]         print the job's per-GPU memory plan and exit (nothing is loaded)
   lit-rlhf report RUN_DIR [RUN_DIR…]  the stability dashboard of finished runs
+  lit-rlhf serve --model RM_DIR     serve a reward model over HTTP (OpenRLHF's /get_reward)
   lit-rlhf train --help             Hydra's help: every config group with its options
   lit-rlhf --version
 
@@ -128,7 +130,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         from lit_rlhf.callbacks.dashboard import main as report
 
         report(rest, prog="lit-rlhf report")
+    elif command == "serve":
+        from lit_rlhf.serve import main as serve
+
+        serve(rest)
     elif "=" in command or command.startswith("-"):  # overrides without the word: train (DDP ranks 1…)
         train(args)
     else:
-        sys.exit(f"lit-rlhf: unknown command {command!r}; choose train, plan or report (lit-rlhf --help)")
+        sys.exit(f"lit-rlhf: unknown command {command!r}; choose train, plan, report or serve (lit-rlhf --help)")

@@ -271,6 +271,9 @@ def estimate(cfg: Any, job: Any, setup: Setup | None = None, gpu_memory_gb: floa
     arch0 = None
     tiny_vocab = _tiny_vocab(spec)
     for name, role, path in job.algo_cls.planned_models(job.algo):  # each stage declares its models
+        if role == "remote":  # a reward behind HTTP (lit_rlhf/rewards/remote.py): no memory on this GPU
+            rows.append(Row(name, f"remote: {path}", 0, 0, 0.0, 0.0, 0.0))
+            continue
         arch, source = arch_of(spec, path, tiny_vocab)
         if arch is None and path is not None:
             fallback, _ = arch_of(spec, tiny_vocab=tiny_vocab)

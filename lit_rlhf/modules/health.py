@@ -4,7 +4,8 @@ A reward that returns NaN or inf for some samples, a loss or a gradient that ove
 counted skip, never an update (docs/algorithms.md §2.9).
 
 * samples whose score is not finite leave the update (``Rollout.valid_mask``), the running reward
-  statistics and the group statistics: ``health/nonfinite_scores``;
+  statistics and the group statistics: ``health/nonfinite_scores`` (not counting the rows a remote
+  reward could not score, which are ``reward/<name>_errors`` and never make an iteration bad);
 * an update whose loss (on any rank) or gradient is not finite is not applied — no optimizer or
   schedule step: ``health/skipped_updates``;
 * ``algo.max_bad_iterations`` consecutive iterations with either stop the run with a
@@ -54,6 +55,7 @@ class TrainingHealth:
         self.reward_name = reward_name
         self.streak = 0
         self.nonfinite_scores = 0
+        self.excused = 0
         self.samples = 0
         self.skipped_updates = 0
         self.updates = 0
@@ -65,12 +67,20 @@ class TrainingHealth:
         )
         self.nonfinite_scores, self.samples = int(counts[0]), int(counts[1])
 
+    def excuse(self, unscored: int, device: torch.device | str = "cpu") -> None:
+        """Rows a remote reward could not score (its endpoint failed, lit_rlhf/rewards/http.py): left
+        out of the update like any NaN score, counted in ``reward/<name>_errors``, and not held
+        against the policy (they do not make the iteration bad). Summed over ranks."""
+        counts = all_reduce_sum(torch.tensor([float(unscored)], device=device))
+        self.excused = int(counts[0])
+
     def count_update(self, applied: bool) -> None:
         self.updates += 1
         self.skipped_updates += int(not applied)
 
     def end_iteration(self) -> dict[str, Tensor]:
         """The iteration's health statistics; raises once ``max_bad_iterations`` bad ones ran in a row."""
+        self.nonfinite_scores = max(0, self.nonfinite_scores - self.excused)  # the policy's, not the server's
         stats = {
             "health/nonfinite_scores": torch.tensor(float(self.nonfinite_scores)),
             "health/skipped_updates": torch.tensor(float(self.skipped_updates)),
@@ -78,7 +88,7 @@ class TrainingHealth:
         bad = self.nonfinite_scores > 0 or self.skipped_updates > 0
         self.streak = self.streak + 1 if bad else 0
         cause = self.cause()
-        self.nonfinite_scores = self.samples = self.skipped_updates = self.updates = 0
+        self.nonfinite_scores = self.excused = self.samples = self.skipped_updates = self.updates = 0
         if bad and self.streak >= self.max_bad_iterations:
             raise NonFiniteTrainingError(
                 f"{cause} in {self.streak} consecutive iterations (algo.max_bad_iterations="

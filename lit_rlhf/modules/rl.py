@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -58,6 +59,7 @@ from lit_rlhf.rollout.collect import generate_and_score
 from lit_rlhf.rollout.forward import response_logprobs, response_values
 from lit_rlhf.utils.config import ConfigError
 from lit_rlhf.utils.distributed import all_reduce_max, all_reduce_sum
+from lit_rlhf.utils.rng import capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +121,9 @@ class RLModule(RLHFModule):
         started = time.perf_counter()
 
         # 1. collect: G responses per prompt, scored by every model the run holds
+        rng = capture_rng()  # put back when the reward service is down: the batch is redone on resume
         rollout, stats = self.collect(prompts)
+        self.stop_if_reward_service_down(rng)
         self.engine_sleep()  # GPU, vllm with sleep: the update gets the engine's memory
         collected = time.perf_counter()
 
@@ -158,6 +162,35 @@ class RLModule(RLHFModule):
             mismatch = sampler_mismatch(rollout.logprobs, rollout.sampler_logprobs, rollout.valid_mask)
             stats.update({f"rollout/{k}": v for k, v in mismatch.items()})
         return rollout.require(*required, *["ref_logprobs"] * ("reference" in self.frozen)), stats
+
+    def stop_if_reward_service_down(self, rng: dict[str, Any]) -> None:
+        """Every endpoint of a remote reward stayed down (lit_rlhf/rewards/http.py): stop cleanly
+        after a checkpoint that redoes this iteration. The RNG is put back to the iteration's start
+        and the training loaders one batch back, and ``last.ckpt`` is written in the checkpoint
+        folder, so that ``ckpt_path=last`` continues as if the outage never happened. Every rank
+        takes the same branch (the flag is summed over ranks)."""
+        outage = self.scorer.take_outage() if self.scorer is not None else None
+        if float(all_reduce_sum(torch.tensor([float(outage is not None)], device=self.device))) == 0.0:
+            return
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        from lit_rlhf.rewards.http import RewardServiceDown
+        from lit_rlhf.utils.compat.lightning import combined_loader
+
+        restore_rng(rng)
+        combined = combined_loader(self.trainer)
+        for loader in combined.flattened if combined is not None else []:
+            if callable(getattr(loader, "rewind", None)):
+                loader.rewind()
+        folder = getattr(self.trainer.checkpoint_callback, "dirpath", None)
+        folder = folder or os.path.join(self.trainer.default_root_dir, "checkpoints")
+        path = os.path.join(folder, ModelCheckpoint.CHECKPOINT_NAME_LAST + ModelCheckpoint.FILE_EXTENSION)
+        self.trainer.save_checkpoint(path)  # collective: every rank is here
+        raise RewardServiceDown(
+            f"{outage or 'a remote reward is down on another rank'}. Training stopped at RL iteration "
+            f"{self.iteration} before its update; checkpoint: {path}. Once an endpoint answers again, "
+            "run the same command with ckpt_path=last."
+        )
 
     def sample(self, batch: dict[str, Any], policy_logprobs: bool = True) -> Rollout:
         """:meth:`responses_per_prompt` responses to each prompt of ``batch`` (a prompt's rows are
@@ -217,15 +250,17 @@ class RLModule(RLHFModule):
 
     def reward_stats(self) -> dict[str, Tensor]:
         """``reward/<name>``: each ``algo.reward_fns`` component's mean over the last scored batch
-        (finite values); ``reward/<name>_errors``: responses a reward function could not check in
-        this iteration (scored 0 and counted, docs/rewards.md), with a warning naming the first."""
+        (finite values); ``reward/<name>_errors``: responses a reward function could not score in
+        this iteration (a verifier scores them 0, a remote reward leaves them NaN — out of the
+        update and excused by the health check; docs/rewards.md), with a warning naming the first."""
         components = getattr(self.scorer, "components", {})
         stats = {f"reward/{name}": v[torch.isfinite(v)].mean() for name, v in components.items()}
+        self.health.excuse(self.scorer.take_unscored(), self.device)
         for name, (count, example) in self.scorer.take_errors().items():
             stats[f"reward/{name}_errors"] = torch.tensor(float(count))
             if count:
                 log.warning(
-                    "iteration %d: reward %s could not check %d responses (scored 0), e.g.: %s",
+                    "iteration %d: reward %s could not score %d responses (scored 0, or NaN and left out), e.g.: %s",
                     self.iteration,
                     name,
                     count,
@@ -655,6 +690,11 @@ class RLModule(RLHFModule):
             out.append(("reference", "frozen-ref", config.policy_path))
         if config.reward_path:
             out.append(("reward model", "frozen", config.reward_path))
+        from lit_rlhf.rewards.http import shown_urls
+
+        for i, spec in enumerate([config.reward_fn] if config.reward_fn else list(config.reward_fns or [])):
+            if getattr(_locate_target(spec), "remote", False):  # served elsewhere: no memory here
+                out.append((spec.get("name") or f"reward {i}", "remote", shown_urls(spec.get("urls") or "")))
         return out
 
     # ==================================================================== runner hooks
@@ -800,3 +840,10 @@ def has_dropout(module: nn.Module | None) -> bool:
         if config is not None and any(getattr(config, k, 0) or 0 for k in keys):
             return True
     return False
+
+
+def _locate_target(spec: Any) -> Any:
+    """The factory a ``{_target_: …}`` reward names (checked importable by modules/configs.py)."""
+    from hydra.utils import get_object
+
+    return get_object(spec["_target_"])

@@ -75,9 +75,21 @@ class ModelScorer:
             end = self.template.end_ids(self.tokenizer)[0] if self.template is not None else self.tokenizer.eos_token_id
             ids, mask = append_eos_to_truncated(input_ids, attention_mask, ended, end, self.tokenizer.pad_token_id)
             return self.model(ids, mask).float()
+        return self.score_texts(prompts, responses, input_ids.device)
+
+    @torch.no_grad()
+    def score_texts(
+        self, prompts: Sequence[Any], responses: Sequence[str], device: Any = None, template: Any = None
+    ) -> Tensor:
+        """(B,) scores of texts, tokenized for the reward model with ``template`` (default: the
+        scorer's): the path of a reward model with its own vocabulary, and of the reward server
+        (lit_rlhf/serve.py)."""
         from lit_rlhf.data.collate import collate_sft, encode_encoder_pair, encode_pair
 
-        encode, template = (encode_encoder_pair if self.model.kind == "encoder" else encode_pair), self.template
+        encode, template = (
+            (encode_encoder_pair if self.model.kind == "encoder" else encode_pair),
+            template or self.template,
+        )
         if self.model.kind == "encoder" and getattr(template, "name", None) == "auto":
             # an encoder has no chat template: it reads conversations as the HH dialogue text it trains on
             from lit_rlhf.data.chat import get_template, hh_dialogue_text
@@ -85,7 +97,7 @@ class ModelScorer:
             prompts, template = [hh_dialogue_text(p) for p in prompts], get_template("dialogue")
         pairs = [encode(self.tokenizer, p, r, template, self.max_length) for p, r in zip(prompts, responses)]
         batch = collate_sft(pairs, self.tokenizer.pad_token_id)
-        device = input_ids.device
+        device = device if device is not None else next(self.model.parameters()).device
         return self.model(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float()
 
     def submit(self, *args: Any, **kwargs: Any) -> Callable[[], Tensor]:

@@ -62,7 +62,7 @@ class FaultServer:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", self.port, reuse_address=True)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # the port the OS chose (first start)
+        self.port = self.runner.addresses[0][1]  # the port the OS chose (first start)
 
     def start(self) -> None:
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)

@@ -40,7 +40,7 @@ def test_subcommands_hand_on_their_arguments(calls):
 def test_unknown_command_names_the_commands(calls):
     with pytest.raises(SystemExit) as err:
         command.main(["trian", "algo=sft"])
-    assert "unknown command 'trian'" in str(err.value) and "train, plan or report" in str(err.value)
+    assert "unknown command 'trian'" in str(err.value) and "train, plan, report or serve" in str(err.value)
     assert calls == []
 
 
