@@ -21,11 +21,16 @@ def length_score(payload: dict[str, Any]) -> list[float]:
 
 class FaultServer:
     """``behaviour(payload, n)`` → ``(status, body bytes or JSON-able, delay_s)`` for the n-th request
-    (from 0); the default answers ``{"rewards": length_score}`` at once. ``requests`` keeps every
+    (from 0) to ``path``; the default answers ``{"rewards": length_score}`` at once. ``requests`` keeps every
     payload received, ``served`` the number answered with 200."""
 
-    def __init__(self, behaviour: Callable[[dict[str, Any], int], tuple[int, Any, float]] | None = None):
+    def __init__(
+        self,
+        behaviour: Callable[[dict[str, Any], int], tuple[int, Any, float]] | None = None,
+        path: str = "/get_reward",
+    ):
         self.behaviour = behaviour or (lambda payload, n: (200, {"rewards": length_score(payload)}, 0.0))
+        self.path = path
         self.requests: list[dict[str, Any]] = []
         self.served = 0
         self.port = 0
@@ -39,7 +44,7 @@ class FaultServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/get_reward"
+        return f"http://127.0.0.1:{self.port}{self.path}"
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         payload = await request.json()
@@ -57,7 +62,7 @@ class FaultServer:
 
     async def _start(self) -> None:
         app = web.Application()
-        app.router.add_post("/get_reward", self._handle)
+        app.router.add_post(self.path, self._handle)
         self.runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", self.port, reuse_address=True)
