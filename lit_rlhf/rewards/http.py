@@ -49,6 +49,15 @@ class Malformed(ValueError):
     """An answer whose body is not what the endpoint's contract promises (retried)."""
 
 
+def aiohttp_module() -> Any:
+    """aiohttp (the ``serve`` extra), or a clear error saying how to install it."""
+    try:
+        import aiohttp
+    except ImportError as err:
+        raise RemoteRewardError("remote rewards need aiohttp: pip install 'lit_rlhf[serve]'") from err
+    return aiohttp
+
+
 def shown_url(url: str) -> str:
     """``url`` without user-info, query and fragment: safe to log."""
     parts = urlsplit(url)
@@ -169,6 +178,7 @@ class EndpointPool:
             raise RemoteRewardError(f"max_concurrent must be an integer >= 1, got {max_concurrent!r}")
         if token_env is not None and not os.environ.get(token_env):
             raise RemoteRewardError(f"token_env: the environment variable {token_env} (the bearer token) is not set")
+        aiohttp_module()  # at build time, not at the first scoring
         self.endpoints = [Endpoint(u) for u in urls]
         self.timeout_s, self.retries = float(timeout_s), retries
         self.backoff_s, self.max_backoff_s, self.give_up_after_s = (
@@ -186,7 +196,7 @@ class EndpointPool:
 
     def session(self) -> Any:
         """An aiohttp session for one call (a fresh event loop each call: lit_rlhf/utils/aio.py)."""
-        import aiohttp
+        aiohttp = aiohttp_module()
 
         headers = {"Authorization": f"Bearer {os.environ[self.token_env]}"} if self.token_env else {}
         limits = aiohttp.TCPConnector(limit=self.max_concurrent)
@@ -243,7 +253,7 @@ class EndpointPool:
     ) -> Any:
         """``check(json body)`` of the first good answer to ``payload``, or None after the last retry
         (counted in ``stats``). ``check`` raises :class:`Malformed` for a body it cannot use."""
-        import aiohttp
+        aiohttp = aiohttp_module()
 
         semaphore, request_lock, token_lock = state
         n, attempt = len(self.endpoints), 0

@@ -97,3 +97,24 @@ def test_every_endpoint_down_stops_after_a_checkpoint_and_last_resumes_exactly(s
     run(compose([*base, "ckpt_path=last"], out))
     assert_same_end(load(out / "checkpoints" / "last.ckpt"), final, "GRPO resumed after a reward outage")
     assert [len(r["query"]) for r in server.requests[7:]] == [8, 8]  # iterations 3 and 4, once each
+
+
+def test_the_memory_plan_lists_a_remote_reward_with_no_memory(tmp_path):
+    from lit_rlhf.launch.runner import memory_plan
+
+    url = "http://user:pw@rm-host:5000/get_reward"
+    cfg = compose(
+        [
+            "algo=grpo",
+            "model=llama7b",
+            "algo.reward_path=null",
+            f"algo.reward_fns=[{{_target_:lit_rlhf.rewards.RemoteReward,urls:'{url}',name:rm}},"
+            "{_target_:lit_rlhf.rewards.format_reward,name:format}]",
+        ],
+        tmp_path,
+    )
+    plan = memory_plan(cfg)
+    rows = {r.name: r for r in plan.rows}
+    assert list(rows) == ["actor", "reference", "rm"]  # a local reward function holds no model
+    assert rows["rm"].role == "remote: http://rm-host:5000/get_reward" and rows["rm"].total == 0
+    assert "| rm | remote: http://rm-host:5000/get_reward |" in plan.render() and "pw" not in plan.render()
