@@ -150,7 +150,7 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
     ]
     for name in r:
         c = r[name]
-        if not isinstance(c, dict) or name in ("floor", "sync_engine", "extraction"):
+        if not isinstance(c, dict) or name in ("floor", "sync_engine", "extraction", "reward_server"):
             continue
         unit = UNITS.get(name.split("_")[0])
         if "error" in c or unit not in c:
@@ -248,11 +248,33 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
                 "extraction_1mb_s",
                 ext["large_s"],
             )
+    remote = r.get("reward_server", {})
+    if "remote_step_s" in remote:  # reported, no target: the same machine runs the trainer and the server
+        derived["grpo_remote_rm_over_in_process"] = remote["remote_over_local"]
+        row(
+            "GRPO steps/s, reward model behind lit_rlhf.serve / in-process (same model, same 2 cores)",
+            "grpo_remote_rm_over_in_process",
+            remote["remote_over_local"],
+        )
+        derived["remote_scoring_hidden"] = remote["hidden"]
+        row(
+            f"remote scoring hidden behind the rollout's reference forward (request {remote['latency_s']:.3f} s, "
+            f"trainer blocked {remote['blocked_s']:.3f} s)",
+            "remote_scoring_hidden",
+            remote["hidden"],
+        )
     missed = misses(derived)
     unmeasured = [name for name in TARGETS if derived.get(name) is None]
     lines += ["", f"Targets missed: {'; '.join(missed)}" if missed else "Every measured target held."]
     if unmeasured:
         lines.append(f"Not measured: {', '.join(unmeasured)}")
+    if "pairs_per_s" in remote:
+        pairs = remote["pairs_per_s"]
+        lines += [
+            "",
+            "Reward server (lit_rlhf.serve, the bench reward model, one thread, requests one at a time): pairs/s by "
+            "request rows: " + ", ".join(f"{b}: {v:.0f}" for b, v in pairs.items()),
+        ]
     sync = r.get("sync_engine", {})
     if "bench_sync_s" in sync:
         lines += [
@@ -310,7 +332,8 @@ def main() -> None:
                 print(f"[bench] {name}: {rounds[name][-1]}", flush=True)
         for name, runs in rounds.items():
             ok = [x for x in runs if "error" not in x]
-            key = {"floor": "floor_s", "sync_engine": "bench_sync_s", "extraction": "large_s"}.get(name, "step_s")
+            key = {"floor": "floor_s", "sync_engine": "bench_sync_s", "extraction": "large_s"}
+            key = {**key, "reward_server": "remote_over_local"}.get(name, "step_s")
             results[name] = sorted(ok, key=lambda x: x[key])[(len(ok) - 1) // 2] if ok else runs[-1]
             results[name]["rounds"] = [x.get(key) for x in runs]
             if any("ratio" in x for x in ok):  # a paired case: its own ratio per round

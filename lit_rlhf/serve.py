@@ -12,8 +12,9 @@ stage's in-process scorer does); with ``query`` alone (OpenRLHF's clients) each 
 the text it is, plus EOS.
 
 Dynamic batching: the rows of concurrent requests are queued and the model scores up to
-``--max-batch`` rows in one forward, waiting at most ``--max-wait-ms`` for more to arrive after the
-first; forwards run in a worker thread, so requests keep arriving while the model runs. Bounds: a
+``--max-batch`` rows in one forward; while other requests are still being received it waits at most
+``--max-wait-ms`` for them (a lone client never waits). Forwards run in a worker thread, so requests
+keep arriving while the model runs, and those queued meanwhile make the next batch. Bounds: a
 request body of at most ``--max-request-mb`` and ``--max-request-rows`` rows (HTTP 413 beyond), a
 request that is not the contract gets HTTP 400 naming the field. ``--token-env NAME``: requests
 must carry ``Authorization: Bearer <$NAME>`` (HTTP 401 otherwise; the token is never logged).
@@ -38,10 +39,17 @@ log = logging.getLogger("lit_rlhf.serve")
 class BatchQueue:
     """Rows of concurrent requests scored together: :meth:`score` queues a request's rows and
     awaits their scores; :meth:`run` takes the queue's rows up to ``max_batch`` (waiting up to
-    ``max_wait_s`` after the first for more) and scores them with ``score_rows`` in a worker thread."""
+    ``max_wait_s`` after the first for more while ``arriving[0]`` requests are still being read)
+    and scores them with ``score_rows`` in a worker thread."""
 
-    def __init__(self, score_rows: Callable[[list[Any], list[str]], list[float]], max_batch: int, max_wait_s: float):
-        self.score_rows, self.max_batch, self.max_wait_s = score_rows, max_batch, max_wait_s
+    def __init__(
+        self,
+        score_rows: Callable[[list[Any], list[str]], list[float]],
+        max_batch: int,
+        max_wait_s: float,
+        arriving: list[int],
+    ):
+        self.score_rows, self.max_batch, self.max_wait_s, self.arriving = score_rows, max_batch, max_wait_s, arriving
         self.queue: asyncio.Queue[tuple[list[Any], list[str], asyncio.Future]] = asyncio.Queue()
         self.batches = self.rows = self.max_rows = 0
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="reward-forward")
@@ -63,7 +71,7 @@ class BatchQueue:
             while rows < self.max_batch:
                 if self.queue.empty():
                     left = deadline - loop.time()
-                    if left <= 0:
+                    if left <= 0 or self.arriving[0] <= 0:  # nobody else is on the way: no wait
                         break
                     try:
                         item = await asyncio.wait_for(self.queue.get(), left)
@@ -134,8 +142,9 @@ def build_app(scorer: Any, args: argparse.Namespace) -> Any:
         with torch.inference_mode():
             return scorer.score_texts(prompts, responses, template=template).tolist()
 
-    templated = BatchQueue(lambda p, r: score_rows(p, r, None), args.max_batch, args.max_wait_ms / 1000)
-    raw = BatchQueue(lambda p, r: score_rows(p, r, plain), args.max_batch, args.max_wait_ms / 1000)
+    arriving = [0]  # requests being read and parsed, not queued yet (both queues wait for them)
+    templated = BatchQueue(lambda p, r: score_rows(p, r, None), args.max_batch, args.max_wait_ms / 1000, arriving)
+    raw = BatchQueue(lambda p, r: score_rows(p, r, plain), args.max_batch, args.max_wait_ms / 1000, arriving)
 
     def authorized(request: web.Request) -> bool:
         if token is None:
@@ -146,6 +155,7 @@ def build_app(scorer: Any, args: argparse.Namespace) -> Any:
     async def get_reward(request: web.Request) -> web.Response:
         if not authorized(request):
             return web.json_response({"error": "missing or wrong bearer token"}, status=401)
+        arriving[0] += 1
         try:
             body = json.loads(await request.read())
             prompts, responses, with_template = read_request(body, args.max_request_rows)
@@ -156,6 +166,8 @@ def build_app(scorer: Any, args: argparse.Namespace) -> Any:
             return web.json_response({"error": str(err)}, status=status)
         except ValueError as err:
             return web.json_response({"error": f"the body is not JSON: {err}"}, status=400)
+        finally:
+            arriving[0] -= 1
         try:
             scores = await (templated if with_template else raw).score(prompts, responses)
         except Exception as err:

@@ -3,7 +3,8 @@ generation (``generation.py``), PPO with its naive floor and its memory cases (`
 reward model (``rm.py``), DPO (``dpo.py``), the vLLM rollout engine (``engine.py``), GRPO — also
 both trainers in one process, steps
 alternating: :class:`Alternation` (``grpo.py``, ``alternation.py``), answer extraction on degenerate
-responses (``extraction.py``); shared set-up and timers in
+responses (``extraction.py``), GRPO with its reward model in-process and behind the reward server
+(``remote.py``); shared set-up and timers in
 ``common.py``. Each case takes the models folder and the shapes and returns a dict of measurements."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .extraction import case_extraction
 from .generation import case_generate_bare, case_generate_ours
 from .grpo import case_grpo_ours, case_grpo_paired, case_grpo_trl
 from .ppo import case_floor, case_ppo_memory, case_ppo_ours, case_ppo_trl
+from .remote import case_reward_server
 from .rm import case_rm_ours, case_rm_trl
 
 CASES = {
@@ -39,6 +41,7 @@ CASES = {
     "ppomem_full": lambda models, s: case_ppo_memory(models, s, lora=False),
     "ppomem_lora": lambda models, s: case_ppo_memory(models, s, lora=True),
     "extraction": case_extraction,
+    "reward_server": case_reward_server,
 }
 TRL_CASES = {"ppo_trl", "rm_trl", "dpo_trl", "dpo_trl_precomputed", "grpo_trl", "grpo_paired"}
 
