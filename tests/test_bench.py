@@ -123,7 +123,7 @@ def test_bench_smoke(tmp_path, bench):
     floor = r["floor"]
     assert floor["floor_s"] == pytest.approx(floor["generate_s"] + floor["score_forwards_s"] + floor["train_fwd_bwd_s"])
     for case in ours:
-        if case not in ("floor", "sync_engine", "extraction"):
+        if case not in ("floor", "sync_engine", "extraction", "reward_server"):
             unit = bench.UNITS[case.split("_")[0]]
             per_step = s["batch"] * s["new_tokens"] if unit == "tokens_per_s" else s["batch"]
             assert r[case]["step_s"] > 0 and r[case][unit] == pytest.approx(per_step / r[case]["step_s"]), case
@@ -143,6 +143,11 @@ def test_bench_smoke(tmp_path, bench):
         saved["ratios"]["extraction_scaling"] == ext["scaling"] == max(p["scaling"] for p in ext["patterns"].values())
     )
     assert "extraction_1mb_s" not in saved["ratios"]
+    remote = r["reward_server"]  # the same GRPO with the reward model in-process, then behind the server
+    assert remote["remote_over_local"] == pytest.approx(remote["local_step_s"] / remote["remote_step_s"])
+    assert remote["blocked_s"] > 0 and remote["latency_s"] > 0 and 0 <= remote["hidden"] <= 1
+    assert set(remote["pairs_per_s"]) == {"1", "4"} and all(v > 0 for v in remote["pairs_per_s"].values())
+    assert saved["ratios"]["grpo_remote_rm_over_in_process"] == remote["remote_over_local"]
     grpo = r["grpo_ours"]
     assert 0 < grpo["rollout_s"] < grpo["step_s"] and grpo["update_s"] == pytest.approx(
         grpo["step_s"] - grpo["rollout_s"]

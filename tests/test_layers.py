@@ -20,9 +20,10 @@ ALLOWED = {
     "rollout": {"core", "data", "models", "utils"},
     "rewards": {"core", "utils"},
     "runtime": {"models", "utils"},
-    "modules": {"core", "data", "models", "rollout", "runtime", "utils"},
+    "modules": {"core", "data", "models", "rewards", "rollout", "runtime", "utils"},
     "callbacks": {"core", "utils"},
-    "launch": {"callbacks", "core", "data", "models", "modules", "runtime", "utils"},
+    "serve": {"data", "models", "rewards", "rollout", "utils"},
+    "launch": {"callbacks", "core", "data", "models", "modules", "runtime", "serve", "utils"},
     "pipelines": {"callbacks", "core", "data", "launch", "models", "rollout", "utils"},
 }
 

@@ -4,7 +4,7 @@
                                      a sweep (-m); the job's Hydra app over lit_rlhf/conf/
     lit-rlhf plan [overrides]        the job's per-GPU memory plan, nothing loaded (= train … --plan)
     lit-rlhf report RUN_DIR …        the stability dashboard of finished runs (lit_rlhf/callbacks/dashboard.py)
-    lit-rlhf serve --model DIR …     a reward model behind HTTP (lit_rlhf/serve.py)
+    lit-rlhf serve --model DIR …     a reward model behind HTTP (lit_rlhf/serve/server.py)
     lit-rlhf --help | --version
 
 The configs ship inside the package (lit_rlhf/conf/), so the command runs from any folder and

@@ -4,7 +4,7 @@
 Each ``_target_`` is a factory; the callable it returns is called as
 ``fn(prompts, responses, ended, answer=[...], **other_columns) -> list[float]`` and keeps the error
 count of its last call in ``last_errors`` (first message: ``last_error_example``).
-Rewards scored elsewhere (docs/rewards.md §5): :class:`RemoteReward` (a reward-model server,
+Rewards scored elsewhere (docs/remote_rewards.md): :class:`RemoteReward` (a reward-model server,
 ``lit_rlhf.serve``), :class:`LLMJudge` (an OpenAI-compatible chat endpoint) and :class:`PerResponse`
 (a user's per-response ``async def``) are awaited concurrently while the rollout's forwards run.
 Importing this package is cheap: math-verify loads when ``math_accuracy`` builds its reward, aiohttp

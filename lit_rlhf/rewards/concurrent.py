@@ -1,4 +1,4 @@
-"""A per-response ``async def`` reward, awaited concurrently over the batch (docs/rewards.md §5).
+"""A per-response ``async def`` reward, awaited concurrently over the batch (docs/remote_rewards.md).
 
 ``{_target_: lit_rlhf.rewards.PerResponse, score: mypkg.rewards.judge_one, max_concurrent: 16}``
 calls ``await judge_one(prompt, response, **row_columns)`` (the row's dataset columns it accepts,

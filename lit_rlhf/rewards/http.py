@@ -1,4 +1,4 @@
-"""The HTTP side of remote rewards (docs/rewards.md §5): a pool of endpoints, the retry and failure
+"""The HTTP side of remote rewards (docs/remote_rewards.md): a pool of endpoints, the retry and failure
 policy, and token-bucket rate limits. :mod:`lit_rlhf.rewards.remote` (a reward-model server) and
 :mod:`lit_rlhf.rewards.judge` (an LLM judge) send their requests through :meth:`EndpointPool.post`.
 

@@ -1,5 +1,5 @@
 """An LLM judge behind an OpenAI-compatible chat endpoint (``vllm serve``, SGLang, a hosted API;
-docs/rewards.md §5), for ``algo.reward_fn`` / ``algo.reward_fns``::
+docs/remote_rewards.md), for ``algo.reward_fn`` / ``algo.reward_fns``::
 
     {_target_: lit_rlhf.rewards.LLMJudge, urls: "http://judge:8000", model: Qwen/Qwen2.5-7B-Instruct,
      score_range: [0, 10], max_rpm: 600, token_env: JUDGE_API_KEY}

@@ -1,4 +1,4 @@
-"""A reward model behind HTTP (docs/rewards.md §5): ``algo.reward_fn`` or an ``algo.reward_fns``
+"""A reward model behind HTTP (docs/remote_rewards.md): ``algo.reward_fn`` or an ``algo.reward_fns``
 component that scores the batch on one or several servers speaking OpenRLHF's contract —
 ``lit_rlhf.serve`` (this package's server), OpenRLHF's ``serve_rm``, or a user's own::
 

@@ -83,7 +83,7 @@ class ModelScorer:
     ) -> Tensor:
         """(B,) scores of texts, tokenized for the reward model with ``template`` (default: the
         scorer's): the path of a reward model with its own vocabulary, and of the reward server
-        (lit_rlhf/serve.py)."""
+        (lit_rlhf/serve/server.py)."""
         from lit_rlhf.data.collate import collate_sft, encode_encoder_pair, encode_pair
 
         encode, template = (

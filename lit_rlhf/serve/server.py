@@ -1,6 +1,6 @@
 """A reward-model server: ``python -m lit_rlhf.serve --model <algo=rm's export>`` (also
 ``lit-rlhf serve``), for :class:`lit_rlhf.rewards.RemoteReward` and any client of OpenRLHF's
-contract (docs/rewards.md §5)::
+contract (docs/remote_rewards.md)::
 
     POST /get_reward  {"query": [...], "prompts": [...], "responses": [...], "labels": [...]}
                       → {"rewards": [...], "scores": [...]}   (same order; ``labels`` are not read)
@@ -277,7 +277,3 @@ def main(argv: Sequence[str] | None = None) -> None:
         asyncio.run(serve())
     except KeyboardInterrupt:
         pass
-
-
-if __name__ == "__main__":
-    main()
