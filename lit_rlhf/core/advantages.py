@@ -30,11 +30,16 @@ def gae(
     token. For control tasks (examples/cartpole_ppo.py) ``dones`` cut the recursion where an
     episode ended and ``next_value`` bootstraps the unfinished episode after the last column.
 
+    The steps are the mask's ones, in order: a column outside the mask is skipped, so that t + 1 is
+    the next masked column. In a multi-turn trajectory the environment's tokens sit between the
+    policy's turns (docs/agents.md): the last token of a turn bootstraps from the value of the first
+    token of the next one, as if the environment's reply were part of the transition.
+
     Args:
         rewards: (B, T) per-step rewards (shaped), 0 outside the mask.
         values: (B, T) V(s_t) at rollout time.
-        response_mask: (B, T) 1 = a step to score; each row's ones are contiguous from column 0
-            (responses are right-padded after their EOS).
+        response_mask: (B, T) 1 = a step to score (a single-turn response: contiguous ones from
+            column 0; a multi-turn trajectory: the policy's tokens, with gaps).
         dones: (B, T) 1 where the episode ended with step t's transition (no bootstrap across it).
         next_value: (B,) V of the state after column T − 1 (0 when None).
     Returns:
@@ -55,9 +60,11 @@ def gae(
     next_v = torch.zeros_like(values[:, 0]) if next_value is None else next_value.to(values.dtype)
     for t in range(values.shape[1] - 1, -1, -1):
         delta = rewards[:, t] + gamma * next_v * nonterminal[:, t] - values[:, t]
-        next_adv = (delta + gamma * lam * nonterminal[:, t] * next_adv) * mask[:, t]
-        advantages[:, t] = next_adv
-        next_v = values[:, t]
+        adv = (delta + gamma * lam * nonterminal[:, t] * next_adv) * mask[:, t]
+        advantages[:, t] = adv
+        # a column outside the mask is no step: the recursion carries over it unchanged
+        next_adv = torch.where(keep[:, t], adv, next_adv)
+        next_v = torch.where(keep[:, t], values[:, t], next_v)
     return advantages, (advantages + values) * mask
 
 

@@ -27,8 +27,11 @@ class Rollout:
     prompt_ids: Tensor  # (B, P) left-padded prompt tokens
     prompt_mask: Tensor  # (B, P) 1 = real prompt token
     response_ids: Tensor  # (B, R) generated tokens, right-padded after EOS
-    response_mask: Tensor  # (B, R) 1 = response token (up to and including the first EOS)
+    response_mask: Tensor  # (B, R) 1 = a token the policy sampled (up to and including the first EOS): the loss mask
     ended: Tensor  # (B,) bool: the response contains an EOS (False = truncated at max_new_tokens)
+    # (B, R) 1 = a real response-side token: the policy's and, in a multi-turn trajectory, the
+    # environment's (context for every forward, never trained on); None = response_mask (one turn)
+    response_attention_mask: Tensor | None = None
     logprobs: Tensor | None = None  # (B, R) log π_old(y_t | x, y_<t) at rollout time
     ref_logprobs: Tensor | None = None  # (B, R) log π_ref(y_t | x, y_<t); None = no reference model
     sampler_logprobs: Tensor | None = None  # (B, R) the sampling engine's own log-probs of its tokens; None = not kept
@@ -60,8 +63,10 @@ class Rollout:
 
     @property
     def attention_mask(self) -> Tensor:
-        """(B, P + R) 1 = real token (prompt padding on the left, response padding on the right)."""
-        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+        """(B, P + R) 1 = real token (prompt padding on the left, response padding on the right; a
+        multi-turn trajectory's environment tokens are real)."""
+        response = self.response_mask if self.response_attention_mask is None else self.response_attention_mask
+        return torch.cat([self.prompt_mask, response], dim=1)
 
     @property
     def valid_mask(self) -> Tensor:
@@ -73,7 +78,7 @@ class Rollout:
 
     @property
     def response_lengths(self) -> Tensor:
-        """(B,) response tokens per row (EOS included)."""
+        """(B,) response tokens per row the policy sampled (EOS included; a trajectory's environment tokens not)."""
         return self.response_mask.sum(-1)
 
     def normal_tensors(self) -> Rollout:

@@ -39,7 +39,10 @@ from lit_rlhf.utils.facts import recall
 
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+#: who may speak after whom: user and assistant alternate; tool replies (one per call of the assistant
+#: turn before them) come between an assistant turn and the next (docs/agents.md)
+_NEXT = {"user": ("assistant",), "assistant": ("user", "tool"), "tool": ("tool", "assistant")}
 Message = dict[str, str]
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
 _SENTINEL = "LITRLHFSENTINEL"
@@ -48,8 +51,9 @@ _SENTINEL = "LITRLHFSENTINEL"
 def check_messages(messages: Any, where: str, ends_with: str | None = None) -> list[Message]:
     """The conversation as a list of ``{"role", "content"}`` dicts, or a :class:`DataError` naming
     ``where`` and the message: each message a mapping with a role of ``system`` / ``user`` /
-    ``assistant`` and a string content; a system message only first; then user and assistant turns
-    alternating, starting with user; no empty (whitespace-only) assistant turn. ``ends_with``
+    ``assistant`` / ``tool`` and a string content; a system message only first; then user and
+    assistant turns alternating, starting with user, tool replies between an assistant turn and
+    the next; no empty (whitespace-only) assistant turn. ``ends_with``
     ("user" for prompts, "assistant" for SFT conversations) requires the last turn's role."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
         raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}, got {messages!r:.80}")
@@ -62,21 +66,25 @@ def check_messages(messages: Any, where: str, ends_with: str | None = None) -> l
             raise DataError(f"{where}: message {i} has role {role!r}; roles are {', '.join(ROLES)}")
         if not isinstance(content, str):
             raise DataError(f"{where}: message {i} ({role}) content must be a string, got {type(content).__name__}")
-        out.append({"role": role, "content": content})
+        out.append(
+            {"role": role, "content": content, **({"name": m["name"]} if role == "tool" and "name" in m else {})}
+        )
     turns = out[1:] if out[0]["role"] == "system" else out
     if not turns:
         raise DataError(f"{where}: a system message alone is no conversation")
+    previous = None
     for j, m in enumerate(turns):
         i = j + len(out) - len(turns)
-        expected = "user" if j % 2 == 0 else "assistant"
-        if m["role"] != expected:
+        expected = ("user",) if previous is None else _NEXT[previous]
+        if m["role"] not in expected:
             what = "a system message is allowed only first" if m["role"] == "system" else "roles out of order"
             raise DataError(
-                f"{where}: message {i} is {m['role']}, expected {expected} ({what}: user and "
-                "assistant turns alternate, starting with user)"
+                f"{where}: message {i} is {m['role']}, expected {' or '.join(expected)} ({what}: user and "
+                "assistant turns alternate, starting with user; tool replies follow an assistant turn)"
             )
         if m["role"] == "assistant" and not m["content"].strip():
             raise DataError(f"{where}: message {i} is an empty assistant turn")
+        previous = m["role"]
     if ends_with is not None and out[-1]["role"] != ends_with:
         raise DataError(f"{where}: the last message is {out[-1]['role']}, expected {ends_with}")
     return out
@@ -117,6 +125,9 @@ as its named templates add them, and a response ends with EOS."""
 CHAT_TEMPLATES: dict[str, tuple[str, tuple[str, ...]]] = {
     # Qwen2.5-Instruct's ChatML layout (no default system turn)
     "chatml": (
+        '{% if tools %}<|im_start|>system\n# Tools\n\nYou may call a tool: write <tool_call>{"name": <tool>, '
+        '"arguments": {...}}</tool_call>. The tools:\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}'
+        "</tools><|im_end|>\n{% endif %}"
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
         ("<|im_start|>", "<|im_end|>"),

@@ -226,6 +226,10 @@ class PromptDataConfig(DataConfig):
     answer_format: Literal["raw", "gsm8k"] = "raw"
     """raw = the column as it is (a number becomes its text); gsm8k = the text after the last "####"
     of a worked solution ("... #### 72" → "72"; a row without one is an error naming it)."""
+    columns: list[str] = field(default_factory=list)
+    """Other columns of each row kept with its prompt: handed to reward callables and to an
+    environment's ``reset`` by name (docs/agents.md), e.g. a secret, a test case, or ``tools`` (the
+    row's tools: a list of names or of JSON schemas, TRL's format; the environment's tools by default)."""
     val_rows: str | None = None
     """Rows of ``source`` whose prompts are sampled in validation (with ``algo.generation``); None = none."""
     max_prompt_length: int = field(default=64, metadata={"ge": 1})

@@ -140,7 +140,13 @@ class PromptDataModule(pl.LightningDataModule):
                 prompt = parse_pair(row, "hh", None, "raw", chat=chat, section="prompt").prompt
             else:
                 prompt = field_text_or_turns(row, c.prompt_field, "prompt", chat, True, ["data.prompt.prompt_field"])
-            out.append((prompt, {"answer": row_answer(row, c.answer_field, c.answer_format)} if c.answer_field else {}))
+            columns = {"answer": row_answer(row, c.answer_field, c.answer_format)} if c.answer_field else {}
+            for name in c.columns:
+                if name not in row.data:
+                    have = ", ".join(sorted(row.data)) or "none"
+                    raise DataError(f"{row.where}: missing column '{name}' (data.prompt.columns); the row has: {have}")
+                columns[name] = row.data[name]
+            out.append((prompt, columns))
         return out
 
     def _encode(self, prompts: list[tuple[Any, dict[str, str]]], split: str) -> list[tuple]:

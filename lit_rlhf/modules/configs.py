@@ -210,6 +210,26 @@ class RLConfig(PolicyConfig):
     fuse_first_forward: bool = True
     """With one pass over one minibatch (and no dropout), take the old log-probs (and PPO's old
     values) from the first training forward instead of separate rollout passes: exact, and cheaper."""
+    environment: dict | None = None
+    """Multi-turn rollouts (docs/agents.md): ``{_target_: mypkg.envs.MyEnv, **kwargs}``, a class built
+    once per trajectory; its public methods are tools the policy calls with ``<tool_call>`` blocks,
+    or its ``step(text)`` answers every turn. ``algo.generation.max_new_tokens`` is then the budget of
+    a whole trajectory (the policy's and the environment's tokens). None = one turn."""
+    max_turns: int = field(default=8, metadata={"ge": 1})
+    """Policy turns per trajectory at most (the calls of the last one are not run)."""
+    max_tool_response_tokens: int | None = field(default=256, metadata={"ge": 1})
+    """A tool reply (or a game's observation) longer than this many tokens is cut (counted in
+    ``agent/tool_response_truncated``); None = never cut."""
+    tool_response_truncation: Literal["keep_start", "keep_end"] = "keep_start"
+    """Which part of a cut reply is kept: its first tokens (keep_start) or its last (keep_end)."""
+    tool_timeout_s: float = field(default=30.0, metadata={"gt": 0.0})
+    """A tool call (or a game's step) that has not returned this long after it started is answered
+    with a timeout error (counted); its thread is left to finish, its result unused."""
+    tool_workers: int = field(default=32, metadata={"ge": 1})
+    """Tool calls run at once (a turn's calls of every trajectory run concurrently)."""
+    tool_parser: dict | None = None
+    """``{_target_: factory}`` returning ``parse(text) -> list[ToolCall]`` (lit_rlhf/rollout/environment.py);
+    None = the ``<tool_call>{"name": …, "arguments": {…}}</tool_call>`` form."""
 
     def validate(self) -> None:
         super().validate()
@@ -221,6 +241,12 @@ class RLConfig(PolicyConfig):
             f"and algo.reward_fns (weighted callables); got {rewards or 'none'}",
         )
         check_reward_specs(self.reward_fn, self.reward_fns, self.gold_reward_fn)
+        for key, what in (
+            ("environment", "an environment class, built once per trajectory"),
+            ("tool_parser", "a factory returning the tool-call parser"),
+        ):
+            if getattr(self, key) is not None:
+                _check_reward_spec(key, getattr(self, key), (), what)
         check(
             self.correction_band_low < self.correction_band_high,
             "correction_band_high",
@@ -280,8 +306,11 @@ def check_reward_specs(reward_fn: dict | None, reward_fns: list[dict] | None, go
         names[name] = i
 
 
-def _check_reward_spec(key: str, spec: dict, own: tuple[str, ...]) -> None:
-    """One ``{_target_: …}`` mapping; ``own``: the keys the stage reads itself (not the factory's)."""
+def _check_reward_spec(
+    key: str, spec: dict, own: tuple[str, ...], what: str = "a factory returning the reward callable"
+) -> None:
+    """One ``{_target_: …}`` mapping; ``own``: the keys the stage reads itself (not the factory's);
+    ``what``: what the target must be, for the messages."""
     import math
     from collections.abc import Mapping
 
@@ -290,14 +319,13 @@ def _check_reward_spec(key: str, spec: dict, own: tuple[str, ...]) -> None:
     check(
         isinstance(spec, Mapping),
         key,
-        f"must be a mapping with a _target_ (a factory returning the reward callable), got {spec!r}",
+        f"must be a mapping with a _target_ ({what}), got {spec!r}",
     )
     target = spec.get("_target_")
     check(
         isinstance(target, str) and len(target.split(".")) > 1 and all(p.isidentifier() for p in target.split(".")),
         f"{key}._target_",
-        f"must be the dotted path of a factory returning the reward callable (e.g. "
-        f"lit_rlhf.data.synthetic.gold_reward_fn), got {target!r}",
+        f"must be the dotted path of {what} (e.g. lit_rlhf.data.synthetic.gold_reward_fn), got {target!r}",
     )
     if "weight" in own and spec.get("weight") is not None:
         w = spec["weight"]
@@ -312,7 +340,7 @@ def _check_reward_spec(key: str, spec: dict, own: tuple[str, ...]) -> None:
             f"{key}.name",
             f"must be a non-empty string, got {spec['name']!r}",
         )
-    factory = _import_target(target, f"{key}._target_")
+    factory = _import_target(target, f"{key}._target_", what)
     kwargs = {
         k: None if isinstance(v, Mapping) and "_target_" in v else v  # nested instantiation: names only
         for k, v in spec.items()
@@ -321,7 +349,7 @@ def _check_reward_spec(key: str, spec: dict, own: tuple[str, ...]) -> None:
     check_call_arguments(factory, kwargs, key)
 
 
-def _import_target(path: str, key: str) -> object:
+def _import_target(path: str, key: str, what: str = "a factory returning the reward callable") -> object:
     """The object at dotted ``path`` (module, then attributes); a ConfigError naming ``key`` if it
     cannot be imported or is not callable."""
     import importlib
@@ -343,7 +371,7 @@ def _import_target(path: str, key: str) -> object:
             obj = getattr(obj, attr)
     except Exception as err:  # the user's module may raise anything while importing
         raise ConfigError(key, f"cannot import {path!r}: {type(err).__name__}: {' '.join(str(err).split())}") from None
-    check(callable(obj), key, f"{path!r} is not callable (a factory returning the reward callable)")
+    check(callable(obj), key, f"{path!r} is not callable ({what})")
     return obj
 
 

@@ -88,7 +88,8 @@ class CriticFreeModule(RLModule):
     def greedy_scores(self, batch: dict[str, Any]) -> Tensor:
         """ReMax's baseline (Li et al. 2023, Algorithm 1): the reward of the greedy response to each
         prompt of ``batch``, sampled by the one rollout path (``generate_and_score``, the sampling
-        settings with ``do_sample=false``) and scored by the reward only."""
+        settings with ``do_sample=false``; with an environment, a greedy multi-turn trajectory) and
+        scored by the reward only."""
         gen = replace(self.config.generation, do_sample=False)
         with self.rollout_grad_mode():
             greedy = generate_and_score(
@@ -100,6 +101,7 @@ class CriticFreeModule(RLModule):
                 policy_logprobs=False,
                 padding_free=self.config.padding_free,
                 engine=self.rollout_engine(self.actor),
+                agent=self.agent_loop(),
             )
         return greedy.scores.clone()  # a normal tensor (not an inference-mode one)
 

@@ -105,6 +105,7 @@ class RLModule(RLHFModule):
         self.frozen: dict[str, nn.Module] = {}
         self.scorer: Any = None
         self.gold_scorer: Any = None
+        self.agent: Any = None  # the multi-turn rollout (algo.environment), built at the first rollout
         # β's one source (docs/algorithms.md §2.3): every loss, reward and log reads it here
         if c.adaptive_kl:
             self.kl_ctl = AdaptiveKLController(c.kl_coef, c.kl_target, c.kl_horizon)
@@ -156,6 +157,8 @@ class RLModule(RLHFModule):
             if self.critic is not None:
                 rollout.values = self._first_forward.values.detach()
         required = ["logprobs", "scores"] + ["values"] * (self.critic is not None)
+        if self.agent is not None:  # every trajectory of the iteration (ReMax's greedy ones included)
+            stats.update({f"agent/{k}": torch.tensor(v) for k, v in self.agent.take_stats().items()})
         if self.engine is not None:
             stats["perf/engine_sync_s"] = torch.tensor(self.engine.take_sync_seconds())
         if rollout.sampler_logprobs is not None:  # the sampler–trainer mismatch (docs/algorithms.md §2.10)
@@ -212,8 +215,33 @@ class RLModule(RLHFModule):
                 sampler_logprobs=c.monitor_sampler or c.rollout_correction != "none",
                 engine=self.rollout_engine(self.actor),
                 responses_per_prompt=self.responses_per_prompt(),
+                agent=self.agent_loop(),
             )
         return rollout.normal_tensors()
+
+    def agent_loop(self) -> Any:
+        """The multi-turn rollout of ``algo.environment`` (lit_rlhf/rollout/agent.py), built at the
+        first call and released in :meth:`teardown`; None = one turn."""
+        c: RLConfig = self.config
+        if c.environment is None:
+            return None
+        if self.agent is None:
+            from lit_rlhf.rollout.agent import AgentLoop, AgentSettings, check_agent_tokenizer
+
+            check_agent_tokenizer(self.tokenizer)
+            dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+            settings = AgentSettings(
+                environment=c.environment,
+                max_turns=c.max_turns,
+                max_tool_response_tokens=c.max_tool_response_tokens,
+                tool_response_truncation=c.tool_response_truncation,
+                tool_timeout_s=c.tool_timeout_s,
+                tool_workers=c.tool_workers,
+                tool_parser=c.tool_parser,
+                max_prompt_length=getattr(getattr(dm, "config", None), "max_prompt_length", None),
+            )
+            self.agent = AgentLoop(settings)
+        return self.agent
 
     def refine_rollout(self, rollout: Rollout, batch: dict[str, Any], fused: bool) -> tuple[Rollout, dict[str, Tensor]]:
         """Stage hook, after sampling and before the fused forward: drop or add responses (DAPO's
@@ -554,6 +582,7 @@ class RLModule(RLHFModule):
                 logprob_temperature=self.logprob_temperature(),
                 padding_free=self.config.padding_free,
                 engine=self.rollout_engine(self.actor),
+                agent=self.agent_loop(),
             )
         return rollout.normal_tensors()
 
@@ -589,9 +618,21 @@ class RLModule(RLHFModule):
                     self.config.val_correct_at,
                     self.config.padding_free,
                     engine=self.rollout_engine(self.actor),
+                    agent=self.agent_loop(),
                 )
             for key, value in ev.metrics().items():
                 self.log(f"val/{key}", value, batch_size=n, sync_dist=True, prog_bar=key == "greedy_accuracy")
+
+    def on_validation_epoch_end(self) -> None:
+        if self.agent is not None:  # the validation trajectories are not the next iteration's
+            self.agent.take_stats()
+
+    def teardown(self, stage: str) -> None:
+        """The end of a fit: the tool workers stop with the engine (:meth:`RLHFModule.teardown`)."""
+        super().teardown(stage)
+        if self.agent is not None:
+            agent, self.agent = self.agent, None
+            agent.close()
 
     def on_validation_start(self) -> None:
         if self.trainer.state.fn == "validate":  # trainer.validate() before fit: no on_fit_start

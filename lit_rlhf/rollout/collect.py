@@ -83,18 +83,34 @@ def sample_responses(
     engine: Any,
     n: int,
     logprob_temperature: float | None,
-) -> tuple[Mapping[str, Any], tuple]:
-    """(``batch`` with each prompt repeated ``n`` times, the ``sample`` tuple of its responses): ``n``
-    responses per prompt from the vllm ``engine`` (one request each) or, with None, the hf loop
-    over ``policy`` on the repeated prompts (its draws exactly as before groups were requests)."""
+    agent: Any = None,
+) -> tuple[Mapping[str, Any], tuple, Any]:
+    """(``batch`` with each prompt repeated ``n`` times, the ``sample`` tuple of its responses, the
+    multi-turn result or None): ``n`` responses per prompt from the vllm ``engine`` (one request
+    each) or, with None, the hf loop over ``policy`` on the repeated prompts (its draws exactly as
+    before groups were requests). With an ``agent`` (rollout/agent.py) each response is a whole
+    trajectory, the engine continuing every active one per turn; its prompts are re-rendered with
+    the environment's tools."""
     stop, pad = stop_token_ids(tokenizer), tokenizer.pad_token_id
+
+    def draw(ids: Tensor, mask: Tensor, g: GenerationConfig, times: int = 1) -> tuple:
+        if engine is not None:
+            return engine.sample(ids, mask, g, stop, pad, logprob_temperature, n=times)
+        return sample(policy, ids, mask, g, stop, pad, logprob_temperature)
+
+    if agent is not None:
+        batch = repeat_prompts(batch, n) if n > 1 else batch
+        turns = agent.run(draw, batch, tokenizer, gen, pad)
+        batch = {**batch, "prompt_ids": turns.prompt_ids, "prompt_mask": turns.prompt_mask}
+        sampled = (turns.response_ids, turns.response_mask, turns.ended, turns.sampler_logprobs)
+        return batch, sampled, turns
     if engine is not None:
-        sampled = engine.sample(batch["prompt_ids"], batch["prompt_mask"], gen, stop, pad, logprob_temperature, n=n)
+        sampled = draw(batch["prompt_ids"], batch["prompt_mask"], gen, n)
     if n > 1:
         batch = repeat_prompts(batch, n)
     if engine is None:
-        sampled = sample(policy, batch["prompt_ids"], batch["prompt_mask"], gen, stop, pad, logprob_temperature)
-    return batch, sampled
+        sampled = draw(batch["prompt_ids"], batch["prompt_mask"], gen)
+    return batch, sampled, None
 
 
 def generate_and_score(
@@ -112,6 +128,7 @@ def generate_and_score(
     sampler_logprobs: bool = False,
     engine: Any = None,
     responses_per_prompt: int = 1,
+    agent: Any = None,
 ) -> Rollout:
     """Sample ``responses_per_prompt`` responses per prompt and score them with each model given.
 
@@ -132,14 +149,18 @@ def generate_and_score(
             (docs/algorithms.md §2.10).
         engine: None = the hf loop over ``policy``, or a synced :class:`~lit_rlhf.rollout.vllm_engine.VLLMEngine`.
         responses_per_prompt: G responses per prompt (GRPO, pass@k), consecutive rows (vllm: one ``n=G`` request).
+        agent: a :class:`~lit_rlhf.rollout.agent.AgentLoop`: each response is a multi-turn trajectory
+            with an environment (``response_attention_mask`` holds its tokens, ``response_mask`` the
+            policy's; the columns ``env_reward``, ``tool_calls`` and ``turns`` are added); None = one turn.
     Returns:
         the :class:`Rollout`; fields of models not given are None, ``rewards``/``advantages``/``returns`` too.
     """
-    batch, (response_ids, response_mask, ended, sampled_logprobs) = sample_responses(
-        policy, batch, tokenizer, gen, engine, responses_per_prompt, logprob_temperature if sampler_logprobs else None
-    )
+    lt = logprob_temperature if sampler_logprobs else None
+    batch, sampled, turns = sample_responses(policy, batch, tokenizer, gen, engine, responses_per_prompt, lt, agent)
+    response_ids, response_mask, ended, sampled_logprobs = sampled
+    attention = turns.attention_mask if turns is not None else response_mask  # the environment's tokens too
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
-    ids, mask = torch.cat([prompt_ids, response_ids], 1), torch.cat([prompt_mask, response_mask], 1)
+    ids, mask = torch.cat([prompt_ids, response_ids], 1), torch.cat([prompt_mask, attention], 1)
     width = prompt_ids.shape[1]
 
     def logprobs_of(model: Any) -> Tensor:
@@ -147,9 +168,11 @@ def generate_and_score(
             model, lambda: response_logprobs(model, ids, mask, width, logprob_temperature, padding_free=padding_free)[0]
         )
 
-    texts = decode_responses(tokenizer, response_ids, response_mask, ended)
+    texts = turns.texts if turns is not None else decode_responses(tokenizer, response_ids, response_mask, ended)
     prompts = list(batch["prompts"])
     columns = {k: list(v) for k, v in (batch.get("columns") or {}).items()}
+    if turns is not None:  # what reward callables may read of a trajectory besides its text
+        columns.update(env_reward=list(turns.env_reward), tool_calls=list(turns.tool_calls), turns=list(turns.turns))
     # scoring starts first: a remote or async reward is in flight while the forwards below run
     scores = scorer.submit(ids, mask, prompts, texts, ended, columns=columns) if scorer is not None else None
     return Rollout(
@@ -157,6 +180,7 @@ def generate_and_score(
         prompt_mask=prompt_mask,
         response_ids=response_ids,
         response_mask=response_mask,
+        response_attention_mask=turns.attention_mask if turns is not None else None,
         ended=ended,
         logprobs=logprobs_of(policy) if policy_logprobs else None,
         ref_logprobs=logprobs_of(reference) if reference is not None else None,

@@ -33,6 +33,8 @@ class VerifiableEval:
     greedy_length: Tensor
     sample_correct: Tensor
     sample_kl: Tensor | None = None  # (B,) mean over the k samples of Σ_t log π/π_ref (nats per response)
+    greedy_tool_calls: Tensor | None = None  # (B,) the greedy trajectory's tool calls (multi-turn only)
+    greedy_texts: list[str] | None = None  # the greedy responses (trajectories)
 
     def metrics(self) -> dict[str, float]:
         """Means over the batch's prompts: pass@k and mean@k by lit_rlhf.core.passk from the k
@@ -48,6 +50,8 @@ class VerifiableEval:
             out[f"mean@{k}"] = mean_at_k(rows)
         if self.sample_kl is not None:
             out["kl"] = float(self.sample_kl.float().mean())
+        if self.greedy_tool_calls is not None:
+            out["greedy_tool_calls"] = float(self.greedy_tool_calls.mean())
         return out
 
 
@@ -63,13 +67,15 @@ def evaluate_verifiable(
     padding_free: bool = False,
     engine: Any = None,
     reference: Any = None,
+    agent: Any = None,
 ) -> VerifiableEval:
     """Greedy decoding of every prompt of ``batch`` (``gen`` with ``do_sample=False``) and ``k``
     samples per prompt with ``gen`` (one request of k rows per prompt), scored by ``scorer`` with
     the batch's columns (the ground truth) through the one rollout path (``engine``: its sampler,
     None = the hf loop). With a ``reference`` model, the samples' KL(π‖π_ref): the exact k1 sum of
     log-ratios of each sampled response (:func:`lit_rlhf.core.kl.sequence_kl`, unclamped, as
-    ``stability/kl``), averaged over a prompt's k samples."""
+    ``stability/kl``), averaged over a prompt's k samples. With an ``agent`` every response is a
+    multi-turn trajectory (rollout/agent.py), and ``greedy_tool_calls`` counts the greedy one's calls."""
     greedy = generate_and_score(
         policy,
         batch,
@@ -79,6 +85,7 @@ def evaluate_verifiable(
         policy_logprobs=False,
         padding_free=padding_free,
         engine=engine,
+        agent=agent,
     )
     b, sample_kl = greedy.scores.shape[0], None
     if k:
@@ -93,6 +100,7 @@ def evaluate_verifiable(
             responses_per_prompt=k,
             reference=reference,
             policy_logprobs=reference is not None,
+            agent=agent,
         )
         sample_correct = (samples.scores >= correct_at).view(b, k)
         if reference is not None:
@@ -100,4 +108,13 @@ def evaluate_verifiable(
             sample_kl = kl.view(b, k).mean(1).cpu()
     else:
         sample_correct = torch.zeros(b, 0, dtype=torch.bool)
-    return VerifiableEval(greedy.scores >= correct_at, greedy.response_lengths, sample_correct.cpu(), sample_kl)
+    calls = greedy.columns.get("tool_calls")
+    calls = torch.tensor(calls, dtype=torch.float32) if calls is not None else None
+    return VerifiableEval(
+        greedy.scores >= correct_at,
+        greedy.response_lengths,
+        sample_correct.cpu(),
+        sample_kl,
+        calls,
+        greedy.responses_text,
+    )

@@ -42,6 +42,27 @@ def test_gae_matches_naive_loop(gamma, lam):
     torch.testing.assert_close(ret, n_ret)
 
 
+def test_gae_over_a_multi_turn_trajectory_skips_the_environments_tokens():
+    """Policy tokens with gaps (the environment's replies, mask 0): GAE over the policy's tokens
+    alone, as if the gaps were not there (naive: compact each row, run the loop, scatter back), and
+    0 in the gaps."""
+    hand = gae(  # R = [0, _, 1], V = [0.5, 9, 0.25], λ = 0.5: the gap is skipped, as in the hand-computed row above
+        torch.tensor([[0.0, 7.0, 1.0]]), torch.tensor([[0.5, 9.0, 0.25]]), torch.tensor([[1, 0, 1]]), 1.0, 0.5
+    )
+    torch.testing.assert_close(hand[0], torch.tensor([[0.125, 0.0, 0.75]]))
+    g = torch.Generator().manual_seed(1)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0], [1, 0, 0, 1, 0, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0]])
+    rewards, values = torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)
+    adv, ret = gae(rewards, values, mask, 0.99, 0.9)
+    for b in range(3):
+        cols = mask[b].nonzero().squeeze(-1)
+        n = len(cols)
+        n_adv, n_ret = naive_gae(rewards[b, cols][None], values[b, cols][None], [n], 0.99, 0.9)
+        torch.testing.assert_close(adv[b, cols], n_adv[0])
+        torch.testing.assert_close(ret[b, cols], n_ret[0])
+        assert (adv[b][mask[b] == 0] == 0).all() and (ret[b][mask[b] == 0] == 0).all()
+
+
 def test_lambda_one_gamma_one_returns_are_reward_to_go():
     rewards = torch.tensor([[1.0, 2.0, 3.0]])
     _, ret = gae(rewards, torch.tensor([[0.3, -0.2, 0.7]]), torch.ones(1, 3), 1.0, 1.0)
