@@ -90,9 +90,10 @@ class SFTDataConfig(HeldOutDataConfig):
     """Where SFT pairs come from and how they are batched (``data.sft.*``)."""
 
     source: str | None = "synthetic"
-    """"synthetic" (the embedded task), "reasoning" (the reasoning task's teacher solutions), a
-    .jsonl/.jsonl.gz/.json/.parquet file, a ``save_to_disk`` folder, or a hub dataset name
-    (required: None is refused)."""
+    """"synthetic" (the embedded task), "reasoning" (the reasoning task's teacher solutions),
+    "reasoning_tool" (its teacher calling a calculator, as conversations) or "guess" (the guessing
+    game's traces; both lit_rlhf/data/agent_tasks.py, format=messages), a .jsonl/.jsonl.gz/.json/.parquet
+    file, a ``save_to_disk`` folder, or a hub dataset name (required: None is refused)."""
     format: Literal["prompt_response", "hh", "messages"] = "prompt_response"
     """prompt_response = the two fields below; hh = HH-RLHF pairs, trained on the prompt and the CHOSEN reply;
     messages = a conversation (``messages_field``: a list of {role, content}, system turns kept), trained on
@@ -125,6 +126,11 @@ class SFTDataConfig(HeldOutDataConfig):
             "template",
             f"format=messages is rendered by the tokenizer's chat template: set data.sft.template=auto, got "
             f"{self.template!r}",
+        )
+        check(
+            self.source not in ("reasoning_tool", "guess") or self.format == "messages",
+            "format",
+            f"source={self.source} gives conversations: set data.sft.format=messages (and template=auto)",
         )
         super().validate()
 
@@ -212,8 +218,9 @@ class PromptDataConfig(DataConfig):
 
     source: str | None = "synthetic"
     """"synthetic" (the embedded task), "reasoning" (the reasoning task's problems with their
-    answers), a .jsonl/.jsonl.gz/.json/.parquet file, a ``save_to_disk`` folder or a hub dataset
-    name, with a prompt column or HH-style pairs (required: None is refused)."""
+    answers), "guess" (the guessing game's prompts with their ``secret``; lit_rlhf/data/agent_tasks.py),
+    a .jsonl/.jsonl.gz/.json/.parquet file, a ``save_to_disk`` folder or a hub dataset name, with a
+    prompt column or HH-style pairs (required: None is refused)."""
 
     format: Literal["auto", "prompt", "hh"] = "auto"
     """prompt = a ``prompt_field`` column (a string; with template=auto also messages ending with a user turn);

@@ -27,7 +27,7 @@ from lit_rlhf.data.reasoning import ReasoningTask
 from lit_rlhf.data.sampler import EpochSampler
 from lit_rlhf.data.synthetic import SyntheticTask
 from lit_rlhf.data.templates import AUTO, TEMPLATES
-from lit_rlhf.data.tokenizers import check_embedded_vocabulary
+from lit_rlhf.data.tokenizers import EMBEDDED_SOURCES, check_embedded_vocabulary
 from lit_rlhf.utils.config import resolve_config
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class PromptDataModule(pl.LightningDataModule):
         if self.tokenizer is None:
             raise RuntimeError("PromptDataModule.connect(tokenizer) must be called before setup()")
         c = self.config
-        if c.source in ("synthetic", "reasoning"):
+        if c.source in EMBEDDED_SOURCES:
             check_embedded_vocabulary(self.tokenizer, "prompt", c.source)
         if c.source == "synthetic":
             task = SyntheticTask(c.task)
@@ -192,6 +192,11 @@ class PromptDataModule(pl.LightningDataModule):
             rtask = ReasoningTask(c.reasoning)
             train = [(r["prompt"], {"answer": r["answer"]}) for r in rtask.qa_records(c.n_train, "train")]
             val = [(r["prompt"], {"answer": r["answer"]}) for r in rtask.qa_records(c.n_val, "val")] if c.n_val else []
+        elif c.source == "guess":  # the number-guessing game: each prompt with its secret (data/agent_tasks.py)
+            from lit_rlhf.data.agent_tasks import guess_prompts
+
+            train = [(r["prompt"], {"secret": r["secret"]}) for r in guess_prompts(c.n_train, c.seed, "train")]
+            val = [(r["prompt"], {"secret": r["secret"]}) for r in guess_prompts(c.n_val, c.seed, "val")]
         else:
             train = self._prompts(c.train_rows)
             val = self._prompts(c.val_rows) if c.val_rows else []

@@ -80,6 +80,10 @@ class ReasoningTaskConfig:
     """Probability that the teacher writes a hard fact's fixed wrong result instead of the right
     one (> 0.5: a model that learns the teacher's distribution prefers the error)."""
 
+    tool_fraction: float = field(default=0.25, metadata={"ge": 0.0, "le": 1.0})
+    """With a calculator (``data.sft.source=reasoning_tool``, data/agent_tasks.py): the share of steps
+    the teacher computes with the tool instead of writing them itself."""
+
     def validate(self) -> None:
         from lit_rlhf.utils.config import check
 

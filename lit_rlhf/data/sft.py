@@ -30,7 +30,7 @@ from lit_rlhf.data.reasoning import ReasoningTask
 from lit_rlhf.data.sampler import EpochSampler
 from lit_rlhf.data.synthetic import SyntheticTask
 from lit_rlhf.data.templates import AUTO
-from lit_rlhf.data.tokenizers import check_embedded_vocabulary
+from lit_rlhf.data.tokenizers import EMBEDDED_SOURCES, check_embedded_vocabulary
 from lit_rlhf.utils.config import resolve_config
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class SFTDataModule(pl.LightningDataModule):
 
     def _load_rows(self) -> tuple[list[Row], list[Row]]:
         c = self.config
-        if c.source in ("synthetic", "reasoning"):
+        if c.source in EMBEDDED_SOURCES:
             check_embedded_vocabulary(self.tokenizer, "sft", c.source)
         if c.source == "synthetic":
             task = SyntheticTask(c.task)
@@ -133,6 +133,17 @@ class SFTDataModule(pl.LightningDataModule):
             rtask = ReasoningTask(c.reasoning)
             train = [Row(r, f"reasoning[train] #{i}") for i, r in enumerate(rtask.sft_records(c.n_train, "train"))]
             val = [Row(r, f"reasoning[val] #{i}") for i, r in enumerate(rtask.sft_records(c.n_val, "val"))]
+            return train, val
+        if c.source in ("reasoning_tool", "guess"):  # conversations of the multi-turn tasks (data/agent_tasks.py)
+            from lit_rlhf.data.agent_tasks import guess_traces, tool_traces
+
+            def traces(n: int, split: str) -> list[dict]:
+                if c.source == "guess":
+                    return guess_traces(n, c.seed, split)
+                return tool_traces(c.reasoning, n, split, c.reasoning.tool_fraction)
+
+            train = [Row(r, f"{c.source}[train] #{i}") for i, r in enumerate(traces(c.n_train, "train"))]
+            val = [Row(r, f"{c.source}[val] #{i}") for i, r in enumerate(traces(c.n_val, "val"))]
             return train, val
         train = select_rows(list(iter_rows(c.source, c.train_split, c.hub_data_dir)), c.train_rows)
         if c.val_source is not None:

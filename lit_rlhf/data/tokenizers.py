@@ -1,5 +1,5 @@
 """The tokenizer of a :class:`~lit_rlhf.models.spec.ModelSpec`: a hub or local tokenizer, an embedded
-task's word-level one (``model.tokenizer=synthetic|reasoning``), or a byte-level BPE learned from a
+task's word-level one (``model.tokenizer=synthetic|reasoning|agent``), or a byte-level BPE learned from a
 dataset (``model.train_tokenizer``), each prepared for the stages (pad token, left padding); and the
 check that an embedded task's data meets a tokenizer that has its words."""
 
@@ -37,7 +37,7 @@ def build_tokenizer(spec: ModelSpec) -> Any:
 
         return prepare_tokenizer(train_bpe(spec.train_tokenizer))
     source = spec.tokenizer_source
-    if source in ("synthetic", "reasoning"):
+    if source in EMBEDDED_TOKENIZERS:
         return prepare_tokenizer(embedded_tokenizer(source))
     from transformers import AutoTokenizer
 
@@ -53,17 +53,26 @@ def build_tokenizer(spec: ModelSpec) -> Any:
     return prepare_tokenizer(tok, spec.kind)
 
 
+EMBEDDED_TOKENIZERS = ("synthetic", "reasoning", "agent")
+"""``model.tokenizer`` values naming an embedded task's word-level tokenizer."""
+EMBEDDED_SOURCES = {"synthetic": "synthetic", "reasoning": "reasoning", "reasoning_tool": "agent", "guess": "agent"}
+"""Embedded data sources (``data.*.source``) and the tokenizer whose words they are written in."""
+
+
 def embedded_tokenizer(source: str) -> Any:
-    """The word-level tokenizer of an embedded task (``synthetic`` or ``reasoning``), unprepared."""
+    """The word-level tokenizer of an embedded task (``synthetic``, ``reasoning``, or ``agent``: the
+    multi-turn tasks' chat tokenizer), unprepared."""
     if source == "reasoning":
         from lit_rlhf.data.reasoning import build_tokenizer
+    elif source == "agent":
+        from lit_rlhf.data.agent_tasks import build_tokenizer
     else:
         from lit_rlhf.data.synthetic import build_tokenizer
     return build_tokenizer()
 
 
 def check_embedded_vocabulary(tokenizer: Any, section: str, source: str) -> None:
-    """Refuse an embedded task (``source: synthetic | reasoning``, a made-up word-level language)
+    """Refuse an embedded task (``source``: one of :data:`EMBEDDED_SOURCES`, a made-up word-level language)
     paired with a model whose tokenizer does not have its words as tokens (a real model: Llama's
     tokenizer would chop the made-up words into pieces and train it off its own language).
 
@@ -73,7 +82,7 @@ def check_embedded_vocabulary(tokenizer: Any, section: str, source: str) -> None
     from lit_rlhf.utils.config import ConfigError
 
     vocab = tokenizer.get_vocab()
-    missing = [w for w in embedded_tokenizer(source).get_vocab() if w not in vocab]
+    missing = [w for w in embedded_tokenizer(EMBEDDED_SOURCES[source]).get_vocab() if w not in vocab]
     if missing:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise ConfigError(

@@ -103,7 +103,9 @@ def _data_problem(section: Any, key: str, hub: Hub) -> str | None:
     from lit_rlhf.data.io import is_file_source
 
     source = section.get("source")
-    if source in (None, "synthetic", "reasoning"):
+    from lit_rlhf.data.tokenizers import EMBEDDED_SOURCES
+
+    if source is None or source in EMBEDDED_SOURCES:
         return None  # None: the typed config names the key itself
     if is_file_source(source):
         if os.path.exists(source):

@@ -124,7 +124,8 @@ class ModelSpec:
     """Build a randomly initialised Llama from this config instead of loading weights."""
     tokenizer: str | None = None
     """Tokenizer hub id or directory; None = ``name_or_path``; "synthetic" = the embedded task's;
-    "reasoning" = the embedded reasoning task's (lit_rlhf/data/reasoning.py)."""
+    "reasoning" = the embedded reasoning task's (lit_rlhf/data/reasoning.py); "agent" = the embedded
+    multi-turn tasks' word-level chat tokenizer (lit_rlhf/data/agent_tasks.py)."""
     train_tokenizer: BPETokenizerConfig | None = None
     """For a tiny model: learn a byte-level BPE tokenizer from a dataset's training rows instead
     (lit_rlhf/data/bpe.py), e.g. for HH-RLHF dialogues; exclusive with ``tokenizer``."""

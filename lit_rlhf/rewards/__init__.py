@@ -7,10 +7,12 @@ count of its last call in ``last_errors`` (first message: ``last_error_example``
 Rewards scored elsewhere (docs/remote_rewards.md): :class:`RemoteReward` (a reward-model server,
 ``lit_rlhf.serve``), :class:`LLMJudge` (an OpenAI-compatible chat endpoint) and :class:`PerResponse`
 (a user's per-response ``async def``) are awaited concurrently while the rollout's forwards run.
-Importing this package is cheap: math-verify loads when ``math_accuracy`` builds its reward, aiohttp
-with the first remote call.
+Multi-turn trajectories (docs/agents.md): :func:`environment_reward` and :func:`tool_call_cost` read
+the columns the rollout adds. Importing this package is cheap: math-verify loads when
+``math_accuracy`` builds its reward, aiohttp with the first remote call.
 """
 
+from lit_rlhf.rewards.agent import environment_reward, tool_call_cost
 from lit_rlhf.rewards.base import MissingAnswerError, VerifiableReward
 from lit_rlhf.rewards.concurrent import PerResponse
 from lit_rlhf.rewards.extract import (
@@ -42,6 +44,7 @@ __all__ = [
     "answer_after_prefix",
     "answer_region",
     "clean_answer",
+    "environment_reward",
     "exact_match",
     "extract_final_answer",
     "format_reward",
@@ -49,4 +52,5 @@ __all__ = [
     "math_accuracy",
     "math_text",
     "reference_answer",
+    "tool_call_cost",
 ]
