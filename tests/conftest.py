@@ -193,3 +193,47 @@ def saved_models(tiny_spec, tokenizer, tmp_path_factory):
     from tests.helpers.ppo import save_tiny_models
 
     return save_tiny_models(tiny_spec, tokenizer, tmp_path_factory.mktemp("tiny_models"))
+
+
+@pytest.fixture(scope="session")
+def agent_policy_dir(tmp_path_factory):
+    """A tiny Llama (head size 32, for vLLM too) with the multi-turn tasks' chat tokenizer, taught both
+    embedded multi-turn tasks' forms by 120 Adam steps on their teachers' conversations (the guessing
+    game's and the calculator task's, every assistant turn; a few seconds): its turns end, it guesses,
+    and it writes calls. Saved once per session (``save_pretrained`` with its tokenizer)."""
+
+    def build(out):
+        from lit_rlhf.data.agent_tasks import guess_traces, tool_traces
+        from lit_rlhf.data.chat import render_with_assistant_mask
+        from lit_rlhf.data.collate import pad
+        from lit_rlhf.data.reasoning import ReasoningTaskConfig
+        from lit_rlhf.data.tokenizers import build_tokenizer
+        from lit_rlhf.models.builders import build_causal_lm
+        from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig
+
+        spec = ModelSpec(
+            tiny=TinyLlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128),
+            tokenizer="agent",
+        )
+        tok = build_tokenizer(spec)
+        torch.manual_seed(3)
+        model = build_causal_lm(spec, tok)
+        traces = guess_traces(256, 0, "train") + tool_traces(ReasoningTaskConfig(tool_fraction=0.5), 256, "train", 0.5)
+        rows = [render_with_assistant_mask(tok, t["messages"]) for t in traces]
+        ids, mask = pad([r[0] for r in rows], tok.pad_token_id, "right")
+        loss_mask, _ = pad([r[1] for r in rows], 0, "right")
+        order = torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(0))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for step in range(120):
+            batch = order[torch.arange(step * 32, step * 32 + 32) % ids.shape[0]]
+            logits = model(input_ids=ids[batch], attention_mask=mask[batch]).logits[:, :-1]
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[batch, 1:], reduction="none")
+            loss = (nll * loss_mask[batch, 1:]).sum() / loss_mask[batch, 1:].sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+        return {"policy": str(out), "loss": float(loss)}
+
+    return Path(built_once(tmp_path_factory, "agent_policy", build)["policy"])

@@ -145,11 +145,11 @@ def vllm_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_processes(models, vllm_models, tmp_path_factory):
+def two_processes(models, vllm_models, agent_policy_dir, tmp_path_factory):
     """{run: (out dir, ranks)} of every 2-process run of this file, in ONE launch, in this order: the
     ZeRO-2 reward model (``("rm",)``), DPO (``("dpo", strategy, precompute, loss type)``), the GRPO family
-    (``("grpo", name)``), PPO (``("ppo", strategy)``), then, where vLLM is installed, plain GRPO with the
-    vLLM engine (``("grpo", "vllm")``: last, vLLM binds its process's threads)."""
+    (``("grpo", name)``, multi-turn GRPO's ``("grpo", "agent")`` among them), PPO (``("ppo", strategy)``),
+    then, where vLLM is installed, plain GRPO with the vLLM engine (``("grpo", "vllm")``: last, vLLM binds its process's threads)."""
     keys, runs = [("rm",)], [("rm_deepspeed_best", tmp_path_factory.mktemp("rm_zero2"), ["--devices", "2"])]
     for strategy, precompute, loss_type in DPO_RUNS:
         keys.append(("dpo", strategy, precompute, loss_type))
@@ -179,6 +179,14 @@ def two_processes(models, vllm_models, tmp_path_factory):
                 ["--strategy", "ddp", "--devices", "2", "--models", str(models), *args],
             )
         )
+    keys.append(("grpo", "agent"))  # multi-turn: the guessing game, the ranks' turns differ
+    runs.append(
+        (
+            "grpo_multiproc",
+            tmp_path_factory.mktemp("agent"),
+            ["--strategy", "ddp", "--devices", "2", "--models", str(agent_policy_dir), "--agent"],
+        )
+    )
     for kind in PPO_RUNS[2]:
         keys.append(("ppo", kind))
         runs.append(ppo_run(kind, 2, models, tmp_path_factory))
@@ -433,6 +441,22 @@ def test_reinforce_pp_and_remax_two_processes(grpo_runs, preset):
     else:
         assert all(len(r["baselines"]) == 8 and all(map(math.isfinite, r["baselines"])) for r in ranks)
         assert ranks[0]["baselines"] != ranks[1]["baselines"]  # each rank's own prompts, decoded greedily
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_multi_turn_grpo_two_processes_with_different_turns_end_identical(two_processes, agent_policy_dir):
+    """Multi-turn GRPO (the guessing game) under DDP with 2 processes, rank 0's games over after one guess
+    and rank 1's played on (tests/helpers/grpo_multiproc.py ``RankGame``): every rank runs as many
+    sampling calls per turn (rank 0 samples a placeholder: the decoding loop's step agreement is
+    collective, a rank that stopped would hang the other), and the ranks end with the same trained actor."""
+    ranks = two_processes["grpo", "agent"][1]
+    assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == 8 and ranks[0]["iteration"] == 2
+    games = [r["games"] for r in ranks]
+    assert len(games[0]) == len(games[1]) == 2 and games[0][0]["secrets"] != games[1][0]["secrets"]
+    assert all(g["turns"] == [1] * 8 for g in games[0])  # rank 0's games end after one guess (RankGame)
+    assert all(max(g["turns"]) > 1 for g in games[1])  # rank 1 played on alone
+    assert_identical_and_trained(ranks, agent_policy_dir)
 
 
 @pytest.mark.slow

@@ -5,6 +5,9 @@ its final actor parameters and metrics to OUT/rank<r>.pt.
 
 ``--dapo``: dynamic sampling with a reward that differs by rank (:func:`uneven_reward`), so the
 ranks need different numbers of extra prompt batches and keep different numbers of groups.
+``--agent``: multi-turn rollouts of the guessing game (``--models`` is then a policy folder with the
+multi-turn tasks' chat tokenizer), over after one guess on rank 0 (:class:`RankGame`): rank 0
+samples placeholders while rank 1 plays on.
 ``--preset reinforce_pp`` (one response per prompt, the KL in the reward, advantages whitened over
 all ranks, 2 minibatches) or ``--preset remax`` (the greedy baseline decoded on every rank): each
 rank also writes its last rollout's advantage sums and its baselines.
@@ -24,6 +27,7 @@ sys.path.insert(0, str(ROOT))  # tests.helpers importable when run as a script
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
+from lit_rlhf.data.agent_tasks import GuessNumber  # noqa: E402
 from lit_rlhf.data.prompts import PromptDataModule  # noqa: E402
 from lit_rlhf.data.tokenizers import build_tokenizer  # noqa: E402
 from lit_rlhf.launch.presets import preset  # noqa: E402
@@ -55,12 +59,24 @@ def uneven_reward():
     return reward
 
 
+class RankGame(GuessNumber):
+    """The guessing game, over after the first guess on rank 0 (scored by how close it was): rank 0's
+    games end at once while rank 1's go on, so rank 0 samples placeholders for rank 1's later turns."""
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            numbers = [int(w) for w in text.split() if w.isdigit()]
+            return None, -abs(numbers[-1] - self.secret) if numbers else -20.0, True
+        return super().step(text)
+
+
 PARSER = run_parser(
     "folder with policy/ and rm/",
     [
         ("--dapo", {"action": "store_true"}),
         ("--preset", {"choices": ["reinforce_pp", "remax"], "default": None}),
         ("--engine", {"choices": ["hf", "vllm"], "default": "hf"}),
+        ("--agent", {"action": "store_true"}),
     ],
 )
 
@@ -73,8 +89,16 @@ def main() -> None:
 
 def run(args) -> None:
     policy, rm = os.path.join(args.models, "policy"), os.path.join(args.models, "rm")
+    if args.agent:
+        policy = args.models
     reward = (
         {
+            "reward_fn": {"_target_": "lit_rlhf.rewards.environment_reward"},
+            "environment": {"_target_": "tests.helpers.grpo_multiproc.RankGame"},
+            "max_turns": 4,
+        }
+        if args.agent
+        else {
             "reward_fn": {"_target_": "tests.helpers.grpo_multiproc.uneven_reward"},
             "dynamic_sampling": True,
             "max_resample_rounds": 2,
@@ -96,7 +120,7 @@ def run(args) -> None:
                 "lr": 1e-3,
                 "rollout_batch_size": 8,
                 "monitor_sampler": args.engine == "vllm",
-                "generation": {"max_new_tokens": 6, **engine},
+                "generation": {"max_new_tokens": 32 if args.agent else 6, **engine},
                 **algo,
                 **reward,
             },
@@ -106,9 +130,10 @@ def run(args) -> None:
     spec = CriticFreeModule.resolve_model_spec(cfg, ModelSpec(name_or_path=policy))
     tok = build_tokenizer(spec)
     module = CriticFreeModule(cfg, model=spec, tokenizer=tok)
-    data = PromptDataModule(n_train=64, n_val=0, batch_size=8 // cfg.num_generations).connect(tok)
+    game = {"source": "guess", "template": "auto"} if args.agent else {}
+    data = PromptDataModule(n_train=64, n_val=0, batch_size=8 // cfg.num_generations, **game).connect(tok)
     strategy = cpu_strategy(args.strategy, micro_batch=4)
-    wrapper, sampling, last = [], [], {}
+    wrapper, sampling, last, games = [], [], {}, []
 
     class Wrapper(pl.Callback):  # the strategy's wrapper during fit (teardown unwraps DDP)
         def on_train_start(self, trainer, module):
@@ -124,6 +149,8 @@ def run(args) -> None:
                 prompts=list(r.prompts_text),
                 sampler_kl=float(st.get("rollout/sampler_kl", -1.0)),
             )
+            if "turns" in r.columns:  # this rank's own games (the logged statistics are over both ranks)
+                games.append({"secrets": r.columns["secret"], "turns": r.columns["turns"]})
 
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -147,6 +174,7 @@ def run(args) -> None:
             "wrapper": wrapper[0],
             "sampling": sampling,
             "extra_batches": module.extra_batches,
+            "games": games,
             **last,
         },
         os.path.join(args.out, f"rank{trainer.global_rank}.pt"),

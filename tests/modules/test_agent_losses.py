@@ -44,7 +44,9 @@ def _leaf_forward(module, rollout):
 def test_the_environments_tokens_get_no_gradient_no_kl_and_no_entropy(saved_models, tokenizer, stage):
     torch.manual_seed(0)
     if stage == "ppo_max":
-        module = ppo.make(saved_models, tokenizer, entropy_coef=0.01, kl_coef=0.05, kl_placement="loss", kl_estimator="k3")
+        module = ppo.make(
+            saved_models, tokenizer, entropy_coef=0.01, kl_coef=0.05, kl_placement="loss", kl_estimator="k3"
+        )
         dm = ppo.data(tokenizer)
     else:
         module, dm = make(saved_models, tokenizer, kl_coef=0.05), data(tokenizer)
