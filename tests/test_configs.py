@@ -80,7 +80,13 @@ NEEDS_USER_VALUE = {
     },
     **{
         ("experiment", e): ["algo.policy_path=/models/sft"]
-        for e in ("grpo_reasoning_tiny", "dapo_reasoning_tiny", "dr_grpo_reasoning_tiny")
+        for e in (
+            "grpo_reasoning_tiny",
+            "dapo_reasoning_tiny",
+            "dr_grpo_reasoning_tiny",
+            "grpo_agent_tiny",
+            "grpo_guess_tiny",
+        )
     },
     ("experiment", "rm_hh_tiny"): ["model.name_or_path=/models/sft"],
     ("experiment", "rm_hh_chat_tiny"): ["model.name_or_path=/models/sft"],
@@ -125,6 +131,7 @@ def test_option_composes_and_validates(group, option, tmp_path):
                 "remax",
             ],
             "reasoning": ["sft", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "gmpo"],
+            "agent": ["sft", "grpo", "grpo_cost", "sft_plain", "grpo_plain", "sft_guess", "grpo_guess"],
         }
         assert p.pipeline.stages == expected[option]
         pipe = p.pipeline_cls(p.pipeline)

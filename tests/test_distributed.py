@@ -149,7 +149,8 @@ def two_processes(models, vllm_models, agent_policy_dir, tmp_path_factory):
     """{run: (out dir, ranks)} of every 2-process run of this file, in ONE launch, in this order: the
     ZeRO-2 reward model (``("rm",)``), DPO (``("dpo", strategy, precompute, loss type)``), the GRPO family
     (``("grpo", name)``, multi-turn GRPO's ``("grpo", "agent")`` among them), PPO (``("ppo", strategy)``),
-    then, where vLLM is installed, plain GRPO with the vLLM engine (``("grpo", "vllm")``: last, vLLM binds its process's threads)."""
+    then, where vLLM is installed, plain GRPO with the vLLM engine (``("grpo", "vllm")``: last, vLLM
+    binds its process's threads)."""
     keys, runs = [("rm",)], [("rm_deepspeed_best", tmp_path_factory.mktemp("rm_zero2"), ["--devices", "2"])]
     for strategy, precompute, loss_type in DPO_RUNS:
         keys.append(("dpo", strategy, precompute, loss_type))

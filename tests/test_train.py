@@ -202,7 +202,7 @@ NOT_OFFLINE_CPU["dpo_llama7b_a100x8"] = ["algo.policy_path=/ckpt/sft"]
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")))
-def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models):
+def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models, agent_policy_dir):
     from lit_rlhf.launch.runner import plan
 
     if experiment in NOT_OFFLINE_CPU:
@@ -229,6 +229,8 @@ def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models):
     }.get(experiment.split("_")[0], [])
     if "reasoning" in experiment and not experiment.startswith("sft"):  # verifiable reward: no RM, its own tokenizer
         extra = [f"algo.policy_path={_saved_reasoning_policy(tmp_path)}", "validate_before_fit=false"]
+    if experiment in ("grpo_agent_tiny", "grpo_guess_tiny"):  # multi-turn: the chat tokenizer's policy
+        extra = [f"algo.policy_path={agent_policy_dir}", "validate_before_fit=false"]
     if experiment == "rm_hh_minilm":  # a real 22M encoder: one step on 8 pairs of 256 tokens is ~9 s of CPU
         extra = ["data.preference.max_length=64"]
     overrides = [f"experiment={experiment}", "debug=fdr", "trainer.enable_progress_bar=false", *extra]
@@ -238,7 +240,7 @@ def test_every_experiment_fast_dev_run(experiment, tmp_path, saved_models):
     # one batch is trained and one validated: the embedded tasks generate and tokenize 256 rows per
     # split, not their 10,000-20,000 (most of such a run's time; the full sizes are the recipes' runs)
     for k in ("sft", "preference", "prompt"):
-        if k in cfg.data and cfg.data[k].source in ("synthetic", "reasoning"):
+        if k in cfg.data and cfg.data[k].source in ("synthetic", "reasoning", "reasoning_tool", "guess"):
             cfg.data[k].n_train = cfg.data[k].n_val = 256  # keys of the section's schema: struct mode checks them
     metrics = run(cfg)
     assert metrics and all(torch.isfinite(torch.tensor(v)) for v in metrics.values())

@@ -48,7 +48,21 @@ class StabilityReport(pl.Callback):
             log.warning("could not draw the stability report: %s", err)
 
 
-PANEL_PREFIXES = ("stability", "reward", "policy", "critic", "perf", "kl_ctl", "ptx", "alarm", "val", "grpo", "health")
+PANEL_PREFIXES = (
+    "stability",
+    "reward",
+    "policy",
+    "critic",
+    "perf",
+    "kl_ctl",
+    "ptx",
+    "alarm",
+    "val",
+    "grpo",
+    "health",
+    "agent",
+    "rollout",
+)
 
 
 class WandbPanels(pl.Callback):

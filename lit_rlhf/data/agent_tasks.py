@@ -80,18 +80,20 @@ class Calculator:
 
 
 def calculator_parser() -> Any:
-    """``algo.tool_parser`` of the task: ``<tool_call> a op b </tool_call>`` → ``calculate(a, op, b)``."""
-    from lit_rlhf.rollout.environment import ToolCall
+    """``algo.tool_parser`` of the task: ``<tool_call> a op b </tool_call>`` → ``calculate(a, op, b)``
+    (each call a mapping, as rollout/environment.py ``as_tool_call`` reads it)."""
 
-    def parse(text: str) -> list[ToolCall]:
+    def parse(text: str) -> list[dict[str, Any]]:
         calls = []
         for match in _CALL.finditer(text):
             words = match.group(1).split()
             ok = bool(match.group(2)) and len(words) == 3 and words[0].isdigit() and words[2].isdigit()
             if ok and words[1] in OPERATORS:
-                calls.append(ToolCall("calculate", {"a": int(words[0]), "op": words[1], "b": int(words[2])}))
+                calls.append(
+                    {"name": "calculate", "arguments": {"a": int(words[0]), "op": words[1], "b": int(words[2])}}
+                )
             else:
-                calls.append(ToolCall(None, {}, "malformed tool call: write <tool_call> a op b </tool_call>"))
+                calls.append({"name": None, "error": "malformed tool call: write <tool_call> a op b </tool_call>"})
         return calls
 
     return parse
@@ -105,6 +107,29 @@ def calls_in(text: str) -> list[tuple[int, str, int]]:
         if len(words) == 3 and words[0].isdigit() and words[2].isdigit() and words[1] in OPERATORS:
             out.append((int(words[0]), words[1], int(words[2])))
     return out
+
+
+def tool_call_rates(task: ReasoningTask, prompts: list[str], texts: list[str]) -> dict[str, float]:
+    """Calls of trajectories on the problems ``prompts`` (their texts in ``texts``): calls per problem,
+    and the share of the steps of each problem's correct working on a hard fact of the teacher
+    (``hard_call_rate``) and on the other facts (``easy_call_rate``) that one of its calls computed."""
+    calls = hard = easy = hard_called = easy_called = 0
+    for prompt, text in zip(prompts, texts):
+        made = calls_in(text)
+        calls += len(made)
+        value, steps = task.parse(prompt)
+        for op, b in steps:
+            fact, called = (value, op, b), (value, op, b) in made
+            if fact in task.hard_facts:
+                hard, hard_called = hard + 1, hard_called + called
+            else:
+                easy, easy_called = easy + 1, easy_called + called
+            value = apply(value, op, b, task.config.modulus)
+    return {
+        "tool_calls": calls / max(len(prompts), 1),
+        "hard_call_rate": hard_called / max(hard, 1),
+        "easy_call_rate": easy_called / max(easy, 1),
+    }
 
 
 def tool_traces(config: ReasoningTaskConfig, n: int, split: str, tool_fraction: float) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from lit_rlhf.data.chat import field_text_or_turns, get_template, naming_row, prompt_key
 from lit_rlhf.data.collate import pad
-from lit_rlhf.data.configs import PromptDataConfig
+from lit_rlhf.data.configs import EMBEDDED_SOURCES, PromptDataConfig
 from lit_rlhf.data.io import DataError, Row, iter_rows, select_rows
 from lit_rlhf.data.loader import ResumableDataLoader
 from lit_rlhf.data.preference import parse_pair
@@ -27,7 +27,7 @@ from lit_rlhf.data.reasoning import ReasoningTask
 from lit_rlhf.data.sampler import EpochSampler
 from lit_rlhf.data.synthetic import SyntheticTask
 from lit_rlhf.data.templates import AUTO, TEMPLATES
-from lit_rlhf.data.tokenizers import EMBEDDED_SOURCES, check_embedded_vocabulary
+from lit_rlhf.data.tokenizers import check_embedded_vocabulary
 from lit_rlhf.utils.config import resolve_config
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from lit_rlhf.data.chat import (
     naming_row,
 )
 from lit_rlhf.data.collate import EncodedPair, collate_sft, encode_pairs
-from lit_rlhf.data.configs import SFTDataConfig
+from lit_rlhf.data.configs import EMBEDDED_SOURCES, SFTDataConfig
 from lit_rlhf.data.io import DataError, Row, iter_rows, select_rows
 from lit_rlhf.data.loader import ResumableDataLoader
 from lit_rlhf.data.preference import parse_pair
@@ -30,7 +30,7 @@ from lit_rlhf.data.reasoning import ReasoningTask
 from lit_rlhf.data.sampler import EpochSampler
 from lit_rlhf.data.synthetic import SyntheticTask
 from lit_rlhf.data.templates import AUTO
-from lit_rlhf.data.tokenizers import EMBEDDED_SOURCES, check_embedded_vocabulary
+from lit_rlhf.data.tokenizers import check_embedded_vocabulary
 from lit_rlhf.utils.config import resolve_config
 
 log = logging.getLogger(__name__)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lit_rlhf.data.configs import EMBEDDED_SOURCES
 from lit_rlhf.models.builders import from_pretrained, resolve_path
 from lit_rlhf.models.spec import ModelSpec
 
@@ -55,8 +56,6 @@ def build_tokenizer(spec: ModelSpec) -> Any:
 
 EMBEDDED_TOKENIZERS = ("synthetic", "reasoning", "agent")
 """``model.tokenizer`` values naming an embedded task's word-level tokenizer."""
-EMBEDDED_SOURCES = {"synthetic": "synthetic", "reasoning": "reasoning", "reasoning_tool": "agent", "guess": "agent"}
-"""Embedded data sources (``data.*.source``) and the tokenizer whose words they are written in."""
 
 
 def embedded_tokenizer(source: str) -> Any:

@@ -103,7 +103,7 @@ def _data_problem(section: Any, key: str, hub: Hub) -> str | None:
     from lit_rlhf.data.io import is_file_source
 
     source = section.get("source")
-    from lit_rlhf.data.tokenizers import EMBEDDED_SOURCES
+    from lit_rlhf.data.configs import EMBEDDED_SOURCES
 
     if source is None or source in EMBEDDED_SOURCES:
         return None  # None: the typed config names the key itself

@@ -33,6 +33,7 @@ SCHEMAS = {
     "grpo": "lit_rlhf.modules.configs:CriticFreeConfig",
     "pipeline": "lit_rlhf.pipelines.demo:DemoConfig",
     "reasoning_pipeline": "lit_rlhf.pipelines.reasoning:ReasoningConfig",
+    "agent_pipeline": "lit_rlhf.pipelines.agent:AgentConfig",
     "model": "lit_rlhf.models.spec:ModelSpec",
     "tiny_llama": "lit_rlhf.models.spec:TinyLlamaConfig",  # model.tiny of lit_rlhf/conf/model/tiny_llama.yaml
     "sft_data": "lit_rlhf.data.configs:SFTDataConfig",

@@ -226,20 +226,11 @@ class RLModule(RLHFModule):
         if c.environment is None:
             return None
         if self.agent is None:
-            from lit_rlhf.rollout.agent import AgentLoop, AgentSettings, check_agent_tokenizer
+            from lit_rlhf.rollout.agent import AgentLoop, agent_settings, check_agent_tokenizer
 
             check_agent_tokenizer(self.tokenizer)
             dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-            settings = AgentSettings(
-                environment=c.environment,
-                max_turns=c.max_turns,
-                max_tool_response_tokens=c.max_tool_response_tokens,
-                tool_response_truncation=c.tool_response_truncation,
-                tool_timeout_s=c.tool_timeout_s,
-                tool_workers=c.tool_workers,
-                tool_parser=c.tool_parser,
-                max_prompt_length=getattr(getattr(dm, "config", None), "max_prompt_length", None),
-            )
+            settings = agent_settings(c, getattr(getattr(dm, "config", None), "max_prompt_length", None))
             self.agent = AgentLoop(settings)
         return self.agent
 

@@ -51,6 +51,7 @@ from lit_rlhf.data.chat import as_messages, has_chat_template, template_facts
 from lit_rlhf.rollout.environment import (
     EnvironmentSpecError,
     ToolCall,
+    as_tool_call,
     is_text_environment,
     parse_tool_calls,
     reply_text,
@@ -102,6 +103,23 @@ class AgentSettings:
     max_prompt_length: int | None = None
 
 
+def agent_settings(algo: Any, max_prompt_length: int | None = None) -> AgentSettings | None:
+    """The multi-turn settings of an RL stage's config (its ``algo.*`` keys: a typed config or a
+    composed node), None when it has no ``environment``."""
+    if algo.environment is None:
+        return None
+    return AgentSettings(
+        environment=dict(algo.environment),
+        max_turns=algo.max_turns,
+        max_tool_response_tokens=algo.max_tool_response_tokens,
+        tool_response_truncation=algo.tool_response_truncation,
+        tool_timeout_s=algo.tool_timeout_s,
+        tool_workers=algo.tool_workers,
+        tool_parser=None if algo.tool_parser is None else dict(algo.tool_parser),
+        max_prompt_length=max_prompt_length,
+    )
+
+
 @dataclass
 class Trajectory:
     """One trajectory while it runs: its conversation, its ids (the prompt's and every later
@@ -149,7 +167,7 @@ class AgentLoop:
         spec = dict(settings.environment)
         self.env_class = get_object(spec.pop("_target_"))
         self.env_kwargs = spec
-        self.parser: Callable[[str], list[ToolCall]] = parse_tool_calls
+        self.parser: Callable[[str], list[Any]] = parse_tool_calls
         if settings.tool_parser is not None:
             from hydra.utils import instantiate
 
@@ -247,7 +265,7 @@ class AgentLoop:
             if is_text_environment(t.env):
                 jobs.append((t, None, functools.partial(t.env.step, text)))
                 continue
-            calls = self.parser(text)
+            calls = [as_tool_call(c) for c in self.parser(text)]
             if not calls:
                 t.done = True  # an answer without a call: the trajectory is complete
             elif not last_turn:

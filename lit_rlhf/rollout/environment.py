@@ -47,6 +47,19 @@ class ToolCall:
     error: str | None = None  # a malformed call: its reply is this message, and it is counted
 
 
+def as_tool_call(item: Any) -> ToolCall:
+    """What a parser (``algo.tool_parser``) returned for one call, as a :class:`ToolCall`: a ToolCall,
+    or a mapping with ``name``, ``arguments`` and optionally ``error`` (parsers need not import this)."""
+    if isinstance(item, ToolCall):
+        return item
+    if isinstance(item, Mapping):
+        args = item.get("arguments") or {}
+        return ToolCall(item.get("name"), dict(args) if isinstance(args, Mapping) else {}, item.get("error"))
+    raise EnvironmentSpecError(
+        f"the tool parser returned {type(item).__name__}: expected a ToolCall or a mapping with name and arguments"
+    )
+
+
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """The calls in one policy turn: each ``<tool_call>…</tool_call>`` block holding a JSON object
     ``{"name": str, "arguments": object}`` (``arguments`` may also be a JSON string of one, as some

@@ -12,7 +12,7 @@ with n = k samples it is the fraction of problems with at least one correct samp
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -35,6 +35,18 @@ class VerifiableEval:
     sample_kl: Tensor | None = None  # (B,) mean over the k samples of Σ_t log π/π_ref (nats per response)
     greedy_tool_calls: Tensor | None = None  # (B,) the greedy trajectory's tool calls (multi-turn only)
     greedy_texts: list[str] | None = None  # the greedy responses (trajectories)
+
+    @classmethod
+    def cat(cls, parts: list[VerifiableEval]) -> VerifiableEval:
+        """The evaluation of several batches as one (their prompts in order)."""
+
+        def joined(name: str) -> Any:
+            values = [getattr(p, name) for p in parts]
+            if values[0] is None:
+                return None
+            return [x for v in values for x in v] if isinstance(values[0], list) else torch.cat(values)
+
+        return cls(*(joined(f.name) for f in fields(cls)))
 
     def metrics(self) -> dict[str, float]:
         """Means over the batch's prompts: pass@k and mean@k by lit_rlhf.core.passk from the k
