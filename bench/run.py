@@ -76,6 +76,7 @@ TARGETS = {
     "grpo_ours_rss_over_trl": ("<=", 1.0),
     "extraction_scaling": ("<=", 2.0),
     "extraction_1mb_s": ("<=", 2.0),
+    "multiturn_single_over_multi": ("<=", 1.5),
 }
 
 
@@ -150,7 +151,7 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
     ]
     for name in r:
         c = r[name]
-        if not isinstance(c, dict) or name in ("floor", "sync_engine", "extraction", "reward_server"):
+        if not isinstance(c, dict) or name in ("floor", "sync_engine", "extraction", "reward_server", "multiturn"):
             continue
         unit = UNITS.get(name.split("_")[0])
         if "error" in c or unit not in c:
@@ -248,6 +249,15 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
                 "extraction_1mb_s",
                 ext["large_s"],
             )
+    turns = r.get("multiturn", {})
+    if "single_over_multi" in turns:
+        derived["multiturn_single_over_multi"] = turns["single_over_multi"]
+        row(
+            f"tokens/s, one single-turn rollout / a multi-turn one of the same length (hf engine; "
+            f"{turns['turns']:.1f} turns, {turns['tokens_per_trajectory']:.0f} tokens per trajectory)",
+            "multiturn_single_over_multi",
+            turns["single_over_multi"],
+        )
     remote = r.get("reward_server", {})
     if "remote_step_s" in remote:  # reported, no target: the same machine runs the trainer and the server
         derived["grpo_remote_rm_over_in_process"] = remote["remote_over_local"]
@@ -333,7 +343,7 @@ def main() -> None:
         for name, runs in rounds.items():
             ok = [x for x in runs if "error" not in x]
             key = {"floor": "floor_s", "sync_engine": "bench_sync_s", "extraction": "large_s"}
-            key = {**key, "reward_server": "remote_over_local"}.get(name, "step_s")
+            key = {**key, "reward_server": "remote_over_local", "multiturn": "single_over_multi"}.get(name, "step_s")
             results[name] = sorted(ok, key=lambda x: x[key])[(len(ok) - 1) // 2] if ok else runs[-1]
             results[name]["rounds"] = [x.get(key) for x in runs]
             if any("ratio" in x for x in ok):  # a paired case: its own ratio per round

@@ -18,7 +18,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("agent_runs")]
 
 
 def overrides(stage: str, policy) -> list[str]:
-    algo = ["algo.num_generations=4"] if stage == "grpo" else ["algo=ppo_max", "algo.minibatch_size=4"]
+    algo = {
+        "grpo": ["algo.num_generations=4"],
+        "ppo_max": ["algo=ppo_max", "algo.minibatch_size=4"],
+        "remax": ["algo=remax"],
+        "grpo_vllm": [
+            "algo.num_generations=4",
+            "algo.generation.engine=vllm",
+            "algo.generation.vllm.kv_cache_gib=0.0625",
+        ],
+    }[stage]
     return [
         "experiment=grpo_agent_tiny",
         *algo,

@@ -123,7 +123,7 @@ def test_bench_smoke(tmp_path, bench):
     floor = r["floor"]
     assert floor["floor_s"] == pytest.approx(floor["generate_s"] + floor["score_forwards_s"] + floor["train_fwd_bwd_s"])
     for case in ours:
-        if case not in ("floor", "sync_engine", "extraction", "reward_server"):
+        if case not in ("floor", "sync_engine", "extraction", "reward_server", "multiturn"):
             unit = bench.UNITS[case.split("_")[0]]
             per_step = s["batch"] * s["new_tokens"] if unit == "tokens_per_s" else s["batch"]
             assert r[case]["step_s"] > 0 and r[case][unit] == pytest.approx(per_step / r[case]["step_s"]), case
@@ -148,6 +148,11 @@ def test_bench_smoke(tmp_path, bench):
     assert remote["blocked_s"] > 0 and remote["latency_s"] > 0 and 0 <= remote["hidden"] <= 1
     assert set(remote["pairs_per_s"]) == {"1", "4"} and all(v > 0 for v in remote["pairs_per_s"].values())
     assert saved["ratios"]["grpo_remote_rm_over_in_process"] == remote["remote_over_local"]
+    turns = r["multiturn"]  # the single-turn rollout runs the multi-turn one's longest row in full
+    assert turns["turns"] >= 1 and turns["single_over_multi"] == pytest.approx(
+        turns["single_tokens_per_s"] / turns["multi_tokens_per_s"]
+    )
+    assert saved["ratios"]["multiturn_single_over_multi"] == turns["single_over_multi"]
     grpo = r["grpo_ours"]
     assert 0 < grpo["rollout_s"] < grpo["step_s"] and grpo["update_s"] == pytest.approx(
         grpo["step_s"] - grpo["rollout_s"]
@@ -174,6 +179,7 @@ def test_the_targets_are_the_documented_ones(bench):
         "grpo_ours_rss_over_trl": "GRPO peak RSS, lit_rlhf / TRL",
         "extraction_scaling": "answer extraction, seconds per byte at 1 MB / at 100 kB",
         "extraction_1mb_s": "answer extraction of a 1 MB degenerate response, seconds",
+        "multiturn_single_over_multi": "tokens/s, one single-turn rollout / a multi-turn one of the same length",
     }
     assert set(stated) == set(bench.TARGETS)
     for name, label in stated.items():

@@ -63,9 +63,10 @@ from lit_rlhf.rollout.environment import (
 from lit_rlhf.utils.distributed import all_reduce_max, all_reduce_sum
 from lit_rlhf.utils.errors import UserError
 
-Draw = Callable[[Tensor, Tensor, Any], tuple[Tensor, Tensor, Tensor, Tensor | None]]
-"""The engine, for one turn: (context ids (N, T) left-padded, mask, GenerationConfig) →
-(turn ids (N, R), mask, ended (N,), sampler log-probs or None): rollout/generate.py ``sample``'s contract."""
+Draw = Callable[..., tuple[Tensor, Tensor, Tensor, Tensor | None]]
+"""The engine, for one turn: (context ids (N, T) left-padded, mask, GenerationConfig, budgets=each row's
+most new tokens) → (turn ids (N, R), mask, ended (N,), sampler log-probs or None): rollout/generate.py
+``sample``'s contract (the hf loop runs every row to the widest budget: a row past its own is cut after)."""
 
 STATS = (
     "turns",
@@ -199,11 +200,14 @@ class AgentLoop:
             active = [t for t in trajectories if not t.done]
             if not self.any_rank(len(active), device):
                 break
-            budget = max([gen.max_new_tokens - len(t.response) for t in active], default=1)
-            width = int(all_reduce_max(torch.tensor([budget], device=device))[0])
-            rows = active or trajectories[:1]  # a placeholder keeps this rank in the collective sampling
-            ids, mask = _left_pad([t.prompt + t.response for t in rows], pad_id, device)
-            out_ids, out_mask, out_ended, out_logps = draw(ids, mask, replace(gen, max_new_tokens=width))
+            budgets = [gen.max_new_tokens - len(t.response) for t in active]
+            width = int(all_reduce_max(torch.tensor([max(budgets, default=1)], device=device))[0])
+            # a placeholder (a prompt alone) keeps a rank whose trajectories have ended in the collective sampling
+            contexts = [t.prompt + t.response for t in active] or [trajectories[0].prompt]
+            ids, mask = _left_pad(contexts, pad_id, device)
+            out_ids, out_mask, out_ended, out_logps = draw(
+                ids, mask, replace(gen, max_new_tokens=width), budgets=budgets or [width]
+            )
             with_logps = out_logps is not None
             for j, t in enumerate(active):
                 n = int(out_mask[j].sum())

@@ -93,10 +93,10 @@ def sample_responses(
     the environment's tools."""
     stop, pad = stop_token_ids(tokenizer), tokenizer.pad_token_id
 
-    def draw(ids: Tensor, mask: Tensor, g: GenerationConfig, times: int = 1) -> tuple:
+    def draw(ids: Tensor, mask: Tensor, g: GenerationConfig, times: int = 1, budgets: list[int] | None = None) -> tuple:
         if engine is not None:
-            return engine.sample(ids, mask, g, stop, pad, logprob_temperature, n=times)
-        return sample(policy, ids, mask, g, stop, pad, logprob_temperature)
+            return engine.sample(ids, mask, g, stop, pad, logprob_temperature, n=times, budgets=budgets)
+        return sample(policy, ids, mask, g, stop, pad, logprob_temperature)  # a row past its budget: cut after
 
     if agent is not None:
         batch = repeat_prompts(batch, n) if n > 1 else batch

@@ -26,7 +26,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -451,9 +451,12 @@ class VLLMEngine:
         pad_id: int,
         logprob_temperature: float | None = None,
         n: int = 1,
+        budgets: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """:func:`lit_rlhf.rollout.generate.sample`'s contract, with ``n`` responses per prompt (one
-        request each, vLLM's ``n``; rows prompt-major). The seed of each request is drawn from
+        request each, vLLM's ``n``; rows prompt-major). ``budgets``: each row's own most new tokens
+        (a multi-turn trajectory's remaining budget, at most ``gen.max_new_tokens``; its context and
+        its budget are what must fit ``max_model_len``). The seed of each request is drawn from
         torch's default generator, so the run's seed and a checkpoint's RNG state decide the
         samples. The sampler log-probs are vLLM's at temperature 1 (``raw_logprobs``), or, when the
         engine was built for ``logprob_temperature`` ≠ 1, of its processed distribution."""
@@ -463,17 +466,20 @@ class VLLMEngine:
 
         stop_ids = [stop] if isinstance(stop, int) else list(stop)
         rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
-        longest = max(len(r) for r in rows) + gen.max_new_tokens
+        budgets = [gen.max_new_tokens] * len(rows) if budgets is None else [min(b, gen.max_new_tokens) for b in budgets]
+        longest, budget = max((len(r) + b, b) for r, b in zip(rows, budgets))
         if longest > self.max_model_len:
             raise ConfigError(
                 "algo.generation.vllm.max_model_len",
-                f"a prompt of {longest - gen.max_new_tokens} "
-                f"tokens + {gen.max_new_tokens} new tokens exceeds the engine's {self.max_model_len}",
+                f"a prompt of {longest - budget} tokens + {budget} new tokens exceeds the engine's "
+                f"{self.max_model_len}",
             )
         base = int(torch.randint(0, 2**30, ())) + self.config.seed
         params = [
-            self.sampling_params(gen, stop_ids, n, base + i * n, logprob_temperature is not None)
-            for i in range(len(rows))
+            self.sampling_params(
+                replace(gen, max_new_tokens=b), stop_ids, n, base + i * n, logprob_temperature is not None
+            )
+            for i, b in enumerate(budgets)
         ]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
         completions = [c for o in outputs for c in sorted(o.outputs, key=lambda c: c.index)]

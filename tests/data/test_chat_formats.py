@@ -109,6 +109,28 @@ def test_implicit_prompt_pairs_and_unpaired_rows(chatml, tmp_path):
     assert chatml.decode(examples[0].kl.response_ids) == "no<|im_end|>"
 
 
+def test_prompt_rows_keep_their_columns_for_the_environment_and_name_a_missing_one(chatml, tmp_path):
+    """data.prompt.columns: each row's other columns travel with its prompt (an environment's reset and
+    the reward functions read them, docs/agents.md), a row's tools list included; a row without one
+    is refused, naming the row and the key."""
+    from lit_rlhf.data.io import DataError
+    from lit_rlhf.data.prompts import PromptDataModule
+
+    rows = [
+        {"prompt": [USER], "secret": 7, "tools": ["add"]},
+        {"prompt": "Hi there", "secret": 3, "tools": [{"type": "function", "function": {"name": "add"}}]},
+    ]
+    src = _write(tmp_path / "q.jsonl", rows)
+    dm = PromptDataModule(source=src, template="auto", batch_size=2, columns=["secret", "tools"]).connect(chatml)
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    got = dict(zip(batch["columns"]["secret"], batch["columns"]["tools"]))
+    assert got == {7: ["add"], 3: [{"type": "function", "function": {"name": "add"}}]}
+    bad = _write(tmp_path / "bad.jsonl", [*rows, {"prompt": "Say yes"}])
+    with pytest.raises(DataError, match=r"bad.jsonl.*3.*missing column 'secret' \(data.prompt.columns\)"):
+        PromptDataModule(source=bad, template="auto", batch_size=2, columns=["secret"]).connect(chatml).setup()
+
+
 def test_prompt_only_rows_and_hh_prompts_in_chat_form(chatml, tmp_path):
     from lit_rlhf.data.prompts import PromptDataModule
 

@@ -83,9 +83,10 @@ class Script:
     def ids(self, value):
         return value if isinstance(value, list) else self.tok(value, add_special_tokens=False)["input_ids"]
 
-    def __call__(self, ids, mask, gen):
+    def __call__(self, ids, mask, gen, budgets=None):
         contexts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-        self.calls.append((contexts, gen.max_new_tokens))
+        assert len(budgets) == len(contexts) and max(budgets) == gen.max_new_tokens
+        self.calls.append((contexts, gen.max_new_tokens, budgets))
         rows = []
         for ctx in contexts:
             i = self.row_of(ctx)
@@ -198,7 +199,7 @@ def test_the_budget_cuts_the_last_turn_and_it_stays_truncated(tok):
     budget = len(first) + len(reply) + 3
     out, stats, script = run(tok, [[first, "It is five, yes it is.<|im_end|>"]], budget=budget)
     assert int(out.response_mask[0].sum()) == len(first) + 3 and not bool(out.ended[0])
-    assert script.calls[1][1] == 3  # the second turn may take what is left of the budget
+    assert script.calls[1][1:] == (3, [3])  # the second turn may take what is left of the budget
     assert stats["truncated"] == 1.0
     # a reply that does not fit leaves no room for the policy: the trajectory ends there, truncated
     out, stats, _ = run(tok, [[first, "x<|im_end|>"]], budget=len(first) + len(reply))
@@ -218,10 +219,15 @@ def test_a_long_reply_is_cut_on_the_named_side(tok, side):
 
 
 def test_a_partial_batch_of_uneven_trajectories(tok):
-    turns = [["a<|im_end|>"], [call("add", a=1, b=2), call("add", a=3, b=4), "b<|im_end|>"], [call("add", a=0, b=0)]]
+    turns = [
+        ["a<|im_end|>"],
+        [call("add", a=1, b=2), call("add", a=3, b=4), "b<|im_end|>"],
+        [call("add", a=100, b=2000)],
+    ]
     out, stats, script = run(tok, turns, max_turns=4)
     assert out.turns == [1, 3, 4] and out.tool_calls == [0, 2, 3]
     assert [len(c[0]) for c in script.calls] == [3, 2, 2, 1]  # only the active trajectories are continued
+    assert script.calls[1][2][0] > script.calls[1][2][1]  # each its own budget: row 2 has used more of it
     lengths = out.attention_mask.sum(1).tolist()
     assert out.response_ids.shape == (3, max(lengths)) and out.response_mask.sum(1).tolist() < lengths
 
