@@ -254,7 +254,7 @@ def format_accuracy_table(results: dict[str, dict[str, float]], baseline: str, k
             for _, key in cols
         ]
         if kl:
-            cells.append(f"{res['kl']:.2f}" if "kl" in res else "0")
+            cells.append(f"{res['kl']:.2f}" if "kl" in res else "0" if name == baseline else "—")
         row = f"| {name} | " + " | ".join(cells) + f" | {res['greedy_length']:.1f} |"
         if tools:
             row += (
