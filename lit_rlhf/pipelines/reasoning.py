@@ -268,8 +268,8 @@ def format_accuracy_table(results: dict[str, dict[str, float]], baseline: str, k
         + [
             "",
             f"- {n} held-out problems (the task's test split, never trained on); in brackets: "
-            f"points over {baseline}; pass@{k} and mean@{k} from {k} samples per problem "
-            "at the RL stages' sampling settings"
+            f"points over {baseline}"
+            + (f"; pass@{k} and mean@{k} from {k} samples per problem at the RL stages' sampling settings" if k else "")
             + (f"; KL: KL(policy ‖ {baseline}) in nats per response on those samples" if kl else "")
             + (
                 "; calls: the greedy trajectories' calculator calls, and the share of the steps of the problems' "
