@@ -87,7 +87,8 @@ STATS = (
 
 
 class EnvironmentResetError(UserError, RuntimeError):
-    """The environment itself failed (``reset`` raised): a bug of the environment, not the policy's."""
+    """The environment itself failed (its constructor or ``reset`` raised): a bug of the environment,
+    not the policy's; the run stops with this message."""
 
 
 @dataclass
@@ -219,14 +220,17 @@ class AgentLoop:
     def start(self, tokenizer: Any, batch: Mapping[str, Any], i: int) -> Trajectory:
         """Row ``i``'s environment (built, reset with the row's columns), tools and rendered prompt."""
         row = {k: v[i] for k, v in (batch.get("columns") or {}).items()}
-        env = self.env_class(**self.env_kwargs)
+        step = "__init__"
         try:
+            env = self.env_class(**self.env_kwargs)
+            step = "reset"
             obs = reset_environment(env, row)
         except UserError:
             raise
         except Exception as err:
             raise EnvironmentResetError(
-                f"{self.env_class.__qualname__}.reset raised {type(err).__name__}: {err}"
+                f"algo.environment: {self.env_class.__qualname__}.{step} raised {type(err).__name__}: {err} "
+                f"(prompt row {i} of the batch)"
             ) from err
         messages = [dict(m) for m in as_messages(batch["prompts"][i])]
         if obs:

@@ -326,3 +326,20 @@ def test_async_tools_are_awaited_in_their_workers(tok):
     me.Async = Async
     out, _, _ = run(tok, [[call("fetch", key="abc"), "x<|im_end|>"]], env="tests.rollout.test_agent.Async")
     assert "<|im_start|>tool\nABC<|im_end|>" in out.texts[0] and seen[0].startswith("lit-rlhf-tool")
+
+
+class BadReset(Calc):
+    def reset(self, answer=None, offset: int = 0) -> str | None:
+        raise KeyError("no such task")
+
+
+def test_an_environment_that_cannot_start_stops_the_run_naming_it(tok):
+    from lit_rlhf.rollout.agent import EnvironmentResetError
+
+    with pytest.raises(EnvironmentResetError, match=r"algo.environment: BadReset.reset raised KeyError.*row 0"):
+        run(tok, [["x<|im_end|>"]], env="tests.rollout.test_agent.BadReset")
+    loop = AgentLoop(AgentSettings(environment={"_target_": "tests.rollout.test_agent.Calc", "nope": 1}))
+    batch = {"prompt_ids": torch.zeros(1, 1, dtype=torch.long), "prompts": ["row 0"]}
+    with pytest.raises(EnvironmentResetError, match=r"Calc.__init__ raised TypeError"):
+        loop.run(Script(tok, [["x<|im_end|>"]]), batch, tok, GenerationConfig(max_new_tokens=50), tok.pad_token_id)
+    loop.close()
