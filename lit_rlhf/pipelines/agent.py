@@ -92,8 +92,6 @@ def evaluate_games(policies: dict[str, PolicyEval], n: int, seed: int, batch_siz
     import torch
 
     from lit_rlhf.data.agent_tasks import guess_prompts
-    from lit_rlhf.data.chat import get_template
-    from lit_rlhf.data.prompts import collate_prompts, encode_prompt
     from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.builders import build_causal_lm, freeze
     from lit_rlhf.models.spec import ModelSpec
@@ -111,26 +109,10 @@ def evaluate_games(policies: dict[str, PolicyEval], n: int, seed: int, batch_siz
             engine = engine_for(policy, gen, pe.path, engine)
             agent = AgentLoop(pe.agent)
             solved, guesses = [], []
+            torch.manual_seed(0)
             try:
-                for start in range(0, n, batch_size):
-                    chunk = games[start : start + batch_size]
-                    items = [
-                        (
-                            encode_prompt(tok, g["prompt"], pe.max_prompt_length, get_template(pe.template))[0],
-                            g["prompt"],
-                            {"secret": g["secret"]},
-                        )
-                        for g in chunk
-                    ]
-                    out = generate_and_score(
-                        policy,
-                        collate_prompts(items, tok.pad_token_id),
-                        tok,
-                        gen,
-                        policy_logprobs=False,
-                        engine=engine,
-                        agent=agent,
-                    )
+                for batch in pe.batches(tok, games, batch_size, "secret"):
+                    out = generate_and_score(policy, batch, tok, gen, policy_logprobs=False, engine=engine, agent=agent)
                     for reward, turns in zip(out.columns["env_reward"], out.columns["turns"]):
                         # a game solved at guess k scores 1 - 0.1 (k - 1); an unsolved one -0.1 k
                         won = abs(reward - (1.0 - 0.1 * (turns - 1))) < 1e-6
@@ -143,7 +125,6 @@ def evaluate_games(policies: dict[str, PolicyEval], n: int, seed: int, batch_siz
                 "solved": sum(solved) / len(solved),
                 "guesses": sum(guesses) / max(len(guesses), 1),
             }
-            torch.manual_seed(0)
     finally:
         if engine is not None:
             engine.close()

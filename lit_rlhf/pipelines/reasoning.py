@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -63,6 +64,20 @@ class PolicyEval:
     template: str
     max_prompt_length: int
     agent: Any = None
+
+    def batches(self, tok: Any, rows: list[dict[str, Any]], size: int, column: str) -> Iterator[dict[str, Any]]:
+        """``rows``' prompts in collated batches of ``size``, rendered with this policy's template and
+        prompt length, each with its ``column`` (the answer, the secret) for the rewards and the environment."""
+        from lit_rlhf.data.chat import get_template
+        from lit_rlhf.data.prompts import collate_prompts, encode_prompt
+
+        template = get_template(self.template)
+        for start in range(0, len(rows), size):
+            items = [
+                (encode_prompt(tok, r["prompt"], self.max_prompt_length, template)[0], r["prompt"], {column: r[column]})
+                for r in rows[start : start + size]
+            ]
+            yield collate_prompts(items, tok.pad_token_id)
 
 
 class ReasoningPipeline(StagePipeline):
@@ -177,8 +192,6 @@ def evaluate_reasoning(
     import torch
 
     from lit_rlhf.data.agent_tasks import tool_call_rates
-    from lit_rlhf.data.chat import get_template
-    from lit_rlhf.data.prompts import collate_prompts, encode_prompt
     from lit_rlhf.data.reasoning import answer_reward_fn
     from lit_rlhf.data.tokenizers import build_tokenizer
     from lit_rlhf.models.builders import build_causal_lm, freeze
@@ -207,17 +220,7 @@ def evaluate_reasoning(
             torch.manual_seed(0)
             parts = []
             try:
-                for start in range(0, len(problems), batch_size):
-                    chunk = problems[start : start + batch_size]
-                    items = [
-                        (
-                            encode_prompt(tok, r["prompt"], pe.max_prompt_length, get_template(pe.template))[0],
-                            r["prompt"],
-                            {"answer": r["answer"]},
-                        )
-                        for r in chunk
-                    ]
-                    batch = collate_prompts(items, tok.pad_token_id)
+                for batch in pe.batches(tok, problems, batch_size, "answer"):
                     parts.append(
                         evaluate_verifiable(
                             policy, batch, tok, pe.gen, scorer, k, engine=engine, reference=against, agent=agent
