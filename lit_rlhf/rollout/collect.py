@@ -19,7 +19,7 @@ from torch import Tensor
 from lit_rlhf.core.types import Rollout
 from lit_rlhf.data.chat import end_of_turn_ids, has_chat_template
 from lit_rlhf.rollout.forward import response_logprobs, response_values
-from lit_rlhf.rollout.generate import GenerationConfig, sample
+from lit_rlhf.rollout.generate import Continuation, GenerationConfig, sample
 from lit_rlhf.utils.facts import recall
 
 log = logging.getLogger(__name__)
@@ -92,11 +92,14 @@ def sample_responses(
     trajectory, the engine continuing every active one per turn; its prompts are re-rendered with
     the environment's tools."""
     stop, pad = stop_token_ids(tokenizer), tokenizer.pad_token_id
+    # the hf loop keeps each trajectory's KV cache between the turns of a multi-turn rollout
+    continuation = Continuation() if agent is not None and engine is None else None
 
     def draw(ids: Tensor, mask: Tensor, g: GenerationConfig, times: int = 1, budgets: list[int] | None = None) -> tuple:
         if engine is not None:
             return engine.sample(ids, mask, g, stop, pad, logprob_temperature, n=times, budgets=budgets)
-        return sample(policy, ids, mask, g, stop, pad, logprob_temperature)  # a row past its budget: cut after
+        # a row past its own budget is cut after
+        return sample(policy, ids, mask, g, stop, pad, logprob_temperature, continuation)
 
     if agent is not None:
         batch = repeat_prompts(batch, n) if n > 1 else batch

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -131,22 +132,33 @@ def _decode(
     eos_id: StopIds,
     pad_id: int,
     logprob_temperature: float | None = None,
-) -> tuple[list[Tensor], list[Tensor]]:
+    past: tuple[Any, Tensor, Tensor] | None = None,
+) -> tuple[list[Tensor], list[Tensor], Any, Tensor, Tensor]:
     """The decoding loop of :func:`sample`: prefill, then one token per forward; (B,) tokens per
     step, and with ``logprob_temperature`` each token's log-prob under the model's logits divided
-    by it (the sampler's own log-probs: the same distribution the trainer recomputes)."""
+    by it (the sampler's own log-probs: the same distribution the trainer recomputes). With
+    ``past`` = (a KV cache, its columns' ids, their mask: 0 = no token there), ``prompt_ids`` are
+    the tokens that follow the cached ones (a multi-turn rollout's next turn: :class:`Continuation`)
+    and only they are prefilled. Also returns the cache and the ids and mask of every column before
+    the generated tokens."""
     b, device = prompt_ids.shape[0], prompt_ids.device
     stop = eos_id if isinstance(eos_id, int) else torch.as_tensor(list(eos_id), device=device)
-    mask = prompt_mask.long()
-    positions = position_ids_from_mask(mask)
     from lit_rlhf.rollout import kv_cache
 
-    cache = kv_cache.preallocated_cache(model, prompt_ids.shape[1] + gen.max_new_tokens)
+    if past is None:
+        ids, mask = prompt_ids, prompt_mask.long()
+        cache = kv_cache.preallocated_cache(model, prompt_ids.shape[1] + gen.max_new_tokens)
+    else:
+        cache, past_ids, past_mask = past
+        ids, mask = torch.cat([past_ids, prompt_ids], 1), torch.cat([past_mask.long(), prompt_mask.long()], 1)
+        kv_cache.reserve(cache, ids.shape[1] + gen.max_new_tokens)
+    width = ids.shape[1]  # the columns before the first generated token
+    positions = position_ids_from_mask(mask)
     cache_kw = cache_keyword()
     out = model(
         input_ids=prompt_ids,
         attention_mask=mask,
-        position_ids=positions,
+        position_ids=positions[:, -prompt_ids.shape[1] :],
         use_cache=True,
         logits_to_keep=1,
         **{cache_kw: cache},
@@ -156,7 +168,7 @@ def _decode(
     seen = None
     if gen.repetition_penalty != 1.0:
         seen = torch.zeros(b, logits.shape[-1], dtype=torch.bool, device=device)
-        seen.scatter_(1, prompt_ids.masked_fill(mask == 0, 0), mask.bool())
+        seen.scatter_(1, ids.masked_fill(mask == 0, 0), mask.bool())
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     table = _decode_mask_table(model, mask, gen.max_new_tokens)
     forward: Any = model  # None: decide at the first decoding step (layer_step_ok)
@@ -185,7 +197,7 @@ def _decode(
             break
         if table is None:
             mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=device)], 1)
-        step_mask = mask if table is None else table[..., : prompt_ids.shape[1] + step + 1]
+        step_mask = mask if table is None else table[..., : width + step + 1]
         kwargs = {
             "input_ids": nxt[:, None],
             "attention_mask": step_mask,
@@ -205,7 +217,7 @@ def _decode(
             "sampling: the policy's next-token probabilities are not finite (NaN or inf logits): "
             "its weights or the prompts' activations have diverged"
         )
-    return tokens, logps
+    return tokens, logps, cache, ids, mask[:, :width]
 
 
 @torch.no_grad()
@@ -217,6 +229,7 @@ def sample(
     eos_id: StopIds,
     pad_id: int,
     logprob_temperature: float | None = None,
+    continuation: Continuation | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Generate responses for a left-padded batch of prompts with the KV cache.
 
@@ -236,18 +249,88 @@ def sample(
         eos_id: the token that ends a response, or several (EOS and a chat template's end-of-turn).
         logprob_temperature: also return the sampler's log-prob of each token under the logits
             divided by this (1 = the model's own distribution); None = not computed.
+        continuation: a multi-turn rollout's cache between calls (:class:`Continuation`): rows that
+            extend rows of the previous call are continued from its KV cache, only their new tokens
+            prefilled; the same tokens as a full prefill, up to float rounding.
     Returns:
         response_ids (B, R) with pad after each EOS, response_mask (B, R), ended (B,); R ≤ max_new_tokens;
         the sampler's log-probs (B, R), 0 after each EOS, or None.
     """
     was_training = model.training
     model.eval()
+    plan = continuation.plan(prompt_ids, prompt_mask) if continuation is not None else None
     try:
-        tokens, logps = _decode(model, prompt_ids, prompt_mask, gen, eos_id, pad_id, logprob_temperature)
+        if plan is None:
+            tokens, logps, cache, ids, mask = _decode(
+                model, prompt_ids, prompt_mask, gen, eos_id, pad_id, logprob_temperature
+            )
+        else:
+            block_ids, block_mask, past = plan
+            tokens, logps, cache, ids, mask = _decode(
+                model, block_ids, block_mask, gen, eos_id, pad_id, logprob_temperature, past
+            )
     finally:
         model.train(was_training)
     response_ids = torch.stack(tokens, 1)
     response_mask, ended = response_mask_from_eos(response_ids, eos_id)
+    if continuation is not None:
+        continuation.keep(cache, ids, mask, response_ids, response_mask)
     response_ids = torch.where(response_mask.bool(), response_ids, torch.full_like(response_ids, pad_id))
     sampler_logprobs = torch.stack(logps, 1) * response_mask if logps else None
     return response_ids, response_mask, ended, sampler_logprobs
+
+
+@dataclass
+class Continuation:
+    """The hf loop's KV cache kept from one call of :func:`sample` to the next within a multi-turn
+    rollout (rollout/agent.py: each turn continues the trajectories still going, their contexts grown
+    by the last turn and the environment's reply). A row whose context extends a row of the last call
+    is continued from that row's cached keys and values, and only its new tokens are prefilled, instead
+    of its whole context again. The cache keeps columns where a row has no token (the padding of a
+    row's new tokens, the steps after a row's turn ended): the mask says which, and positions count
+    the real tokens, so the logits are those of a full prefill up to float rounding. One per rollout."""
+
+    cache: Any = None
+    ids: Tensor | None = None  # (N, C) the tokens of the cache's columns
+    mask: Tensor | None = None  # (N, C) 1 = a real token there
+    tokens: list[list[int]] = field(default_factory=list)  # each row's real tokens in the cache, in order
+
+    def plan(self, prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor, tuple] | None:
+        """(the new tokens of each row, left-padded; their mask; the past to continue from), when
+        every row extends a row of the last call, in the same order; None otherwise (a full prefill)."""
+        if self.cache is None:
+            return None
+        rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        keep, blocks, j = [], [], 0
+        for row in rows:
+            while j < len(self.tokens) and not (
+                len(self.tokens[j]) < len(row) and row[: len(self.tokens[j])] == self.tokens[j]
+            ):
+                j += 1
+            if j == len(self.tokens):
+                return None
+            keep.append(j)
+            blocks.append(row[len(self.tokens[j]) :])
+            j += 1
+        from lit_rlhf.data.collate import pad as pad_rows
+        from lit_rlhf.rollout import kv_cache
+
+        index = torch.tensor(keep, device=self.mask.device)
+        kv_cache.keep_rows(self.cache, index)
+        block_ids, block_mask = pad_rows(blocks, 0, "left")
+        device = prompt_ids.device
+        return block_ids.to(device), block_mask.to(device), (self.cache, self.ids[index], self.mask[index])
+
+    def keep(self, cache: Any, ids: Tensor, mask: Tensor, response_ids: Tensor, response_mask: Tensor) -> None:
+        """Remember the cache after a call: its columns are ``ids`` (what preceded the generated
+        tokens) and every generated token but the last, which the loop never fed back."""
+        from lit_rlhf.rollout import kv_cache
+
+        if not kv_cache.continuable(cache):  # a sliding-window or other layer kind: full prefills
+            self.cache, self.tokens = None, []
+            return
+        fed = response_ids.shape[1] - 1
+        self.cache = cache
+        self.ids = torch.cat([ids, response_ids[:, :fed]], 1)
+        self.mask = torch.cat([mask, response_mask[:, :fed].to(mask.dtype)], 1)
+        self.tokens = [row[m.bool()].tolist() for row, m in zip(self.ids.cpu(), self.mask.cpu())]

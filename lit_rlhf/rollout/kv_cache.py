@@ -50,3 +50,29 @@ def preallocated_cache(model: Any, capacity: int) -> Any:
     cache = DynamicCache(config=model.config)
     cache.layers = [PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def continuable(cache: Any) -> bool:
+    """Whether a multi-turn rollout can keep ``cache`` from one turn to the next
+    (:func:`keep_rows`, :func:`reserve`): every layer is a :class:`PreallocatedLayer` that has been filled."""
+    return all(type(layer) is PreallocatedLayer and layer.is_initialized for layer in cache.layers)
+
+
+def keep_rows(cache: Any, rows: Tensor) -> None:
+    """Keep only the batch rows ``rows`` of every layer (in that order), in place."""
+    for layer in cache.layers:
+        layer._k, layer._v = layer._k[rows], layer._v[rows]
+        layer.keys, layer.values = layer._k[:, :, : layer.length], layer._v[:, :, : layer.length]
+
+
+def reserve(cache: Any, capacity: int) -> None:
+    """Grow every layer's buffers to hold ``capacity`` positions (the filled ones copied), if smaller."""
+    for layer in cache.layers:
+        if layer.capacity >= capacity:
+            continue
+        b, h, _, d = layer._k.shape
+        k, v = layer._k.new_empty(b, h, capacity, d), layer._v.new_empty(b, h, capacity, d)
+        k[:, :, : layer.length].copy_(layer._k[:, :, : layer.length])
+        v[:, :, : layer.length].copy_(layer._v[:, :, : layer.length])
+        layer._k, layer._v, layer.capacity = k, v, capacity
+        layer.keys, layer.values = k[:, :, : layer.length], v[:, :, : layer.length]

@@ -97,3 +97,39 @@ def test_sampler_logprobs_match_the_trainers_on_multi_turn_rows(agent_policy, ag
     assert env.any() and (r.sampler_logprobs[env] == 0).all()
     assert (r.sampler_logprobs - r.logprobs).abs()[mask].max().item() < 1e-4
     assert 0.0 <= float(sampler_mismatch(r.logprobs, r.sampler_logprobs, r.response_mask)["sampler_kl"]) < 1e-8
+
+
+def test_the_hf_loop_continues_each_game_from_its_kv_cache(agent_policy, agent_tok, monkeypatch):
+    """From the second turn on, the hf loop prefills only each game's new tokens (the last turn's
+    final token and the game's reply) onto the cache it kept (rollout/generate.py ``Continuation``):
+    the same games, greedy and sampled, as prefilling every context in full each turn."""
+    from lit_rlhf.rollout import generate
+    from lit_rlhf.rollout.generate import GenerationConfig
+
+    plans, prefilled = [], []
+    plan, decode = generate.Continuation.plan, generate._decode
+
+    def counting_plan(self, ids, mask):
+        out = plan(self, ids, mask)
+        plans.append(out is not None)
+        return out
+
+    def counting_decode(model, prompt_ids, prompt_mask, *args, **kwargs):
+        prefilled.append(int(prompt_mask.sum()))
+        return decode(model, prompt_ids, prompt_mask, *args, **kwargs)
+
+    monkeypatch.setattr(generate, "_decode", counting_decode)
+    results = {}
+    for name, continued in (("full", False), ("continued", True)):
+        monkeypatch.setattr(generate.Continuation, "plan", counting_plan if continued else lambda *a: None)
+        plans.clear(), prefilled.clear()
+        for gen in (GenerationConfig(max_new_tokens=40, do_sample=False), GenerationConfig(max_new_tokens=40)):
+            torch.manual_seed(0)
+            results[name, gen.do_sample] = rollout(agent_policy, agent_tok, gen, sampler_logprobs=True)[0]
+        results[name, "prefilled"] = sum(prefilled)
+    assert plans.count(False) == 2 and plans.count(True) > 4  # each rollout's turns after its first continued
+    assert results["continued", "prefilled"] < results["full", "prefilled"] / 2
+    for sampled in (False, True):
+        full, cont = results["full", sampled], results["continued", sampled]
+        assert torch.equal(full.response_ids, cont.response_ids) and full.columns == cont.columns
+        torch.testing.assert_close(cont.sampler_logprobs, full.sampler_logprobs, rtol=0, atol=1e-5)
