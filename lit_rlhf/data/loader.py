@@ -21,6 +21,7 @@ The position is ``(epoch, batches yielded)``. It is exact because
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -43,6 +44,11 @@ class ResumableDataLoader(DataLoader):
         self._epoch: int | None = None
         self._yielded = 0
         self._pending: dict[str, Any] | None = None
+        self.lookahead = 0
+        """Batches of the epoch shown ahead: each batch (a mapping) also holds ``"ahead"``, the list
+        of the next ones (at most this many, fewer at the epoch's end), which are yielded again in
+        their turn. Asynchronous rollouts sample them early (lit_rlhf/modules/rl.py). The position
+        counts the batches yielded, not those read ahead: a resume yields those again."""
 
     def _sampler_epoch(self) -> int | None:
         for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
@@ -91,6 +97,15 @@ class ResumableDataLoader(DataLoader):
             self._yielded += 1
         if skip:
             log.info("resumed mid-epoch: skipped the %d batches of epoch %s trained before the checkpoint", skip, epoch)
+        ahead: collections.deque = collections.deque()
         for batch in it:
-            self._yielded += 1
-            yield batch
+            ahead.append(batch)
+            if len(ahead) > self.lookahead:
+                yield self._next(ahead)
+        while ahead:
+            yield self._next(ahead)
+
+    def _next(self, ahead: collections.deque) -> Any:
+        batch = ahead.popleft()
+        self._yielded += 1
+        return {**batch, "ahead": list(ahead)} if self.lookahead else batch

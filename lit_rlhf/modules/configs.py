@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lit_rlhf.core.objectives import AGGREGATIONS, CORRECTIONS, PAIR_LOSSES, POLICY_LOSSES, PairLoss, check_name
-from lit_rlhf.rollout.config import GenerationConfig
+from lit_rlhf.rollout.config import GenerationConfig, RolloutModeConfig
 from lit_rlhf.utils.config import check
 
 
@@ -138,6 +138,8 @@ class RLConfig(PolicyConfig):
     """Max tokens when a reward model with its own tokenizer re-tokenizes prompt + response."""
     rollout_batch_size: int = field(default=32, metadata={"ge": 1})
     """Responses sampled per RL iteration and process (the rollout buffer; sets the prompt loader's batch)."""
+    rollout: RolloutModeConfig = field(default_factory=RolloutModeConfig)
+    """Synchronous or asynchronous rollouts (``algo.rollout.mode``, ``max_staleness``; docs/async.md)."""
     minibatch_size: int | None = field(default=None, metadata={"ge": 1})
     """Responses per optimizer step; None = the whole rollout (one step per pass)."""
     micro_batch_size: int | None = field(default=None, metadata={"ge": 1})
@@ -259,6 +261,18 @@ class RLConfig(PolicyConfig):
         ):
             problem = check_name(table, getattr(self, key))
             check(problem is None, key, problem or "")
+        check(
+            self.rollout.mode == "sync" or self.rollout_correction != "none",
+            "rollout_correction",
+            "algo.rollout.mode=async trains on rollouts sampled by older weights: name the correction, e.g. "
+            "algo.rollout_correction=decoupled (the behaviour weight of decoupled PPO) or tis (docs/async.md)",
+        )
+        check(
+            self.rollout.mode == "sync" or self.generation.engine == "hf",
+            "rollout.mode",
+            "async rollouts sample with the hf engine (algo.generation.engine=hf); the vllm engine samples "
+            "synchronously (algo.rollout.mode=sync)",
+        )
         objective = POLICY_LOSSES.get(self.policy_loss)
         check(
             self.clip_eps_high >= self.clip_eps_low or (objective is not None and not objective.ordered_clip),

@@ -73,15 +73,15 @@ class CriticFreeModule(RLModule):
         return self.config.num_iterations
 
     # ------------------------------------------------------------------- 1. collect
-    def sample(self, batch: dict[str, Any], policy_logprobs: bool = True) -> Rollout:
+    def sample(self, batch: dict[str, Any], policy_logprobs: bool = True, drawn: Any = None) -> Rollout:
         """:meth:`RLModule.sample`; with ``advantage_baseline=greedy`` (ReMax) each row also gets the
         score of the greedy response to its prompt (``baseline_scores``), decoded first, so that the
         scorer's per-component rewards (``reward/<name>``) are the sampled responses'. Greedy
         decoding draws no random numbers: the sampled responses are those of a run without it."""
         if self.config.advantage_baseline != "greedy":
-            return super().sample(batch, policy_logprobs)
+            return super().sample(batch, policy_logprobs, drawn)
         greedy = self.greedy_scores(batch)
-        rollout = super().sample(batch, policy_logprobs)
+        rollout = super().sample(batch, policy_logprobs, drawn)
         rollout.baseline_scores = greedy.repeat_interleave(self.responses_per_prompt())
         return rollout
 

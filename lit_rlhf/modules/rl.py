@@ -106,6 +106,7 @@ class RLModule(RLHFModule):
         self.scorer: Any = None
         self.gold_scorer: Any = None
         self.agent: Any = None  # the multi-turn rollout (algo.environment), built at the first rollout
+        self.producer: Any = None  # the asynchronous rollouts' producer (algo.rollout.mode=async)
         # β's one source (docs/algorithms.md §2.3): every loss, reward and log reads it here
         if c.adaptive_kl:
             self.kl_ctl = AdaptiveKLController(c.kl_coef, c.kl_target, c.kl_horizon)
@@ -150,15 +151,21 @@ class RLModule(RLHFModule):
         :meth:`update`) instead of separate no-grad passes: exact, and two forwards cheaper.
         """
         fused = self.fused_first_forward(batch["prompt_ids"].shape[0] * self.responses_per_prompt())
-        rollout, stats = self.refine_rollout(self.sample(batch, policy_logprobs=not fused), batch, fused)
+        drawn, produced = self.produced(batch)
+        rollout, stats = self.refine_rollout(self.sample(batch, policy_logprobs=not fused, drawn=drawn), batch, fused)
+        stats.update(produced)
         if fused:
             self._first_forward = self.policy_forward(rollout)
             rollout.logprobs = self._first_forward.logprobs.detach()
             if self.critic is not None:
                 rollout.values = self._first_forward.values.detach()
         required = ["logprobs", "scores"] + ["values"] * (self.critic is not None)
-        if self.agent is not None:  # every trajectory of the iteration (ReMax's greedy ones included)
-            stats.update({f"agent/{k}": torch.tensor(v) for k, v in self.agent.take_stats().items()})
+        counts = drawn.agent_counts if drawn is not None else None  # the producer's trajectories
+        if self.agent is not None or counts:  # every trajectory of the iteration (ReMax's greedy ones included)
+            from lit_rlhf.rollout.agent import summarize_counts
+
+            agent = self.agent.take_stats(counts) if self.agent is not None else summarize_counts(counts)
+            stats.update({f"agent/{k}": torch.tensor(v) for k, v in agent.items()})
         if self.engine is not None:
             stats["perf/engine_sync_s"] = torch.tensor(self.engine.take_sync_seconds())
         if rollout.sampler_logprobs is not None:  # the sampler–trainer mismatch (docs/algorithms.md §2.10)
@@ -195,10 +202,11 @@ class RLModule(RLHFModule):
             "run the same command with ckpt_path=last."
         )
 
-    def sample(self, batch: dict[str, Any], policy_logprobs: bool = True) -> Rollout:
+    def sample(self, batch: dict[str, Any], policy_logprobs: bool = True, drawn: Any = None) -> Rollout:
         """:meth:`responses_per_prompt` responses to each prompt of ``batch`` (a prompt's rows are
         consecutive), scored by every model the run holds; the policy (and critic) only when
-        ``policy_logprobs`` (False: the fused first forward scores them)."""
+        ``policy_logprobs`` (False: the fused first forward scores them). ``drawn``: the producer's
+        sample of ``batch`` (:meth:`produced`), scored instead of sampling here."""
         c: RLConfig = self.config
         with self.rollout_grad_mode():
             rollout = generate_and_score(
@@ -215,9 +223,88 @@ class RLModule(RLHFModule):
                 sampler_logprobs=c.monitor_sampler or c.rollout_correction != "none",
                 engine=self.rollout_engine(self.actor),
                 responses_per_prompt=self.responses_per_prompt(),
-                agent=self.agent_loop(),
+                agent=self.agent_loop() if drawn is None else None,
+                drawn=drawn.drawn if drawn is not None else None,
             )
         return rollout.normal_tensors()
+
+    def produced(self, batch: dict[str, Any]) -> tuple[Any, dict[str, Tensor]]:
+        """Asynchronous rollouts (``algo.rollout.mode=async``, lit_rlhf/rollout/producer.py): hand the
+        producer this iteration's prompts and those the loader looked ahead at (``batch["ahead"]``,
+        each ticket once), and take this iteration's sample (the rollout path's output, its policy
+        version) with its statistics. Bound 0: the trainer's random state goes with the ticket and
+        comes back with the sample, as if the trainer had sampled. Sync: (None, {})."""
+        ahead = batch.pop("ahead", [])
+        c = self.config.rollout
+        if c.mode == "sync":
+            return None, {}
+        producer, k = self.rollout_producer(), self.iteration
+        for j, prompts in enumerate([batch, *ahead]):
+            if not producer.handed_out(k + j):
+                producer.submit(k + j, prompts, capture_rng() if c.max_staleness == 0 else None)
+        asked = time.perf_counter()
+        drawn = producer.take(k)
+        if drawn.rng is not None:
+            restore_rng(drawn.rng)
+        staleness = k - drawn.version
+        stats = {f"async/staleness_{v}": torch.tensor(float(v == staleness)) for v in range(c.max_staleness + 1)}
+        stats.update(
+            {
+                "async/staleness": torch.tensor(float(staleness)),
+                "async/wait_s": torch.tensor(time.perf_counter() - asked),
+                "async/producer_sample_s": torch.tensor(drawn.sample_s),
+                "async/producer_weights_wait_s": torch.tensor(drawn.weights_wait_s),
+                "async/restarts": torch.tensor(float(producer.restarted)),
+            }
+        )
+        return drawn, stats
+
+    def rollout_producer(self) -> Any:
+        """The producer of ``algo.rollout.mode=async`` (lit_rlhf/rollout/producer.py), started at the
+        first call with the policy's weights as version :attr:`rl_iteration`, its torch threads
+        taken from the trainer's; stopped in :meth:`teardown`."""
+        if self.producer is not None:
+            return self.producer
+        from lit_rlhf.rollout.agent import agent_settings, check_agent_tokenizer
+        from lit_rlhf.rollout.producer import AsyncRollouts, ProducerSettings
+
+        c: RLConfig = self.config
+        if self.device.type != "cpu" or (self._trainer is not None and self.trainer.world_size > 1):
+            raise ConfigError(
+                "rollout.mode",
+                "async rollouts run in one training process on the CPU (this run: "
+                f"{self.device.type}, {self.trainer.world_size} process(es)); use algo.rollout.mode=sync",
+            )
+        settings = None
+        if c.environment is not None:
+            check_agent_tokenizer(self.tokenizer)
+            dm = getattr(self.trainer, "datamodule", None)
+            settings = agent_settings(c, getattr(getattr(dm, "config", None), "max_prompt_length", None))
+        # bound 0 overlaps nothing: the producer samples with the trainer's threads (the float sums of a
+        # product depend on their number: then the samples are the synchronous run's bit for bit)
+        threads = self._threads = torch.get_num_threads()
+        overlap = c.rollout.max_staleness > 0
+        mine = c.rollout.producer_threads or (max(1, threads // 2) if overlap else threads)
+        if overlap:
+            torch.set_num_threads(max(1, threads - mine))
+        sampler = c.monitor_sampler or c.rollout_correction != "none"
+        self.producer = AsyncRollouts(
+            self.actor,
+            self.tokenizer,
+            ProducerSettings(
+                gen=c.generation,
+                responses_per_prompt=self.responses_per_prompt(),
+                logprob_temperature=self.logprob_temperature() if sampler else None,
+                agent=settings,
+                seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # the run's seed (pl.seed_everything)
+                threads=mine,
+            ),
+            c.rollout.max_staleness,
+            c.rollout.restarts,
+            c.rollout.timeout_s,
+        )
+        self.producer.start(self.iteration)
+        return self.producer
 
     def agent_loop(self) -> Any:
         """The multi-turn rollout of ``algo.environment`` (lit_rlhf/rollout/agent.py), built at the
@@ -510,6 +597,8 @@ class RLModule(RLHFModule):
         """Count the iteration, log its statistics and timings, and return the step output the
         monitor callbacks read (raw score statistics, KL, perplexity and length are theirs)."""
         self.iteration += 1
+        if self.producer is not None:  # async: the producer samples the coming rollouts with these weights
+            self.producer.publish(self.iteration)
         now = time.perf_counter()
         n = rollout.response_mask.shape[0]
         stats = {
@@ -624,6 +713,10 @@ class RLModule(RLHFModule):
         if self.agent is not None:
             agent, self.agent = self.agent, None
             agent.close()
+        if self.producer is not None:
+            producer, self.producer = self.producer, None
+            producer.close()
+            torch.set_num_threads(self._threads)
 
     def on_validation_start(self) -> None:
         if self.trainer.state.fn == "validate":  # trainer.validate() before fit: no on_fit_start
@@ -706,6 +799,23 @@ class RLModule(RLHFModule):
                 ptx_source,
                 "algo.ptx_coef=0" if hasattr(self.config, "ptx_coef") else "this stage has no PPO-ptx term",
             )
+
+    def on_train_start(self) -> None:
+        """Async rollouts: the prompt loader shows ``max_staleness`` batches ahead (their tickets are
+        handed to the producer early, lit_rlhf/data/loader.py ``lookahead``)."""
+        c = self.config.rollout
+        if c.mode == "async" and c.max_staleness > 0:
+            from lit_rlhf.utils.compat.lightning import combined_loader
+
+            combined = combined_loader(self.trainer)
+            loaders = combined.iterables if combined is not None else None
+            loader = loaders.get("prompts") if isinstance(loaders, dict) else loaders
+            if not hasattr(loader, "lookahead"):
+                raise ConfigError(
+                    "rollout.max_staleness",
+                    f"async rollouts ahead of the trainer need lit_rlhf's prompt loader; got {type(loader).__name__}",
+                )
+            loader.lookahead = c.max_staleness
 
     @classmethod
     def needs_reference(cls, config: RLConfig) -> bool:

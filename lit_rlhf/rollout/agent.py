@@ -122,6 +122,17 @@ def agent_settings(algo: Any, max_prompt_length: int | None = None) -> AgentSett
     )
 
 
+def summarize_counts(s: dict[str, int]) -> dict[str, float]:
+    """``agent/*`` of raw counts: per-trajectory means of turns, calls, truncations; the share of
+    the environment's tokens; the other counts as they are."""
+    n = max(s["trajectories"], 1)
+    tokens = max(s["policy_tokens"] + s["env_tokens"], 1)
+    out = {k: float(s[k]) for k in STATS if k not in ("trajectories", "policy_tokens", "env_tokens")}
+    out.update(turns=s["turns"] / n, tool_calls=s["tool_calls"] / n)
+    out.update(truncated=s["truncated"] / n, max_turns=s["max_turns"] / n, env_token_frac=s["env_tokens"] / tokens)
+    return out
+
+
 @dataclass
 class Trajectory:
     """One trajectory while it runs: its conversation, its ids (the prompt's and every later
@@ -181,15 +192,18 @@ class AgentLoop:
         """Stop taking tool calls (a call still running past its timeout is left to finish)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def take_stats(self) -> dict[str, float]:
-        """``agent/*`` statistics of the trajectories since the last call (docs/metrics.md)."""
+    def take_stats(self, other: dict[str, int] | None = None) -> dict[str, float]:
+        """``agent/*`` statistics of the trajectories since the last call (docs/metrics.md), with
+        those of ``other`` counts (another loop's :meth:`take_counts`: an asynchronous producer's)."""
+        s = self.take_counts()
+        for k, v in (other or {}).items():
+            s[k] += v
+        return summarize_counts(s)
+
+    def take_counts(self) -> dict[str, int]:
+        """The raw counts since the last call (reset)."""
         s, self.stats = self.stats, dict.fromkeys(STATS, 0)
-        n = max(s["trajectories"], 1)
-        tokens = max(s["policy_tokens"] + s["env_tokens"], 1)
-        out = {k: float(s[k]) for k in STATS if k not in ("trajectories", "policy_tokens", "env_tokens")}
-        out.update(turns=s["turns"] / n, tool_calls=s["tool_calls"] / n)
-        out.update(truncated=s["truncated"] / n, max_turns=s["max_turns"] / n, env_token_frac=s["env_tokens"] / tokens)
-        return out
+        return s
 
     # ------------------------------------------------------------------ the loop
     def run(self, draw: Draw, batch: Mapping[str, Any], tokenizer: Any, gen: Any, pad_id: int) -> AgentRollout:

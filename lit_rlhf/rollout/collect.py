@@ -132,6 +132,7 @@ def generate_and_score(
     engine: Any = None,
     responses_per_prompt: int = 1,
     agent: Any = None,
+    drawn: tuple | None = None,
 ) -> Rollout:
     """Sample ``responses_per_prompt`` responses per prompt and score them with each model given.
 
@@ -155,11 +156,15 @@ def generate_and_score(
         agent: a :class:`~lit_rlhf.rollout.agent.AgentLoop`: each response is a multi-turn trajectory
             with an environment (``response_attention_mask`` holds its tokens, ``response_mask`` the
             policy's; the columns ``env_reward``, ``tool_calls`` and ``turns`` are added); None = one turn.
+        drawn: the responses already sampled, :func:`sample_responses`' output for ``batch`` (an
+            asynchronous producer's, rollout/producer.py); None = sampled here.
     Returns:
         the :class:`Rollout`; fields of models not given are None, ``rewards``/``advantages``/``returns`` too.
     """
     lt = logprob_temperature if sampler_logprobs else None
-    batch, sampled, turns = sample_responses(policy, batch, tokenizer, gen, engine, responses_per_prompt, lt, agent)
+    if drawn is None:
+        drawn = sample_responses(policy, batch, tokenizer, gen, engine, responses_per_prompt, lt, agent)
+    batch, sampled, turns = drawn
     response_ids, response_mask, ended, sampled_logprobs = sampled
     attention = turns.attention_mask if turns is not None else response_mask  # the environment's tokens too
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]

@@ -1,6 +1,6 @@
 """``GenerationConfig`` (``algo.generation.*``): the rollout's sampling settings, apart from the
 decoding loop (rollout/generate.py, which re-exports it) so that the stages' configs import
-without torch."""
+without torch; ``RolloutModeConfig`` (``algo.rollout.*``): synchronous or asynchronous rollouts."""
 
 from __future__ import annotations
 
@@ -75,3 +75,30 @@ class GenerationConfig:
     equal to the model's forward up to float rounding; skipped, with a warning, when the copy would
     take more than half of the memory available). False = the layers' own ops, bit for bit.
     No effect elsewhere (GPU, bf16, LoRA or hooked layers)."""
+
+
+@dataclass
+class RolloutModeConfig:
+    """``algo.rollout.*``: who samples when (docs/async.md). sync: each RL iteration samples its own
+    rollout, then trains on it. async: a producer process (lit_rlhf/rollout/producer.py) samples the
+    rollouts of the iterations ahead while the trainer trains, with weights at most ``max_staleness``
+    policy versions old; the update weighs them with ``algo.rollout_correction``."""
+
+    mode: Literal["sync", "async"] = "sync"
+    """sync, or async (the hf engine on CPU, one training process; a correction is required)."""
+    max_staleness: int = field(default=1, metadata={"ge": 0})
+    """Policy versions a sample may lag (async): the rollout iteration k trains on was sampled with
+    the weights of an iteration ≥ k − max_staleness (a version is the policy after an RL iteration,
+    all its minibatch steps). The producer starts no more than this many rollouts ahead. 0: the
+    producer samples each rollout with the weights and the random state the synchronous run would
+    have used: the synchronous run, draw for draw, in another process."""
+    producer_threads: int | None = field(default=None, metadata={"ge": 1})
+    """torch threads of the producer; the trainer keeps the rest of its own (at least one). None =
+    half of the trainer's (at least one); at bound 0, where nothing overlaps, all of them (and the
+    trainer keeps its own)."""
+    restarts: int = field(default=1, metadata={"ge": 0})
+    """A producer that dies (killed, out of memory) is started again this many times in a run, its
+    unfinished rollouts sampled again; once more and the run stops with an error naming this key."""
+    timeout_s: float = field(default=1800.0, metadata={"gt": 0.0})
+    """A rollout the producer has not delivered this long after the trainer asked for it stops the
+    run with an error (a hung producer: a tool that never returns, a dead lock)."""

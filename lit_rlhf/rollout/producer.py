@@ -1,0 +1,359 @@
+"""Asynchronous rollouts: a producer process samples the rollouts of the coming RL iterations while
+the trainer trains (``algo.rollout.mode=async``; docs/async.md).
+
+The trainer (lit_rlhf/modules/rl.py) hands the producer the prompts of iteration ``k`` and of the
+iterations ahead, as the prompt loader looks ahead (lit_rlhf/data/loader.py ``lookahead``); each is
+a *ticket*, numbered by the iteration that will train on it. The producer samples the tickets in
+order through the one rollout path (rollout/collect.py ``sample_responses``: the hf loop, one turn
+or multi-turn with the run's environment) with its own copy of the policy. Its weights come from a
+:class:`WeightBoard`, one shared-memory copy of the trained tensors that the trainer overwrites
+after every RL iteration, stamped with the iteration's number (the *policy version*).
+
+**The bound.** Ticket ``k`` may only be sampled with a version ≥ ``k − max_staleness``: the
+producer waits for it (and takes the newest version there is when it starts the ticket), and the
+trainer hands out no ticket beyond ``k + max_staleness``. So no finished rollout is ever too old to
+be trained on, none is thrown away, and a slow rollout holds the trainer back instead of being
+dropped. Each delivered rollout carries its version; ``k − version`` is its staleness.
+
+**Bound 0** is the synchronous run in another process: ticket ``k`` is sampled with version ``k``
+(the weights after iteration ``k − 1``) and with the trainer's random state, handed over with the
+ticket and handed back with the rollout. At a bound above 0 each ticket samples from its own seed
+(the run's seed and the ticket): a resumed run samples each ticket with the same random numbers.
+
+**Faults.** A producer that dies is started again (``algo.rollout.restarts`` times in a run) and
+samples its unfinished tickets again; then the run stops with an error naming the key. A producer
+whose trainer died (SIGKILL) is killed with it (Linux; elsewhere it exits before its next ticket).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from lit_rlhf.utils.rng import capture_rng, restore_rng
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+"""How often a waiting side looks at the other (the trainer at the producer's health, the producer
+at its trainer's)."""
+
+
+class ProducerError(RuntimeError):
+    """The producer failed: its exception, or it died more often than ``algo.rollout.restarts``."""
+
+
+@dataclass
+class Ticket:
+    """One rollout to sample: the prompts of the RL iteration ``ticket`` (as the loader collates
+    them), the oldest policy version allowed, and the trainer's random state at bound 0."""
+
+    ticket: int
+    batch: dict[str, Any]
+    need: int
+    rng: dict[str, Any] | None = None
+
+
+@dataclass
+class Drawn:
+    """A sampled ticket: ``sample_responses``' output (``drawn``), the policy version that sampled
+    it, the random state after sampling (bound 0), and the producer's timings and statistics."""
+
+    ticket: int
+    version: int
+    drawn: tuple
+    rng: dict[str, Any] | None
+    sample_s: float
+    weights_wait_s: float
+    agent_counts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class ProducerSettings:
+    """What the producer samples with: the run's sampling settings and responses per prompt, the
+    log-prob temperature of the sampler's log-probs (None: not kept), the multi-turn settings
+    (None: one turn), the seed of the tickets at a bound above 0, its torch threads, and a test's
+    delay (``ticket -> seconds`` slept before sampling; a picklable function)."""
+
+    gen: Any
+    responses_per_prompt: int
+    logprob_temperature: float | None
+    agent: Any = None
+    seed: int = 0
+    threads: int = 1
+    delay: Callable[[int], float] | None = None
+
+
+class WeightBoard:
+    """The trained weights the producer reads: one shared-memory copy of each trainable tensor of
+    the policy (frozen ones never change: the producer's copy of the model has them), the version
+    they are (the RL iterations done), and a publication count; one lock for writes and reads, so a
+    reader never sees half of a version."""
+
+    def __init__(self, model: nn.Module, ctx: Any) -> None:
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        params = dict(model.named_parameters())
+        self.tensors = {n: params[n].detach().clone().share_memory_() for n in self.names}
+        self.version = ctx.Value("q", -1, lock=False)
+        self.serial = ctx.Value("q", 0, lock=False)
+        self.cond = ctx.Condition()
+
+    def publish(self, model: nn.Module, version: int, alive: Callable[[], bool]) -> bool:
+        """Copy ``model``'s trained tensors in as ``version`` and wake a producer that waits; False
+        when the lock stays taken by a reader that is no longer ``alive()`` (killed mid-copy)."""
+        while not self.cond.acquire(timeout=POLL_S):
+            if not alive():
+                return False
+        try:
+            params = dict(model.named_parameters())
+            with torch.no_grad():
+                for n in self.names:
+                    self.tensors[n].copy_(params[n].detach())
+            self.version.value = version
+            self.serial.value += 1
+            self.cond.notify_all()
+        finally:
+            self.cond.release()
+        return True
+
+    def read(self, model: nn.Module, need: int, serial: int, alive: Callable[[], bool]) -> tuple[int, int]:
+        """Wait for a version ≥ ``need`` (while ``alive()``), copy the newest into ``model`` unless it
+        is the publication ``serial`` it already holds; returns (version, serial)."""
+        with self.cond:
+            while self.version.value < need:
+                if not alive():
+                    raise SystemExit(0)
+                self.cond.wait(POLL_S)
+            if self.serial.value != serial:
+                params = dict(model.named_parameters())
+                with torch.no_grad():
+                    for n in self.names:
+                        params[n].copy_(self.tensors[n])
+            return int(self.version.value), int(self.serial.value)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the trainer that started it dies, even mid-sample
+    (prctl PR_SET_PDEATHSIG); elsewhere the producer notices between tickets (:func:`_parent_alive`)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _parent_alive(parent: int) -> Callable[[], bool]:
+    return lambda: os.getppid() == parent
+
+
+def _produce(
+    model: nn.Module, tokenizer: Any, settings: ProducerSettings, board: WeightBoard, jobs: Any, out: Any, parent: int
+) -> None:
+    """The producer process: sample the tickets of ``jobs`` in order into ``out`` until a None."""
+    from lit_rlhf.rollout.collect import sample_responses
+
+    _die_with_parent()
+    torch.set_num_threads(settings.threads)
+    alive = _parent_alive(parent)
+    agent = None
+    if settings.agent is not None:
+        from lit_rlhf.rollout.agent import AgentLoop
+
+        agent = AgentLoop(settings.agent)
+    model.eval()
+    serial = 0
+    try:
+        while True:
+            try:
+                job: Ticket | None = jobs.get(timeout=POLL_S)
+            except queue.Empty:
+                if not alive():
+                    return
+                continue
+            if job is None:
+                return
+            started = time.perf_counter()
+            version, serial = board.read(model, job.need, serial, alive)
+            sampling = time.perf_counter()
+            if settings.delay is not None:
+                time.sleep(settings.delay(job.ticket))
+            if job.rng is not None:
+                restore_rng(job.rng)
+            else:
+                torch.manual_seed(settings.seed * 1_000_003 + job.ticket)
+            with torch.inference_mode():
+                drawn = sample_responses(
+                    model,
+                    job.batch,
+                    tokenizer,
+                    settings.gen,
+                    None,
+                    settings.responses_per_prompt,
+                    settings.logprob_temperature,
+                    agent,
+                )
+            out.put(
+                Drawn(
+                    ticket=job.ticket,
+                    version=version,
+                    drawn=drawn,
+                    rng=capture_rng() if job.rng is not None else None,
+                    sample_s=time.perf_counter() - sampling,
+                    weights_wait_s=sampling - started,
+                    agent_counts=agent.take_counts() if agent is not None else {},
+                )
+            )
+    except SystemExit:
+        return
+    except BaseException as err:  # the trainer raises it, with the producer's traceback
+        out.put(ProducerError(f"the rollout producer failed: {err!r}\n{traceback.format_exc()}"))
+    finally:
+        if agent is not None:
+            agent.close()
+
+
+class AsyncRollouts:
+    """The trainer's side: start the producer, hand it tickets, take their rollouts in order,
+    publish the weights after each iteration; restart a producer that died."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        settings: ProducerSettings,
+        max_staleness: int,
+        restarts: int,
+        timeout_s: float,
+    ) -> None:
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.max_staleness, self.restarts, self.timeout_s = max_staleness, restarts, timeout_s
+        self.ctx = mp.get_context("spawn")
+        self.board: WeightBoard | None = None
+        self.process: Any = None
+        self.jobs: Any = None
+        self.out: Any = None
+        self.pending: dict[int, Ticket] = {}  # handed out, not yet taken
+        self.ready: dict[int, Drawn] = {}  # delivered, not yet taken
+        self.version = -1
+        self.restarted = 0
+        self.max_held = 0  # most rollouts handed out and not taken at once (the bound's check)
+
+    # ------------------------------------------------------------------ the producer
+    def start(self, version: int) -> None:
+        """Start the producer with the policy's weights as ``version`` (the RL iterations done)."""
+        import copy
+
+        # a board of its own: a producer killed while reading may have left the last one's lock taken
+        self.board = WeightBoard(self.model, self.ctx)
+        self.board.publish(self.model, version, lambda: True)
+        self.version = version
+        self.jobs, self.out = self.ctx.Queue(), self.ctx.Queue()
+        # a copy: pickling shares the tensors' memory with the child, which must not be the trained ones
+        replica = copy.deepcopy(self.model).eval()
+        args = (replica, self.tokenizer, self.settings, self.board, self.jobs, self.out, os.getpid())
+        self.process = self.ctx.Process(target=_produce, args=args, name="lit_rlhf-rollout-producer", daemon=True)
+        self.process.start()
+        del replica
+        for t in sorted(self.pending):  # a restart: the tickets not delivered, sampled again
+            if t not in self.ready:
+                self.jobs.put(self.pending[t])
+
+    def publish(self, version: int) -> None:
+        """The trained weights after RL iteration ``version`` − 1: the producer's from now on."""
+        self.version = version
+        if self.process is not None:  # else: the next start publishes it
+            alive = self.process.is_alive
+            if not self.board.publish(self.model, version, alive):
+                self._restart()
+
+    def close(self) -> None:
+        if self.process is None:
+            return
+        process, self.process = self.process, None
+        try:
+            self.jobs.put(None)
+            process.join(timeout=10)
+        finally:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+            for q in (self.jobs, self.out):
+                q.cancel_join_thread()
+                q.close()
+
+    # ------------------------------------------------------------------ tickets
+    def submit(self, ticket: int, batch: dict[str, Any], rng: dict[str, Any] | None = None) -> None:
+        """Hand out ``ticket`` (the prompts of that RL iteration); ``rng``: the trainer's random state
+        (bound 0 only)."""
+        job = Ticket(ticket=ticket, batch=_detached(batch), need=ticket - self.max_staleness, rng=rng)
+        self.pending[ticket] = job
+        self.max_held = max(self.max_held, len(self.pending))
+        self.jobs.put(job)
+
+    def handed_out(self, ticket: int) -> bool:
+        return ticket in self.pending
+
+    def take(self, ticket: int) -> Drawn:
+        """The rollout of ``ticket``, waiting for it; a dead producer is restarted (its tickets
+        sampled again) up to ``restarts`` times in the run."""
+        deadline = time.monotonic() + self.timeout_s
+        while ticket not in self.ready:
+            try:
+                item = self.out.get(timeout=POLL_S)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    self._restart()
+                elif time.monotonic() > deadline:
+                    raise ProducerError(
+                        f"the rollout producer has not delivered the rollout of RL iteration {ticket} in "
+                        f"{self.timeout_s:.0f} s (algo.rollout.timeout_s)"
+                    ) from None
+                continue
+            if isinstance(item, ProducerError):
+                raise item
+            self.ready[item.ticket] = item
+        self.pending.pop(ticket)
+        return self.ready.pop(ticket)
+
+    def _restart(self) -> None:
+        code = self.process.exitcode
+        if self.restarted >= self.restarts:
+            raise ProducerError(
+                f"the rollout producer died (exit code {code}) and was restarted {self.restarted} time(s) "
+                f"already (algo.rollout.restarts={self.restarts}); the last checkpoint resumes the run "
+                "(ckpt_path=last)"
+            )
+        self.restarted += 1
+        log.warning(
+            "the rollout producer died (exit code %s): starting it again (%d of algo.rollout.restarts=%d), "
+            "its %d unfinished rollout(s) sampled again",
+            code,
+            self.restarted,
+            self.restarts,
+            len(self.pending) - len(self.ready),
+        )
+        self.process = None
+        self.start(self.version)
+
+
+def _detached(batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` with its tensors on the CPU (what crosses to the producer)."""
+    out = {}
+    for k, v in batch.items():
+        out[k] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
+    return out

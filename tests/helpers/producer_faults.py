@@ -1,0 +1,25 @@
+"""Faults injected into the asynchronous rollouts' producer (tests/rollout/test_producer.py): top-level,
+so that the producer process (spawned) can unpickle them."""
+
+from __future__ import annotations
+
+import random
+
+
+def heavy_tailed(ticket: int) -> float:
+    """Seconds a ticket's sampling is held back: mostly nothing, one in five a Pareto-tailed pause."""
+    rng = random.Random(ticket)
+    return 0.0 if rng.random() < 0.8 else min(0.05 * rng.paretovariate(1.2), 1.5)
+
+
+class Stuck:
+    """A producer that takes a minute for every ticket, and says so in the file ``marker`` when it
+    starts one (the test kills its trainer then)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __call__(self, ticket: int) -> float:
+        with open(self.marker, "w") as fh:
+            fh.write(str(ticket))
+        return 60.0

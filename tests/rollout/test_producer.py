@@ -1,0 +1,188 @@
+"""The asynchronous rollouts' producer (lit_rlhf/rollout/producer.py) on a real tiny Llama in a real
+spawned process: the staleness bound under heavy-tailed sampling times and a slow trainer, every
+ticket delivered once and in order, each rollout sampled by the weights of the version it is stamped
+with (greedy: compared with the trainer's own sample of those weights), bound 0's random state handed
+over and back (the trainer's own sample, bit for bit), a killed producer restarted and its ticket
+sampled again, the restarts' limit, and a producer whose trainer was SIGKILLed exits."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from lit_rlhf.data.prompts import collate_prompts
+from lit_rlhf.models.builders import build_causal_lm
+from lit_rlhf.rollout.collect import sample_responses
+from lit_rlhf.rollout.generate import GenerationConfig
+from lit_rlhf.rollout.producer import AsyncRollouts, ProducerError, ProducerSettings
+from lit_rlhf.utils.rng import capture_rng, restore_rng
+from tests.conftest import ROOT
+from tests.helpers.producer_faults import heavy_tailed
+
+pytestmark = pytest.mark.xdist_group("producer")
+GREEDY = GenerationConfig(max_new_tokens=5, do_sample=False)
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_spec, tokenizer):
+    torch.manual_seed(0)
+    return build_causal_lm(tiny_spec, tokenizer).eval()
+
+
+def prompts(tokenizer, ticket: int) -> dict:
+    rng = random.Random(ticket)
+    words = ["the", "a", "one", "cat", "dog", "sat", "ran"]
+    texts = [" ".join(rng.choice(words) for _ in range(3)) for _ in range(2)]
+    return collate_prompts([(tokenizer(t)["input_ids"], t, {}) for t in texts], tokenizer.pad_token_id)
+
+
+def producer(policy, tokenizer, bound: int, restarts: int = 1, **kw) -> AsyncRollouts:
+    settings = ProducerSettings(gen=kw.pop("gen", GREEDY), responses_per_prompt=2, logprob_temperature=1.0, **kw)
+    return AsyncRollouts(policy, tokenizer, settings, bound, restarts, timeout_s=120)
+
+
+def nudge(model, k: int) -> None:
+    """The trainer's "update" of iteration k: every weight moved (the greedy samples change)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(k)) * 0.3)
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_staleness_stays_within_the_bound_and_every_ticket_is_trained(policy, tokenizer, bound):
+    model = replace_model(policy)
+    versions = {0: {k: v.clone() for k, v in model.state_dict().items()}}
+    rollouts = producer(model, tokenizer, bound, delay=heavy_tailed)
+    rollouts.start(0)
+    n, handed, seen = 10, 0, []
+    slow_trainer = random.Random(1)
+    try:
+        for k in range(n):
+            while handed <= min(k + bound, n - 1):  # the loader's lookahead: this ticket and `bound` more
+                rollouts.submit(handed, prompts(tokenizer, handed))
+                handed += 1
+            assert len(rollouts.pending) <= bound + 1
+            drawn = rollouts.take(k)
+            assert drawn.ticket == k and k - bound <= drawn.version <= k, (k, drawn.version)
+            seen.append(k - drawn.version)
+            # the rollout is what the weights of its version sample
+            twin = replace_model(policy, versions[drawn.version])
+            batch, (ids, _, _, logps), _ = sample_responses(
+                twin, prompts(tokenizer, k), tokenizer, GREEDY, None, 2, 1.0
+            )
+            assert torch.equal(drawn.drawn[1][0], ids)
+            torch.testing.assert_close(drawn.drawn[1][3], logps)
+            time.sleep(min(0.05 * slow_trainer.paretovariate(1.2), 1.0))  # a slow, uneven trainer
+            nudge(model, k)
+            versions[k + 1] = {name: v.clone() for name, v in model.state_dict().items()}
+            rollouts.publish(k + 1)
+    finally:
+        rollouts.close()
+    assert rollouts.max_held <= bound + 1 and not rollouts.pending and not rollouts.ready
+    assert max(seen) <= bound and seen[0] == 0
+
+
+def replace_model(policy, state: dict | None = None):
+    import copy
+
+    twin = copy.deepcopy(policy)
+    if state is not None:
+        twin.load_state_dict(state)
+    return twin
+
+
+def test_bound_zero_samples_with_the_trainers_random_state(policy, tokenizer):
+    """At bound 0 the producer's sample is the trainer's own, bit for bit, and the random state it
+    hands back is the one the trainer's sampling would have left."""
+    sampled = GenerationConfig(max_new_tokens=6, temperature=1.0)
+    rollouts = producer(policy, tokenizer, 0, gen=sampled, threads=torch.get_num_threads())
+    rollouts.start(0)
+    try:
+        torch.manual_seed(7)
+        state = capture_rng()
+        rollouts.submit(0, prompts(tokenizer, 0), state)
+        drawn = rollouts.take(0)
+    finally:
+        rollouts.close()
+    restore_rng(state)
+    with torch.inference_mode():
+        _, (ids, mask, ended, logps), _ = sample_responses(
+            policy, prompts(tokenizer, 0), tokenizer, sampled, None, 2, 1.0
+        )
+    after = torch.get_rng_state()
+    assert torch.equal(drawn.drawn[1][0], ids) and torch.equal(drawn.drawn[1][1], mask)
+    assert torch.equal(drawn.drawn[1][3], logps)
+    assert torch.equal(drawn.rng["torch"], after) and drawn.version == 0
+
+
+def test_a_killed_producer_is_started_again_and_then_stops_the_run(policy, tokenizer):
+    rollouts = producer(policy, tokenizer, 0, restarts=1)
+    rollouts.start(0)
+    try:
+        rollouts.submit(1, prompts(tokenizer, 1))  # waits for version 1: the producer is idle in the board
+        time.sleep(1.0)
+        os.kill(rollouts.process.pid, signal.SIGKILL)
+        rollouts.process.join(10)
+        rollouts.publish(1)
+        drawn = rollouts.take(1)  # the restarted producer samples ticket 1 again
+        assert drawn.ticket == 1 and drawn.version == 1 and rollouts.restarted == 1
+        rollouts.submit(2, prompts(tokenizer, 2))
+        os.kill(rollouts.process.pid, signal.SIGKILL)
+        with pytest.raises(ProducerError, match=r"algo.rollout.restarts=1"):
+            rollouts.take(2)
+    finally:
+        rollouts.close()
+
+
+def test_a_producer_whose_trainer_was_killed_exits(policy, tokenizer, tmp_path):
+    """The trainer SIGKILLed while the producer samples a (minute-long) ticket: the producer is gone
+    within seconds, not left behind holding memory."""
+    script, marker = tmp_path / "trainer.py", tmp_path / "sampling"
+    script.write_text(
+        "import sys, time, torch\n"
+        "from tests.rollout.test_producer import prompts, producer\n"
+        "from tests.helpers.producer_faults import Stuck\n"
+        "from lit_rlhf.data.tokenizers import build_tokenizer\n"
+        "from lit_rlhf.models.builders import build_causal_lm\n"
+        "from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig\n"
+        "if __name__ == '__main__':  # the producer is spawned: it imports this file again\n"
+        "    spec = ModelSpec(tiny=TinyLlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,"
+        " intermediate_size=64), tokenizer='synthetic')\n"
+        "    tok = build_tokenizer(spec)\n"
+        f"    r = producer(build_causal_lm(spec, tok), tok, 1, delay=Stuck({str(marker)!r}))\n"
+        "    r.start(0)\n"
+        "    r.submit(0, prompts(tok, 0))\n"
+        "    print(r.process.pid, flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    trainer = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(trainer.stdout.readline())
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:  # the producer is in its ticket
+            time.sleep(0.1)
+        assert marker.exists() and running(child)
+        trainer.kill()
+        trainer.wait(30)
+        deadline = time.monotonic() + 20  # it is in its minute-long ticket: it must not finish it first
+        while running(child) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not running(child), "the producer outlived its trainer"
+    finally:
+        trainer.kill()
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            return "\nState:\tZ" not in fh.read()
+    except FileNotFoundError:
+        return False
