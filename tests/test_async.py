@@ -1,0 +1,131 @@
+"""Asynchronous rollouts through train.py's path (lit_rlhf.launch.runner.run on the composed config;
+docs/async.md): at bound 0 an async run IS the synchronous one (weights, optimizer state and every
+metric; PPO-max with its critic and minibatches, DAPO with its resampling); at bound 1 every stage
+trains with its staleness logged and bounded (PPO-max, ReMax's greedy baseline, GRPO with the
+calculator's multi-turn rollouts), resumes from a checkpoint to the same end of the step budget; and a
+``train.py`` in async mode killed with SIGKILL resumes to the synchronous run's end (bound 0)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from lit_rlhf.launch.runner import run
+from lit_rlhf.modules.configs import CriticFreeConfig
+from lit_rlhf.utils.config import ConfigError, build_config
+from tests.conftest import ROOT, compose
+from tests.test_agent import overrides as agent_overrides
+from tests.test_resume import EVERY_BATCH, assert_same_end, load, stage_overrides
+
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("async_runs")]
+CORRECTED = ["algo.rollout_correction=decoupled"]
+ASYNC = ["algo.rollout.mode=async", *CORRECTED]
+
+
+def same_metrics(a: dict, b: dict) -> dict:
+    """The metrics of ``a`` that differ from ``b``'s (timings and the producer's own left out)."""
+    keys = {k for k in (*a, *b) if not k.startswith(("perf/", "async/"))}
+    return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)}
+
+
+@pytest.mark.parametrize("stage", ["ppo", "grpo"])
+def test_bound_zero_is_the_synchronous_run(stage, tmp_path, saved_models):
+    base = [*stage_overrides(stage, saved_models), *EVERY_BATCH]
+    sync = run(compose([*base, *CORRECTED], tmp_path / "sync"))
+    asynchronous = run(compose([*base, *ASYNC, "algo.rollout.max_staleness=0"], tmp_path / "async"))
+    assert not same_metrics(asynchronous, sync)
+    assert asynchronous["async/staleness"] == 0
+    final = load(tmp_path / "sync" / "checkpoints" / "last.ckpt")
+    assert_same_end(load(tmp_path / "async" / "checkpoints" / "last.ckpt"), final, f"{stage} async at bound 0")
+
+
+def rows_of(folder) -> list[dict]:
+    with open(next(folder.rglob("metrics.csv"))) as fh:
+        return [r for r in csv.DictReader(fh) if r.get("async/staleness")]
+
+
+@pytest.mark.parametrize("stage", ["ppo", "remax", "agent"])
+def test_every_stage_trains_at_bound_one_and_resumes(stage, tmp_path, saved_models, agent_policy_dir):
+    if stage == "agent":  # GRPO with the calculator: multi-turn rollouts sampled by the producer
+        base = [*agent_overrides("grpo", agent_policy_dir), *ASYNC]
+    else:
+        base = [*stage_overrides(stage, saved_models), *EVERY_BATCH, "logger=csv", *ASYNC]
+    base.append("algo.rollout.max_staleness=1")
+    full = tmp_path / "full"
+    metrics = run(compose(base, full))
+    rows = rows_of(full)
+    staleness = [float(r["async/staleness"]) for r in rows]
+    assert staleness[0] == 0 and max(staleness) == 1 and set(staleness) <= {0.0, 1.0}
+    assert all(float(r["async/staleness_0"]) + float(r["async/staleness_1"]) == 1 for r in rows)
+    assert metrics["async/restarts"] == 0
+    if stage == "agent":
+        assert max(float(r["agent/tool_calls"]) for r in rows_of(full) if r.get("agent/tool_calls")) > 0
+    final = load(full / "checkpoints" / "last.ckpt")
+    ckpts = sorted((full / "checkpoints").glob("b*.ckpt"))
+    resumed = tmp_path / "resumed"
+    run(compose([*base, f"ckpt_path={ckpts[1]}"], resumed))
+    end = load(resumed / "checkpoints" / "last.ckpt")
+    # not the same weights: the resumed tickets are sampled by the checkpoint's, fresher, weights
+    assert end["global_step"] == final["global_step"] and end["epoch"] == final["epoch"]
+    assert (
+        end["loops"]["fit_loop"]["epoch_loop.batch_progress"] == final["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    )
+
+
+@pytest.mark.slow
+def test_sigkilled_async_train_py_resumes_to_the_synchronous_end(tmp_path, saved_models):
+    """PPO-max at bound 0 as a user runs it: ``python train.py … algo.rollout.mode=async`` killed with
+    SIGKILL after its second checkpoint (producer and all), then resumed with ``ckpt_path``: it ends
+    with the weights of the synchronous run never interrupted."""
+    overrides = [*stage_overrides("ppo", saved_models), *EVERY_BATCH, *CORRECTED]
+    run(compose(overrides, tmp_path / "sync"))
+    final = load(tmp_path / "sync" / "checkpoints" / "last.ckpt")
+    run_dir = tmp_path / "killed"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", LIT_RLHF_ROOT=str(ROOT), OMP_NUM_THREADS=str(torch.get_num_threads()))
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *overrides,
+        *ASYNC,
+        "algo.rollout.max_staleness=0",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while len(list((run_dir / "checkpoints").glob("b*.ckpt"))) < 2 and proc.poll() is None:
+        assert time.monotonic() < deadline, "no second checkpoint in 300 s"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before it could be killed: {err[-2000:]}"
+    killed_at = load(run_dir / "checkpoints" / "last.ckpt")["global_step"]
+    assert 0 < killed_at < final["global_step"]
+    resumed = subprocess.run(
+        [*cmd, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_end(load(run_dir / "checkpoints" / "last.ckpt"), final, f"async ppo_max killed at step {killed_at}")
+
+
+def test_async_needs_a_correction_and_the_hf_engine():
+    base = {"reward_fn": {"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"}, "rollout": {"mode": "async"}}
+    with pytest.raises(ConfigError, match=r"algo.rollout_correction.*name the correction"):
+        build_config(CriticFreeConfig, base, "algo")
+    vllm = {**base, "rollout_correction": "tis", "generation": {"engine": "vllm"}}
+    with pytest.raises(ConfigError, match=r"algo.rollout.mode.*hf engine"):
+        build_config(CriticFreeConfig, vllm, "algo")
+    with pytest.raises(ConfigError, match=r"algo.rollout.max_staleness"):
+        build_config(CriticFreeConfig, {**base, "rollout": {"mode": "async", "max_staleness": -1}}, "algo")
+    assert build_config(CriticFreeConfig, {**base, "rollout_correction": "tis"}, "algo").rollout.max_staleness == 1
