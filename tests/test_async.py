@@ -2,7 +2,7 @@
 docs/async.md): at bound 0 an async run IS the synchronous one (weights, optimizer state and every
 metric; PPO-max with its critic and minibatches, DAPO with its resampling); at bound 1 every stage
 trains with its staleness logged and bounded (PPO-max, ReMax's greedy baseline, GRPO with the
-calculator's multi-turn rollouts), resumes from a checkpoint to the same end of the step budget; and a
+calculator's multi-turn rollouts; PPO-max and GRPO multi-turn with the vLLM engine too), resumes from a checkpoint to the same end of the step budget; and a
 ``train.py`` in async mode killed with SIGKILL resumes to the synchronous run's end (bound 0)."""
 
 from __future__ import annotations
@@ -51,10 +51,16 @@ def rows_of(folder) -> list[dict]:
         return [r for r in csv.DictReader(fh) if r.get("async/staleness")]
 
 
-@pytest.mark.parametrize("stage", ["ppo", "remax", "agent"])
+VLLM = ["algo.generation.engine=vllm", "algo.generation.vllm.kv_cache_gib=0.0625"]
+
+
+@pytest.mark.parametrize("stage", ["ppo", "remax", "agent", "agent_vllm", "agent_ppo_vllm"])
 def test_every_stage_trains_at_bound_one_and_resumes(stage, tmp_path, saved_models, agent_policy_dir):
-    if stage == "agent":  # GRPO with the calculator: multi-turn rollouts sampled by the producer
-        base = [*agent_overrides("grpo", agent_policy_dir), *ASYNC]
+    """``*_vllm``: the producer samples with a vLLM engine of its own (GRPO's and PPO-max's
+    multi-turn rollouts with the calculator); they skip the resume, the same path as the hf engine's."""
+    if stage.startswith("agent"):  # the calculator: multi-turn rollouts sampled by the producer
+        algo = {"agent": "grpo", "agent_vllm": "grpo_vllm", "agent_ppo_vllm": "ppo_max"}[stage]
+        base = [*agent_overrides(algo, agent_policy_dir), *ASYNC, *(VLLM if stage == "agent_ppo_vllm" else [])]
     else:
         base = [*stage_overrides(stage, saved_models), *EVERY_BATCH, "logger=csv", *ASYNC]
     base.append("algo.rollout.max_staleness=1")
@@ -65,8 +71,10 @@ def test_every_stage_trains_at_bound_one_and_resumes(stage, tmp_path, saved_mode
     assert staleness[0] == 0 and max(staleness) == 1 and set(staleness) <= {0.0, 1.0}
     assert all(float(r["async/staleness_0"]) + float(r["async/staleness_1"]) == 1 for r in rows)
     assert metrics["async/restarts"] == 0
-    if stage == "agent":
+    if stage.startswith("agent"):
         assert max(float(r["agent/tool_calls"]) for r in rows_of(full) if r.get("agent/tool_calls")) > 0
+    if stage.endswith("vllm"):
+        return
     final = load(full / "checkpoints" / "last.ckpt")
     ckpts = sorted((full / "checkpoints").glob("b*.ckpt"))
     resumed = tmp_path / "resumed"
@@ -119,13 +127,10 @@ def test_sigkilled_async_train_py_resumes_to_the_synchronous_end(tmp_path, saved
     assert_same_end(load(run_dir / "checkpoints" / "last.ckpt"), final, f"async ppo_max killed at step {killed_at}")
 
 
-def test_async_needs_a_correction_and_the_hf_engine():
+def test_async_needs_a_correction():
     base = {"reward_fn": {"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"}, "rollout": {"mode": "async"}}
     with pytest.raises(ConfigError, match=r"algo.rollout_correction.*name the correction"):
         build_config(CriticFreeConfig, base, "algo")
-    vllm = {**base, "rollout_correction": "tis", "generation": {"engine": "vllm"}}
-    with pytest.raises(ConfigError, match=r"algo.rollout.mode.*hf engine"):
-        build_config(CriticFreeConfig, vllm, "algo")
     with pytest.raises(ConfigError, match=r"algo.rollout.max_staleness"):
         build_config(CriticFreeConfig, {**base, "rollout": {"mode": "async", "max_staleness": -1}}, "algo")
     assert build_config(CriticFreeConfig, {**base, "rollout_correction": "tis"}, "algo").rollout.max_staleness == 1

@@ -291,11 +291,15 @@ class RLHFModule(pl.LightningModule):
             return None
         from lit_rlhf.rollout.vllm_engine import engine_for
 
-        at_temperature = getattr(self.config, "logprobs_at_sampling_temperature", False) and gen.temperature != 1.0
-        self.engine = engine_for(
-            model, gen, self.weights_version(), self.engine, "processed_logprobs" if at_temperature else "raw_logprobs"
-        )
+        self.engine = engine_for(model, gen, self.weights_version(), self.engine, self.vllm_logprobs_mode())
         return self.engine
+
+    def vllm_logprobs_mode(self) -> str:
+        """The log-probs a vLLM engine returns: of the raw logits, or of the tempered ones when the
+        trainer's are (``algo.logprobs_at_sampling_temperature``)."""
+        gen = self.config.generation
+        at_temperature = getattr(self.config, "logprobs_at_sampling_temperature", False) and gen.temperature != 1.0
+        return "processed_logprobs" if at_temperature else "raw_logprobs"
 
     def weights_version(self) -> tuple[int, int]:
         """Changes when the trained weights do: (optimizer steps, loads of a state dict)."""

@@ -267,12 +267,6 @@ class RLConfig(PolicyConfig):
             "algo.rollout.mode=async trains on rollouts sampled by older weights: name the correction, e.g. "
             "algo.rollout_correction=decoupled (the behaviour weight of decoupled PPO) or tis (docs/async.md)",
         )
-        check(
-            self.rollout.mode == "sync" or self.generation.engine == "hf",
-            "rollout.mode",
-            "async rollouts sample with the hf engine (algo.generation.engine=hf); the vllm engine samples "
-            "synchronously (algo.rollout.mode=sync)",
-        )
         objective = POLICY_LOSSES.get(self.policy_loss)
         check(
             self.clip_eps_high >= self.clip_eps_low or (objective is not None and not objective.ordered_clip),

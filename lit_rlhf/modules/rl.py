@@ -296,6 +296,7 @@ class RLModule(RLHFModule):
                 responses_per_prompt=self.responses_per_prompt(),
                 logprob_temperature=self.logprob_temperature() if sampler else None,
                 agent=settings,
+                vllm_logprobs=self.vllm_logprobs_mode(),
                 seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # the run's seed (pl.seed_everything)
                 threads=mine,
             ),

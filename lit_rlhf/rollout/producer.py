@@ -4,8 +4,8 @@ the trainer trains (``algo.rollout.mode=async``; docs/async.md).
 The trainer (lit_rlhf/modules/rl.py) hands the producer the prompts of iteration ``k`` and of the
 iterations ahead, as the prompt loader looks ahead (lit_rlhf/data/loader.py ``lookahead``); each is
 a *ticket*, numbered by the iteration that will train on it. The producer samples the tickets in
-order through the one rollout path (rollout/collect.py ``sample_responses``: the hf loop, one turn
-or multi-turn with the run's environment) with its own copy of the policy. Its weights come from a
+order through the one rollout path (rollout/collect.py ``sample_responses``: the hf loop or a vLLM
+engine, one turn or multi-turn with the run's environment) with its own copy of the policy. Its weights come from a
 :class:`WeightBoard`, one shared-memory copy of the trained tensors that the trainer overwrites
 after every RL iteration, stamped with the iteration's number (the *policy version*).
 
@@ -52,7 +52,15 @@ at its trainer's)."""
 
 
 class ProducerError(RuntimeError):
-    """The producer failed: its exception, or it died more often than ``algo.rollout.restarts``."""
+    """The producer failed: its exception, or it died more often than ``algo.rollout.restarts``;
+    ``key``: the config key of a configuration error the producer met (raised as a ConfigError)."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+    def __reduce__(self) -> Any:
+        return ProducerError, (str(self), self.key)
 
 
 @dataclass
@@ -82,15 +90,17 @@ class Drawn:
 
 @dataclass
 class ProducerSettings:
-    """What the producer samples with: the run's sampling settings and responses per prompt, the
-    log-prob temperature of the sampler's log-probs (None: not kept), the multi-turn settings
-    (None: one turn), the seed of the tickets at a bound above 0, its torch threads, and a test's
+    """What the producer samples with: the run's sampling settings (``gen.engine``: the hf loop or a
+    vLLM engine of the producer's own) and responses per prompt, the log-prob temperature of the
+    sampler's log-probs (None: not kept), the multi-turn settings (None: one turn), the vLLM
+    engine's log-prob mode, the seed of the tickets at a bound above 0, its torch threads, and a test's
     delay (``ticket -> seconds`` slept before sampling; a picklable function)."""
 
     gen: Any
     responses_per_prompt: int
     logprob_temperature: float | None
     agent: Any = None
+    vllm_logprobs: str = "raw_logprobs"
     seed: int = 0
     threads: int = 1
     delay: Callable[[int], float] | None = None
@@ -166,6 +176,7 @@ def _produce(
 ) -> None:
     """The producer process: sample the tickets of ``jobs`` in order into ``out`` until a None."""
     from lit_rlhf.rollout.collect import sample_responses
+    from lit_rlhf.rollout.vllm_engine import engine_for
 
     _die_with_parent()
     torch.set_num_threads(settings.threads)
@@ -176,7 +187,7 @@ def _produce(
 
         agent = AgentLoop(settings.agent)
     model.eval()
-    serial = 0
+    serial, engine = 0, None
     try:
         while True:
             try:
@@ -189,6 +200,8 @@ def _produce(
                 return
             started = time.perf_counter()
             version, serial = board.read(model, job.need, serial, alive)
+            if settings.gen.engine != "hf":  # synced to the board's weights as the colocated engine is
+                engine = engine_for(model, settings.gen, serial, engine, settings.vllm_logprobs)
             sampling = time.perf_counter()
             if settings.delay is not None:
                 time.sleep(settings.delay(job.ticket))
@@ -202,7 +215,7 @@ def _produce(
                     job.batch,
                     tokenizer,
                     settings.gen,
-                    None,
+                    engine,
                     settings.responses_per_prompt,
                     settings.logprob_temperature,
                     agent,
@@ -220,11 +233,17 @@ def _produce(
             )
     except SystemExit:
         return
-    except BaseException as err:  # the trainer raises it, with the producer's traceback
-        out.put(ProducerError(f"the rollout producer failed: {err!r}\n{traceback.format_exc()}"))
+    except BaseException as err:  # the trainer raises it (a config error as itself, naming its key)
+        from lit_rlhf.utils.config import ConfigError
+
+        log.error("the rollout producer failed:\n%s", traceback.format_exc())
+        key = err.key if isinstance(err, ConfigError) else None
+        out.put(ProducerError(f"the rollout producer failed: {err}" if key is None else err.message, key))
     finally:
         if agent is not None:
             agent.close()
+        if engine is not None:
+            engine.close()
 
 
 class AsyncRollouts:
@@ -324,6 +343,10 @@ class AsyncRollouts:
                         f"{self.timeout_s:.0f} s (algo.rollout.timeout_s)"
                     ) from None
                 continue
+            if isinstance(item, ProducerError) and item.key is not None:
+                from lit_rlhf.utils.config import ConfigError
+
+                raise ConfigError(item.key, str(item))
             if isinstance(item, ProducerError):
                 raise item
             self.ready[item.ticket] = item

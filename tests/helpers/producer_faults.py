@@ -23,3 +23,8 @@ class Stuck:
         with open(self.marker, "w") as fh:
             fh.write(str(ticket))
         return 60.0
+
+
+def broken(ticket: int) -> float:
+    """A producer whose sampling raises (a bug in a user's environment, say)."""
+    raise ValueError(f"ticket {ticket}: the environment is broken")

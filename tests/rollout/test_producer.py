@@ -24,7 +24,7 @@ from lit_rlhf.rollout.generate import GenerationConfig
 from lit_rlhf.rollout.producer import AsyncRollouts, ProducerError, ProducerSettings
 from lit_rlhf.utils.rng import capture_rng, restore_rng
 from tests.conftest import ROOT
-from tests.helpers.producer_faults import heavy_tailed
+from tests.helpers.producer_faults import broken, heavy_tailed
 
 pytestmark = pytest.mark.xdist_group("producer")
 GREEDY = GenerationConfig(max_new_tokens=5, do_sample=False)
@@ -137,6 +137,17 @@ def test_a_killed_producer_is_started_again_and_then_stops_the_run(policy, token
         os.kill(rollouts.process.pid, signal.SIGKILL)
         with pytest.raises(ProducerError, match=r"algo.rollout.restarts=1"):
             rollouts.take(2)
+    finally:
+        rollouts.close()
+
+
+def test_the_producers_exception_stops_the_trainer_with_its_message(policy, tokenizer):
+    rollouts = producer(policy, tokenizer, 1, delay=broken)
+    rollouts.start(0)
+    try:
+        rollouts.submit(0, prompts(tokenizer, 0))
+        with pytest.raises(ProducerError, match="ticket 0: the environment is broken"):
+            rollouts.take(0)
     finally:
         rollouts.close()
 
