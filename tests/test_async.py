@@ -2,8 +2,9 @@
 docs/async.md): at bound 0 an async run IS the synchronous one (weights, optimizer state and every
 metric; PPO-max with its critic and minibatches, DAPO with its resampling); at bound 1 every stage
 trains with its staleness logged and bounded (PPO-max, ReMax's greedy baseline, GRPO with the
-calculator's multi-turn rollouts; PPO-max and GRPO multi-turn with the vLLM engine too), resumes from a checkpoint to the same end of the step budget; and a
-``train.py`` in async mode killed with SIGKILL resumes to the synchronous run's end (bound 0)."""
+calculator's multi-turn rollouts; GRPO and PPO-max multi-turn with the vLLM engine too) and resumes
+from a checkpoint to the same end of the step budget; and a ``train.py`` in async mode killed with
+SIGKILL resumes to the synchronous run's end (bound 0)."""
 
 from __future__ import annotations
 
