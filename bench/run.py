@@ -77,6 +77,7 @@ TARGETS = {
     "extraction_scaling": ("<=", 2.0),
     "extraction_1mb_s": ("<=", 2.0),
     "multiturn_single_over_multi": ("<=", 1.5),
+    "async1_over_sync": (">=", 1.3),
 }
 
 
@@ -151,7 +152,8 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
     ]
     for name in r:
         c = r[name]
-        if not isinstance(c, dict) or name in ("floor", "sync_engine", "extraction", "reward_server", "multiturn"):
+        skipped = ("floor", "sync_engine", "extraction", "reward_server", "multiturn", "async_rollouts")
+        if not isinstance(c, dict) or name in skipped:
             continue
         unit = UNITS.get(name.split("_")[0])
         if "error" in c or unit not in c:
@@ -249,6 +251,21 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
                 "extraction_1mb_s",
                 ext["large_s"],
             )
+    modes = r.get("async_rollouts", {})
+    if "async1_over_sync" in modes:
+        for name, label in (
+            ("async1", "max_staleness 1"),
+            ("async2", "max_staleness 2"),
+            ("async1_ref", "max_staleness 1, the reference scored by the producer"),
+        ):
+            derived[f"{name}_over_sync"] = modes[f"{name}_over_sync"]
+            row(f"GRPO iterations/s, async ({label}) / sync", f"{name}_over_sync", modes[f"{name}_over_sync"])
+        derived["async_ceiling_over_sync"] = modes["ceiling_over_sync"]
+        row(
+            "the ceiling of any split over 2 cores: sync step on 2 threads / (sync step on 1 thread / 2)",
+            "async_ceiling_over_sync",
+            modes["ceiling_over_sync"],
+        )
     turns = r.get("multiturn", {})
     if "single_over_multi" in turns:
         derived["multiturn_single_over_multi"] = turns["single_over_multi"]

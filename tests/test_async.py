@@ -1,6 +1,7 @@
 """Asynchronous rollouts through train.py's path (lit_rlhf.launch.runner.run on the composed config;
 docs/async.md): at bound 0 an async run IS the synchronous one (weights, optimizer state and every
-metric; PPO-max with its critic and minibatches, DAPO with its resampling); at bound 1 every stage
+metric; PPO-max with its critic and minibatches, also with the reference scored by the producer,
+DAPO with its resampling); at bound 1 every stage
 trains with its staleness logged and bounded (PPO-max, ReMax's greedy baseline, GRPO with the
 calculator's multi-turn rollouts; GRPO and PPO-max multi-turn with the vLLM engine too) and resumes
 from a checkpoint to the same end of the step budget; and a ``train.py`` in async mode killed with
@@ -36,11 +37,12 @@ def same_metrics(a: dict, b: dict) -> dict:
     return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)}
 
 
-@pytest.mark.parametrize("stage", ["ppo", "grpo"])
+@pytest.mark.parametrize("stage", ["ppo", "grpo", "ppo_reference_in_producer"])
 def test_bound_zero_is_the_synchronous_run(stage, tmp_path, saved_models):
-    base = [*stage_overrides(stage, saved_models), *EVERY_BATCH]
+    base = [*stage_overrides(stage.split("_")[0], saved_models), *EVERY_BATCH]
     sync = run(compose([*base, *CORRECTED], tmp_path / "sync"))
-    asynchronous = run(compose([*base, *ASYNC, "algo.rollout.max_staleness=0"], tmp_path / "async"))
+    where = [f"algo.rollout.reference_in_producer={stage.endswith('producer')}"]
+    asynchronous = run(compose([*base, *ASYNC, "algo.rollout.max_staleness=0", *where], tmp_path / "async"))
     assert not same_metrics(asynchronous, sync)
     assert asynchronous["async/staleness"] == 0
     final = load(tmp_path / "sync" / "checkpoints" / "last.ckpt")

@@ -123,7 +123,7 @@ def test_bench_smoke(tmp_path, bench):
     floor = r["floor"]
     assert floor["floor_s"] == pytest.approx(floor["generate_s"] + floor["score_forwards_s"] + floor["train_fwd_bwd_s"])
     for case in ours:
-        if case not in ("floor", "sync_engine", "extraction", "reward_server", "multiturn"):
+        if case not in ("floor", "sync_engine", "extraction", "reward_server", "multiturn", "async_rollouts"):
             unit = bench.UNITS[case.split("_")[0]]
             per_step = s["batch"] * s["new_tokens"] if unit == "tokens_per_s" else s["batch"]
             assert r[case]["step_s"] > 0 and r[case][unit] == pytest.approx(per_step / r[case]["step_s"]), case
@@ -153,6 +153,11 @@ def test_bench_smoke(tmp_path, bench):
         turns["single_tokens_per_s"] / turns["multi_tokens_per_s"]
     )
     assert saved["ratios"]["multiturn_single_over_multi"] == turns["single_over_multi"]
+    modes = r["async_rollouts"]  # the same GRPO iterations, sync and with the producer ahead
+    for name in ("async1", "async2", "async1_ref"):
+        assert modes[f"{name}_over_sync"] == pytest.approx(modes["sync_step_s"] / modes[f"{name}_step_s"])
+        assert saved["ratios"][f"{name}_over_sync"] == modes[f"{name}_over_sync"]
+    assert modes["ceiling_over_sync"] == pytest.approx(2 * modes["sync_step_s"] / modes["sync_1thread_step_s"])
     grpo = r["grpo_ours"]
     assert 0 < grpo["rollout_s"] < grpo["step_s"] and grpo["update_s"] == pytest.approx(
         grpo["step_s"] - grpo["rollout_s"]
@@ -180,6 +185,7 @@ def test_the_targets_are_the_documented_ones(bench):
         "extraction_scaling": "answer extraction, seconds per byte at 1 MB / at 100 kB",
         "extraction_1mb_s": "answer extraction of a 1 MB degenerate response, seconds",
         "multiturn_single_over_multi": "tokens/s, one single-turn rollout / a multi-turn one of the same length",
+        "async1_over_sync": "GRPO iterations/s, async (max_staleness 1) / sync",
     }
     assert set(stated) == set(bench.TARGETS)
     for name, label in stated.items():

@@ -4,13 +4,15 @@ reward model (``rm.py``), DPO (``dpo.py``), the vLLM rollout engine (``engine.py
 both trainers in one process, steps
 alternating: :class:`Alternation` (``grpo.py``, ``alternation.py``), answer extraction on degenerate
 responses (``extraction.py``), GRPO with its reward model in-process and behind the reward server
-(``remote.py``), multi-turn rollouts against single-turn ones (``agent.py``); shared set-up and timers in
+(``remote.py``), multi-turn rollouts against single-turn ones (``agent.py``), asynchronous rollouts against
+synchronous ones (``asynchronous.py``); shared set-up and timers in
 ``common.py``. Each case takes the models folder and the shapes and returns a dict of measurements."""
 
 from __future__ import annotations
 
 from .agent import case_multiturn
 from .alternation import Alternation
+from .asynchronous import case_async_rollouts
 from .common import ROOT, build_models, peak_rss_mb, shapes
 from .dpo import case_dpo_ours, case_dpo_trl
 from .engine import case_generate_vllm, case_sync_engine
@@ -44,6 +46,7 @@ CASES = {
     "extraction": case_extraction,
     "reward_server": case_reward_server,
     "multiturn": case_multiturn,
+    "async_rollouts": case_async_rollouts,
 }
 TRL_CASES = {"ppo_trl", "rm_trl", "dpo_trl", "dpo_trl_precomputed", "grpo_trl", "grpo_paired"}
 

@@ -17,11 +17,13 @@ GRPO_G = 4  # responses per prompt in the GRPO cases: batch / G prompts per step
 PAIRED_STEPS = 16  # timed step pairs of grpo_paired (no interpreter start per step: more steps are cheap)
 
 
-def _grpo_ours(models: Path, s: dict, n: int, callbacks: list, reward: dict | None = None) -> Any:
+def _grpo_ours(
+    models: Path, s: dict, n: int, callbacks: list, reward: dict | None = None, algo: dict | None = None
+) -> Any:
     """A Lightning ``Trainer`` and the ``fit`` arguments of lit_rlhf's GRPO for ``n`` iterations: ``batch``
     responses per step (batch / G prompts), ``new_tokens`` each at temperature 0.7, β 0.04 with the
     reference loaded, one update per rollout, the embedded gold reward as a Python callable (or the
-    ``reward`` keys given: ``{"reward_path": …}``, ``{"reward_fn": …}``)."""
+    ``reward`` keys given: ``{"reward_path": …}``, ``{"reward_fn": …}``); ``algo``: more ``algo.*`` keys."""
     import lightning.pytorch as pl
 
     from lit_rlhf.data.prompts import PromptDataModule
@@ -51,6 +53,7 @@ def _grpo_ours(models: Path, s: dict, n: int, callbacks: list, reward: dict | No
                     "top_k": 0,
                     "repetition_penalty": 1.0,
                 },
+                **(algo or {}),
             ),
         ),
         "algo",

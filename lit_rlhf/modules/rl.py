@@ -225,6 +225,7 @@ class RLModule(RLHFModule):
                 responses_per_prompt=self.responses_per_prompt(),
                 agent=self.agent_loop() if drawn is None else None,
                 drawn=drawn.drawn if drawn is not None else None,
+                ref_logprobs=drawn.ref_logprobs if drawn is not None else None,
             )
         return rollout.normal_tensors()
 
@@ -296,6 +297,9 @@ class RLModule(RLHFModule):
                 responses_per_prompt=self.responses_per_prompt(),
                 logprob_temperature=self.logprob_temperature() if sampler else None,
                 agent=settings,
+                reference=self.frozen.get("reference") if c.rollout.reference_in_producer else None,
+                score_temperature=self.logprob_temperature(),
+                padding_free=c.padding_free,
                 vllm_logprobs=self.vllm_logprobs_mode(),
                 seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # the run's seed (pl.seed_everything)
                 threads=mine,

@@ -116,6 +116,23 @@ def sample_responses(
     return batch, sampled, None
 
 
+def rollout_inputs(drawn: tuple) -> tuple[Tensor, Tensor, int]:
+    """(ids, attention mask, prompt width) of the sequences of :func:`sample_responses`' output: the
+    prompts and responses side by side (a multi-turn trajectory's environment tokens attended)."""
+    batch, sampled, turns = drawn
+    attention = turns.attention_mask if turns is not None else sampled[1]
+    prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+    return torch.cat([prompt_ids, sampled[0]], 1), torch.cat([prompt_mask, attention], 1), prompt_ids.shape[1]
+
+
+def scored_logprobs(model: Any, drawn: tuple, logprob_temperature: float, padding_free: bool) -> Tensor:
+    """``model``'s log-probs (eval mode, the caller's grad mode) of the responses of ``drawn``."""
+    ids, mask, width = rollout_inputs(drawn)
+    return _eval_forward(
+        model, lambda: response_logprobs(model, ids, mask, width, logprob_temperature, padding_free=padding_free)[0]
+    )
+
+
 def generate_and_score(
     policy: Any,
     batch: Mapping[str, Any],
@@ -133,6 +150,7 @@ def generate_and_score(
     responses_per_prompt: int = 1,
     agent: Any = None,
     drawn: tuple | None = None,
+    ref_logprobs: Tensor | None = None,
 ) -> Rollout:
     """Sample ``responses_per_prompt`` responses per prompt and score them with each model given.
 
@@ -158,6 +176,8 @@ def generate_and_score(
             policy's; the columns ``env_reward``, ``tool_calls`` and ``turns`` are added); None = one turn.
         drawn: the responses already sampled, :func:`sample_responses`' output for ``batch`` (an
             asynchronous producer's, rollout/producer.py); None = sampled here.
+        ref_logprobs: the reference's log-probs of ``drawn``, computed where it was sampled (the
+            producer holds the frozen reference); None = computed here when ``reference`` is given.
     Returns:
         the :class:`Rollout`; fields of models not given are None, ``rewards``/``advantages``/``returns`` too.
     """
@@ -166,15 +186,11 @@ def generate_and_score(
         drawn = sample_responses(policy, batch, tokenizer, gen, engine, responses_per_prompt, lt, agent)
     batch, sampled, turns = drawn
     response_ids, response_mask, ended, sampled_logprobs = sampled
-    attention = turns.attention_mask if turns is not None else response_mask  # the environment's tokens too
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
-    ids, mask = torch.cat([prompt_ids, response_ids], 1), torch.cat([prompt_mask, attention], 1)
-    width = prompt_ids.shape[1]
+    ids, mask, width = rollout_inputs(drawn)
 
     def logprobs_of(model: Any) -> Tensor:
-        return _eval_forward(
-            model, lambda: response_logprobs(model, ids, mask, width, logprob_temperature, padding_free=padding_free)[0]
-        )
+        return scored_logprobs(model, drawn, logprob_temperature, padding_free)
 
     texts = turns.texts if turns is not None else decode_responses(tokenizer, response_ids, response_mask, ended)
     prompts = list(batch["prompts"])
@@ -191,7 +207,7 @@ def generate_and_score(
         response_attention_mask=turns.attention_mask if turns is not None else None,
         ended=ended,
         logprobs=logprobs_of(policy) if policy_logprobs else None,
-        ref_logprobs=logprobs_of(reference) if reference is not None else None,
+        ref_logprobs=logprobs_of(reference) if ref_logprobs is None and reference is not None else ref_logprobs,
         sampler_logprobs=sampled_logprobs,
         values=_eval_forward(critic, lambda: response_values(critic, ids, mask, width)) if critic is not None else None,
         scores=scores() if scores is not None else None,

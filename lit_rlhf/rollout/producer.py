@@ -82,6 +82,7 @@ class Drawn:
     ticket: int
     version: int
     drawn: tuple
+    ref_logprobs: torch.Tensor | None
     rng: dict[str, Any] | None
     sample_s: float
     weights_wait_s: float
@@ -92,14 +93,19 @@ class Drawn:
 class ProducerSettings:
     """What the producer samples with: the run's sampling settings (``gen.engine``: the hf loop or a
     vLLM engine of the producer's own) and responses per prompt, the log-prob temperature of the
-    sampler's log-probs (None: not kept), the multi-turn settings (None: one turn), the vLLM
-    engine's log-prob mode, the seed of the tickets at a bound above 0, its torch threads, and a test's
+    sampler's log-probs (None: not kept), the multi-turn settings (None: one turn), the frozen
+    reference that scores each sample where it is drawn (None: the trainer scores; its memory is
+    shared with the trainer's, never copied) at the trainer's log-prob temperature and forward, the
+    vLLM engine's log-prob mode, the seed of the tickets at a bound above 0, its torch threads, and a test's
     delay (``ticket -> seconds`` slept before sampling; a picklable function)."""
 
     gen: Any
     responses_per_prompt: int
     logprob_temperature: float | None
     agent: Any = None
+    reference: nn.Module | None = None
+    score_temperature: float = 1.0
+    padding_free: bool = False
     vllm_logprobs: str = "raw_logprobs"
     seed: int = 0
     threads: int = 1
@@ -175,7 +181,7 @@ def _produce(
     model: nn.Module, tokenizer: Any, settings: ProducerSettings, board: WeightBoard, jobs: Any, out: Any, parent: int
 ) -> None:
     """The producer process: sample the tickets of ``jobs`` in order into ``out`` until a None."""
-    from lit_rlhf.rollout.collect import sample_responses
+    from lit_rlhf.rollout.collect import sample_responses, scored_logprobs
     from lit_rlhf.rollout.vllm_engine import engine_for
 
     _die_with_parent()
@@ -220,11 +226,15 @@ def _produce(
                     settings.logprob_temperature,
                     agent,
                 )
+                ref = None
+                if settings.reference is not None:  # frozen: scored here as well as in the trainer
+                    ref = scored_logprobs(settings.reference, drawn, settings.score_temperature, settings.padding_free)
             out.put(
                 Drawn(
                     ticket=job.ticket,
                     version=version,
                     drawn=drawn,
+                    ref_logprobs=ref,
                     rng=capture_rng() if job.rng is not None else None,
                     sample_s=time.perf_counter() - sampling,
                     weights_wait_s=sampling - started,

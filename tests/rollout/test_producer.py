@@ -19,7 +19,7 @@ import torch
 
 from lit_rlhf.data.prompts import collate_prompts
 from lit_rlhf.models.builders import build_causal_lm
-from lit_rlhf.rollout.collect import sample_responses
+from lit_rlhf.rollout.collect import sample_responses, scored_logprobs
 from lit_rlhf.rollout.generate import GenerationConfig
 from lit_rlhf.rollout.producer import AsyncRollouts, ProducerError, ProducerSettings
 from lit_rlhf.utils.rng import capture_rng, restore_rng
@@ -100,9 +100,11 @@ def replace_model(policy, state: dict | None = None):
 
 def test_bound_zero_samples_with_the_trainers_random_state(policy, tokenizer):
     """At bound 0 the producer's sample is the trainer's own, bit for bit, and the random state it
-    hands back is the one the trainer's sampling would have left."""
+    hands back is the one the trainer's sampling would have left; the reference's log-probs, scored
+    by the producer, are the trainer's own scoring of that sample."""
     sampled = GenerationConfig(max_new_tokens=6, temperature=1.0)
-    rollouts = producer(policy, tokenizer, 0, gen=sampled, threads=torch.get_num_threads())
+    reference = replace_model(policy)  # scored where sampled: the reference's log-probs come with the sample
+    rollouts = producer(policy, tokenizer, 0, gen=sampled, threads=torch.get_num_threads(), reference=reference)
     rollouts.start(0)
     try:
         torch.manual_seed(7)
@@ -120,6 +122,8 @@ def test_bound_zero_samples_with_the_trainers_random_state(policy, tokenizer):
     assert torch.equal(drawn.drawn[1][0], ids) and torch.equal(drawn.drawn[1][1], mask)
     assert torch.equal(drawn.drawn[1][3], logps)
     assert torch.equal(drawn.rng["torch"], after) and drawn.version == 0
+    with torch.inference_mode():
+        assert torch.equal(drawn.ref_logprobs, scored_logprobs(reference, drawn.drawn, 1.0, False))
 
 
 def test_a_killed_producer_is_started_again_and_then_stops_the_run(policy, tokenizer):
