@@ -113,7 +113,12 @@ DPO_RUNS = [
 ]
 # the GRPO family's 2-process DDP runs (tests/helpers/grpo_multiproc.py's arguments); plain GRPO's is the
 # vLLM engine's run (``vllm_ranks``)
-GRPO_RUNS = {"dapo": ["--dapo"], "reinforce_pp": ["--preset", "reinforce_pp"], "remax": ["--preset", "remax"]}
+GRPO_RUNS = {
+    "dapo": ["--dapo"],
+    "reinforce_pp": ["--preset", "reinforce_pp"],
+    "remax": ["--preset", "remax"],
+    "async": ["--async"],
+}
 
 
 def ppo_run(kind: str, devices: int, models, tmp_path_factory):
@@ -442,6 +447,19 @@ def test_reinforce_pp_and_remax_two_processes(grpo_runs, preset):
     else:
         assert all(len(r["baselines"]) == 8 and all(map(math.isfinite, r["baselines"])) for r in ranks)
         assert ranks[0]["baselines"] != ranks[1]["baselines"]  # each rank's own prompts, decoded greedily
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_async_grpo_two_processes_each_with_its_producer_end_identical(two_processes, models):
+    """GRPO with asynchronous rollouts at bound 1 under DDP with 2 processes: each rank's producer samples
+    that rank's prompts one policy version ahead; the ranks log the same (reduced) staleness, within
+    the bound and 1 once the pipeline is full, and end with the same trained actor."""
+    ranks = two_processes["grpo", "async"][1]
+    assert ranks[0]["world_size"] == 2 and ranks[0]["iteration"] == 2 and ranks[0]["prompts"] != ranks[1]["prompts"]
+    staleness = [[s["async/staleness"] for s in r["sampling"]] for r in ranks]
+    assert staleness[0] == staleness[1] and staleness[0][0] == 0 and staleness[0][-1] == 1
+    assert_identical_and_trained(ranks, models / "policy")
 
 
 @pytest.mark.slow

@@ -269,12 +269,18 @@ class RLModule(RLHFModule):
         from lit_rlhf.rollout.agent import agent_settings, check_agent_tokenizer
         from lit_rlhf.rollout.producer import AsyncRollouts, ProducerSettings
 
+        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
         c: RLConfig = self.config
-        if self.device.type != "cpu" or (self._trainer is not None and self.trainer.world_size > 1):
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        whole = strategy is None or (
+            isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(strategy, DeepSpeedStrategy)
+        )
+        if self.device.type != "cpu" or not whole:
             raise ConfigError(
                 "rollout.mode",
-                "async rollouts run in one training process on the CPU (this run: "
-                f"{self.device.type}, {self.trainer.world_size} process(es)); use algo.rollout.mode=sync",
+                "async rollouts run on the CPU, alone or under DDP (every rank with a producer of its own); "
+                f"this run: {self.device.type}, strategy {type(strategy).__name__}; use algo.rollout.mode=sync",
             )
         settings = None
         if c.environment is not None:

@@ -8,6 +8,7 @@ ranks need different numbers of extra prompt batches and keep different numbers 
 ``--agent``: multi-turn rollouts of the guessing game (``--models`` is then a policy folder with the
 multi-turn tasks' chat tokenizer), over after one guess on rank 0 (:class:`RankGame`): rank 0
 samples placeholders while rank 1 plays on.
+``--async``: asynchronous rollouts at bound 1 (every rank's own producer process).
 ``--preset reinforce_pp`` (one response per prompt, the KL in the reward, advantages whitened over
 all ranks, 2 minibatches) or ``--preset remax`` (the greedy baseline decoded on every rank): each
 rank also writes its last rollout's advantage sums and its baselines.
@@ -77,6 +78,7 @@ PARSER = run_parser(
         ("--preset", {"choices": ["reinforce_pp", "remax"], "default": None}),
         ("--engine", {"choices": ["hf", "vllm"], "default": "hf"}),
         ("--agent", {"action": "store_true"}),
+        ("--async", {"action": "store_true", "dest": "asynchronous"}),
     ],
 )
 
@@ -110,6 +112,8 @@ def run(args) -> None:
     algo = {"num_generations": 4, "minibatch_size": 4, "num_iterations": 2} if args.preset is None else {}
     if args.dapo:  # and accumulated over micro-batches of 2 under DDP (each backward all-reduces)
         algo["micro_batch_size"] = 2
+    if args.asynchronous:  # every rank's producer one policy version ahead
+        algo.update(rollout={"mode": "async", "max_staleness": 1}, rollout_correction="decoupled")
     engine = {"engine": args.engine, "vllm": {"kv_cache_gib": 0.0625}}
     cfg = build_config(
         CriticFreeConfig,
@@ -141,7 +145,8 @@ def run(args) -> None:
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             st, r = outputs["stats"], outputs["rollout"]
-            sampling.append({k: float(st[k]) for k in ("grpo/kept_groups", "grpo/resample_rounds") if k in st})
+            kept = ("grpo/kept_groups", "grpo/resample_rounds", "async/staleness")
+            sampling.append({k: float(st[k]) for k in kept if k in st})
             m = r.response_mask.float()  # this rank's masked sum, sum of squares and count of the advantages
             last.update(
                 advantages=[float((r.advantages * m).sum()), float((r.advantages**2 * m).sum()), float(m.sum())],
