@@ -28,3 +28,10 @@ class Stuck:
 def broken(ticket: int) -> float:
     """A producer whose sampling raises (a bug in a user's environment, say)."""
     raise ValueError(f"ticket {ticket}: the environment is broken")
+
+
+def misconfigured(ticket: int) -> float:
+    """A producer that meets a configuration error (a vLLM engine refusing the model, say)."""
+    from lit_rlhf.utils.config import ConfigError
+
+    raise ConfigError("algo.generation.engine", "no kernel for this head size")

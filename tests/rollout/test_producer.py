@@ -22,9 +22,10 @@ from lit_rlhf.models.builders import build_causal_lm
 from lit_rlhf.rollout.collect import sample_responses, scored_logprobs
 from lit_rlhf.rollout.generate import GenerationConfig
 from lit_rlhf.rollout.producer import AsyncRollouts, ProducerError, ProducerSettings
+from lit_rlhf.utils.config import ConfigError
 from lit_rlhf.utils.rng import capture_rng, restore_rng
 from tests.conftest import ROOT
-from tests.helpers.producer_faults import broken, heavy_tailed
+from tests.helpers.producer_faults import broken, heavy_tailed, misconfigured
 
 pytestmark = pytest.mark.xdist_group("producer")
 GREEDY = GenerationConfig(max_new_tokens=5, do_sample=False)
@@ -144,12 +145,20 @@ def test_a_killed_producer_is_started_again_and_then_stops_the_run(policy, token
         rollouts.close()
 
 
-def test_the_producers_exception_stops_the_trainer_with_its_message(policy, tokenizer):
-    rollouts = producer(policy, tokenizer, 1, delay=broken)
+@pytest.mark.parametrize(
+    "fault, error, message",
+    [
+        (broken, ProducerError, "the rollout producer failed: ticket 0: the environment is broken"),
+        (misconfigured, ConfigError, "^algo.generation.engine: no kernel for this head size$"),
+    ],
+)
+def test_the_producers_exception_stops_the_trainer_with_its_message(policy, tokenizer, fault, error, message):
+    """Any exception with the producer's message; a configuration error as itself, naming its key."""
+    rollouts = producer(policy, tokenizer, 1, delay=fault)
     rollouts.start(0)
     try:
         rollouts.submit(0, prompts(tokenizer, 0))
-        with pytest.raises(ProducerError, match="ticket 0: the environment is broken"):
+        with pytest.raises(error, match=message):
             rollouts.take(0)
     finally:
         rollouts.close()
