@@ -266,10 +266,10 @@ class RLModule(RLHFModule):
         taken from the trainer's; stopped in :meth:`teardown`."""
         if self.producer is not None:
             return self.producer
+        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
         from lit_rlhf.rollout.agent import agent_settings, check_agent_tokenizer
         from lit_rlhf.rollout.producer import AsyncRollouts, ProducerSettings
-
-        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
         c: RLConfig = self.config
         strategy = self.trainer.strategy if self._trainer is not None else None
