@@ -39,7 +39,7 @@ def same_metrics(a: dict, b: dict) -> dict:
 @pytest.mark.parametrize("stage", ["ppo", "grpo"])
 def test_bound_zero_is_the_synchronous_run(stage, tmp_path, saved_models):
     """PPO-max with the reference scored by the producer, DAPO with the trainer scoring it."""
-    base = [*stage_overrides(stage, saved_models), *EVERY_BATCH]
+    base = [*stage_overrides(stage, saved_models), *EVERY_BATCH, "trainer.max_epochs=1"]
     sync = run(compose([*base, *CORRECTED], tmp_path / "sync"))
     where = [f"algo.rollout.reference_in_producer={stage == 'ppo'}"]
     asynchronous = run(compose([*base, *ASYNC, "algo.rollout.max_staleness=0", *where], tmp_path / "async"))
@@ -65,7 +65,7 @@ def test_every_stage_trains_at_bound_one_and_resumes(stage, tmp_path, saved_mode
         algo = {"agent": "grpo", "agent_vllm": "grpo_vllm", "agent_ppo_vllm": "ppo_max"}[stage]
         base = [*agent_overrides(algo, agent_policy_dir), *ASYNC, *(VLLM if stage == "agent_ppo_vllm" else [])]
     else:
-        base = [*stage_overrides(stage, saved_models), *EVERY_BATCH, "logger=csv", *ASYNC]
+        base = [*stage_overrides(stage, saved_models), *EVERY_BATCH, "logger=csv", "trainer.max_epochs=1", *ASYNC]
     base.append("algo.rollout.max_staleness=1")
     full = tmp_path / "full"
     metrics = run(compose(base, full))

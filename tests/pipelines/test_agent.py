@@ -39,6 +39,7 @@ def test_agent_pipeline_tool_use_raises_held_out_accuracy(tmp_path):
             *TASK,
             "trainer.max_steps=20",
             "trainer.val_check_interval=20",
+            "algo.generation.max_new_tokens=64",  # the smaller task's workings (1-3 steps) fit
         ]
         cfg.pipeline.eval_problems = 200
         cfg.pipeline.pass_k = 0
