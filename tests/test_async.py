@@ -57,6 +57,7 @@ def rows_of(folder) -> list[dict]:
 VLLM = ["algo.generation.engine=vllm", "algo.generation.vllm.kv_cache_gib=0.0625"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["ppo", "remax", "agent", "agent_vllm", "agent_ppo_vllm"])
 def test_every_stage_trains_at_bound_one_and_resumes(stage, tmp_path, saved_models, agent_policy_dir):
     """``*_vllm``: the producer samples with a vLLM engine of its own (GRPO's and PPO-max's
