@@ -20,6 +20,7 @@ import torch
 
 from lit_rlhf.launch.runner import run
 from lit_rlhf.modules.configs import CriticFreeConfig
+from lit_rlhf.rollout.producer import ProducerError
 from lit_rlhf.utils.config import ConfigError, build_config
 from tests.conftest import ROOT, compose
 from tests.test_agent import overrides as agent_overrides
@@ -129,6 +130,32 @@ def test_sigkilled_async_train_py_resumes_to_the_synchronous_end(tmp_path, saved
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_end(load(run_dir / "checkpoints" / "last.ckpt"), final, f"async ppo_max killed at step {killed_at}")
+
+
+@pytest.mark.slow
+def test_a_producer_gone_for_good_stops_with_a_checkpoint_that_redoes_the_iteration(tmp_path, saved_models):
+    """DAPO at bound 0 whose producer is SIGKILLed during iteration 1 (by its reward callable,
+    tests/helpers/producer_faults.py) with ``algo.rollout.restarts=0``: iteration 2 stops with an error
+    naming the key and the checkpoint, written in step; ``ckpt_path=last`` redoes iteration 2 with a new
+    producer and ends where the synchronous run ends."""
+    marker = tmp_path / "killed"
+    killer = f"algo.reward_fn={{_target_: tests.helpers.producer_faults.producer_killer, marker: '{marker}'}}"
+    base = [
+        *stage_overrides("grpo", saved_models),
+        *EVERY_BATCH,
+        "trainer.max_epochs=1",
+        killer,
+        "algo.reward_path=null",
+    ]
+    run(compose([*base, *CORRECTED], tmp_path / "sync"))
+    assert not marker.exists()  # no producer to kill in a synchronous run
+    stopped = [*base, *ASYNC, "algo.rollout.max_staleness=0", "algo.rollout.restarts=0"]
+    with pytest.raises(ProducerError, match=r"algo.rollout.restarts=0.*checkpoint: .*last.ckpt \(ckpt_path=last"):
+        run(compose(stopped, tmp_path / "async"))
+    assert marker.exists() and load(tmp_path / "async" / "checkpoints" / "last.ckpt")["global_step"] == 2
+    run(compose([*stopped, f"ckpt_path={tmp_path / 'async' / 'checkpoints' / 'last.ckpt'}"], tmp_path / "async"))
+    final = load(tmp_path / "sync" / "checkpoints" / "last.ckpt")
+    assert_same_end(load(tmp_path / "async" / "checkpoints" / "last.ckpt"), final, "async DAPO after its producer died")
 
 
 def test_async_needs_a_correction():

@@ -175,19 +175,35 @@ class RLModule(RLHFModule):
 
     def stop_if_reward_service_down(self, rng: dict[str, Any]) -> None:
         """Every endpoint of a remote reward stayed down (lit_rlhf/rewards/http.py): stop cleanly
-        after a checkpoint that redoes this iteration. The RNG is put back to the iteration's start
-        and the training loaders one batch back, and ``last.ckpt`` is written in the checkpoint
-        folder, so that ``ckpt_path=last`` continues as if the outage never happened. Every rank
-        takes the same branch (the flag is summed over ranks)."""
+        after a checkpoint that redoes this iteration (:meth:`checkpoint_to_redo`), so that
+        ``ckpt_path=last`` continues as if the outage never happened. Every rank takes the same
+        branch (the flag is summed over ranks)."""
         outage = self.scorer.take_outage() if self.scorer is not None else None
-        if float(all_reduce_sum(torch.tensor([float(outage is not None)], device=self.device))) == 0.0:
+        if not self.on_any_rank(outage is not None):
             return
+        from lit_rlhf.rewards.http import RewardServiceDown
+
+        path = self.checkpoint_to_redo(rng)
+        raise RewardServiceDown(
+            f"{outage or 'a remote reward is down on another rank'}. Training stopped at RL iteration "
+            f"{self.iteration} before its update; checkpoint: {path}. Once an endpoint answers again, "
+            "run the same command with ckpt_path=last."
+        )
+
+    def on_any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (collective: every rank must ask)."""
+        return float(all_reduce_sum(torch.tensor([float(flag)], device=self.device))[0]) > 0.0
+
+    def checkpoint_to_redo(self, rng: dict[str, Any] | None) -> str:
+        """Write ``last.ckpt`` in the checkpoint folder so that a resume redoes the running iteration:
+        the RNG put back to the iteration's start (``rng``; None: nothing was drawn since), the
+        training loaders one batch back. Collective (every rank saves); returns the path."""
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        from lit_rlhf.rewards.http import RewardServiceDown
         from lit_rlhf.utils.compat.lightning import combined_loader
 
-        restore_rng(rng)
+        if rng is not None:
+            restore_rng(rng)
         combined = combined_loader(self.trainer)
         for loader in combined.flattened if combined is not None else []:
             if callable(getattr(loader, "rewind", None)):
@@ -195,12 +211,8 @@ class RLModule(RLHFModule):
         folder = getattr(self.trainer.checkpoint_callback, "dirpath", None)
         folder = folder or os.path.join(self.trainer.default_root_dir, "checkpoints")
         path = os.path.join(folder, ModelCheckpoint.CHECKPOINT_NAME_LAST + ModelCheckpoint.FILE_EXTENSION)
-        self.trainer.save_checkpoint(path)  # collective: every rank is here
-        raise RewardServiceDown(
-            f"{outage or 'a remote reward is down on another rank'}. Training stopped at RL iteration "
-            f"{self.iteration} before its update; checkpoint: {path}. Once an endpoint answers again, "
-            "run the same command with ckpt_path=last."
-        )
+        self.trainer.save_checkpoint(path)
+        return path
 
     def sample(self, batch: dict[str, Any], policy_logprobs: bool = True, drawn: Any = None) -> Rollout:
         """:meth:`responses_per_prompt` responses to each prompt of ``batch`` (a prompt's rows are
@@ -239,12 +251,19 @@ class RLModule(RLHFModule):
         c = self.config.rollout
         if c.mode == "sync":
             return None, {}
+        from lit_rlhf.rollout.producer import ProducerError
+
         producer, k = self.rollout_producer(), self.iteration
         for j, prompts in enumerate([batch, *ahead]):
             if not producer.handed_out(k + j):
                 producer.submit(k + j, prompts, capture_rng() if c.max_staleness == 0 else None)
         asked = time.perf_counter()
-        drawn = producer.take(k)
+        try:
+            drawn, failure = producer.take(k), None
+        except (ProducerError, ConfigError) as err:  # every rank stops, after a checkpoint that redoes k
+            drawn, failure = None, err
+        if self.on_any_rank(failure is not None):
+            self.stop_for_the_producer(failure)
         if drawn.rng is not None:
             restore_rng(drawn.rng)
         staleness = k - drawn.version
@@ -259,6 +278,18 @@ class RLModule(RLHFModule):
             }
         )
         return drawn, stats
+
+    def stop_for_the_producer(self, failure: Exception | None) -> None:
+        """The producer failed (on this rank: ``failure``; else on another): stop after a checkpoint
+        that redoes this iteration (nothing was drawn from the trainer's RNG since it started; the
+        loader re-issues its tickets on resume), raising the producer's error with its path."""
+        from lit_rlhf.rollout.producer import ProducerError
+
+        path = self.checkpoint_to_redo(None)
+        resume = f"Training stopped at RL iteration {self.iteration}; checkpoint: {path} (ckpt_path=last redoes it)"
+        if isinstance(failure, ConfigError):
+            raise ConfigError(failure.key, f"{failure.message}. {resume}") from failure
+        raise ProducerError(f"{failure or 'the rollout producer of another rank failed'}. {resume}") from failure
 
     def rollout_producer(self) -> Any:
         """The producer of ``algo.rollout.mode=async`` (lit_rlhf/rollout/producer.py), started at the

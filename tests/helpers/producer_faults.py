@@ -35,3 +35,27 @@ def misconfigured(ticket: int) -> float:
     from lit_rlhf.utils.config import ConfigError
 
     raise ConfigError("algo.generation.engine", "no kernel for this head size")
+
+
+def producer_killer(marker: str, after: int = 1):
+    """``algo.reward_fn`` of the embedded task (its gold reward) that, at its call ``after + 1``, SIGKILLs
+    the run's rollout producer, once per ``marker`` file (a resumed run's producer lives): a producer
+    gone for good mid-run, with ``algo.rollout.restarts=0``."""
+    import multiprocessing
+    import os
+    import signal
+
+    from lit_rlhf.data.synthetic import gold_reward_fn
+
+    gold, calls = gold_reward_fn(), [0]
+
+    def reward(prompts, responses, ended=None):
+        calls[0] += 1
+        if calls[0] == after + 1 and not os.path.exists(marker):
+            for child in multiprocessing.active_children():
+                if child.name == "lit_rlhf-rollout-producer":
+                    os.kill(child.pid, signal.SIGKILL)
+                    open(marker, "w").close()
+        return gold(prompts, responses, ended)
+
+    return reward
