@@ -227,7 +227,7 @@ def _produce(
                     agent,
                 )
                 ref = None
-                if settings.reference is not None:  # frozen: scored here as well as in the trainer
+                if settings.reference is not None:  # frozen: scored here instead of in the trainer
                     ref = scored_logprobs(settings.reference, drawn, settings.score_temperature, settings.padding_free)
             out.put(
                 Drawn(
@@ -280,6 +280,7 @@ class AsyncRollouts:
         self.ready: dict[int, Drawn] = {}  # delivered, not yet taken
         self.version = -1
         self.restarted = 0
+        self.delivered = 0
         self.max_held = 0  # most rollouts handed out and not taken at once (the bound's check)
 
     # ------------------------------------------------------------------ the producer
@@ -360,16 +361,22 @@ class AsyncRollouts:
             if isinstance(item, ProducerError):
                 raise item
             self.ready[item.ticket] = item
+            self.delivered += 1
         self.pending.pop(ticket)
         return self.ready.pop(ticket)
 
     def _restart(self) -> None:
         code = self.process.exitcode
         if self.restarted >= self.restarts:
+            hint = ""
+            if not self.delivered and code == 1:
+                hint = (
+                    " It died before its first rollout: a script that starts training needs an "
+                    "`if __name__ == '__main__':` guard (the producer is spawned and imports that script)."
+                )
             raise ProducerError(
                 f"the rollout producer died (exit code {code}) and was restarted {self.restarted} time(s) "
-                f"already (algo.rollout.restarts={self.restarts}); the last checkpoint resumes the run "
-                "(ckpt_path=last)"
+                f"already (algo.rollout.restarts={self.restarts}).{hint}"
             )
         self.restarted += 1
         log.warning(
