@@ -1,10 +1,11 @@
 """Asynchronous rollouts through train.py's path (lit_rlhf.launch.runner.run on the composed config;
 docs/async.md): at bound 0 an async run IS the synchronous one (weights, optimizer state and every
-metric; PPO-max with its critic and minibatches and the reference scored by the producer, DAPO with
-its resampling); at bound 1 every stage trains with its staleness logged and bounded (PPO-max,
-ReMax's greedy baseline, GRPO with the calculator's multi-turn rollouts; GRPO and PPO-max multi-turn
-with the vLLM engine too), PPO-max resuming from a checkpoint to the same end of the step budget;
-and a ``train.py`` in async mode killed with SIGKILL resumes to the synchronous run's end (bound 0)."""
+training metric; PPO-max with its critic and minibatches and the reference scored by the producer;
+DAPO with its resampling and a producer killed for good, stopped with a checkpoint and resumed); at
+bound 1 every stage trains with its staleness logged and bounded (PPO-max, ReMax's greedy baseline,
+GRPO with the calculator's multi-turn rollouts; GRPO and PPO-max multi-turn with the vLLM engine
+too), PPO-max resuming from a checkpoint to the same end of the step budget; and a ``train.py`` in
+async mode killed with SIGKILL resumes to the synchronous run's end (bound 0)."""
 
 from __future__ import annotations
 
@@ -39,15 +40,33 @@ def same_metrics(a: dict, b: dict) -> dict:
 
 @pytest.mark.parametrize("stage", ["ppo", "grpo"])
 def test_bound_zero_is_the_synchronous_run(stage, tmp_path, saved_models):
-    """PPO-max with the reference scored by the producer, DAPO with the trainer scoring it."""
+    """PPO-max with the reference scored by the producer. DAPO with the trainer scoring it, and a
+    producer gone for good: SIGKILLed during iteration 1 by the reward callable
+    (tests/helpers/producer_faults.py) with ``algo.rollout.restarts=0``, iteration 2 stops with an error
+    naming the key and a ``last.ckpt`` that redoes it; ``ckpt_path=last`` (a new producer) still ends
+    where the synchronous run ends."""
     base = [*stage_overrides(stage, saved_models), *EVERY_BATCH, "trainer.max_epochs=1"]
+    marker = tmp_path / "killed"
+    if stage == "grpo":
+        killer = f"algo.reward_fn={{_target_: tests.helpers.producer_faults.producer_killer, marker: '{marker}'}}"
+        base += [killer, "algo.reward_path=null"]
     sync = run(compose([*base, *CORRECTED], tmp_path / "sync"))
-    where = [f"algo.rollout.reference_in_producer={stage == 'ppo'}"]
-    asynchronous = run(compose([*base, *ASYNC, "algo.rollout.max_staleness=0", *where], tmp_path / "async"))
-    assert not same_metrics(asynchronous, sync)
-    assert asynchronous["async/staleness"] == 0
+    where = [f"algo.rollout.reference_in_producer={stage == 'ppo'}", "algo.rollout.restarts=0"]
+    overrides = [*base, *ASYNC, "algo.rollout.max_staleness=0", *where]
+    if stage == "grpo":
+        assert not marker.exists()  # no producer to kill in a synchronous run
+        stop = r"algo.rollout.restarts=0.*checkpoint: .*last.ckpt \(ckpt_path=last redoes it\)"
+        with pytest.raises(ProducerError, match=stop):
+            run(compose(overrides, tmp_path / "async"))
+        assert marker.exists() and load(tmp_path / "async" / "checkpoints" / "last.ckpt")["global_step"] == 2
+        overrides.append(f"ckpt_path={tmp_path / 'async' / 'checkpoints' / 'last.ckpt'}")
+    asynchronous = run(compose(overrides, tmp_path / "async"))
     final = load(tmp_path / "sync" / "checkpoints" / "last.ckpt")
     assert_same_end(load(tmp_path / "async" / "checkpoints" / "last.ckpt"), final, f"{stage} async at bound 0")
+    # after a resume mid-iteration validation samples differently (its RNG): val/ is left out there
+    differ = same_metrics(asynchronous, sync)
+    assert not {k: v for k, v in differ.items() if stage == "ppo" or not k.startswith("val/")}
+    assert asynchronous["async/staleness"] == 0
 
 
 def rows_of(folder) -> list[dict]:
@@ -130,32 +149,6 @@ def test_sigkilled_async_train_py_resumes_to_the_synchronous_end(tmp_path, saved
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_end(load(run_dir / "checkpoints" / "last.ckpt"), final, f"async ppo_max killed at step {killed_at}")
-
-
-@pytest.mark.slow
-def test_a_producer_gone_for_good_stops_with_a_checkpoint_that_redoes_the_iteration(tmp_path, saved_models):
-    """DAPO at bound 0 whose producer is SIGKILLed during iteration 1 (by its reward callable,
-    tests/helpers/producer_faults.py) with ``algo.rollout.restarts=0``: iteration 2 stops with an error
-    naming the key and the checkpoint, written in step; ``ckpt_path=last`` redoes iteration 2 with a new
-    producer and ends where the synchronous run ends."""
-    marker = tmp_path / "killed"
-    killer = f"algo.reward_fn={{_target_: tests.helpers.producer_faults.producer_killer, marker: '{marker}'}}"
-    base = [
-        *stage_overrides("grpo", saved_models),
-        *EVERY_BATCH,
-        "trainer.max_epochs=1",
-        killer,
-        "algo.reward_path=null",
-    ]
-    run(compose([*base, *CORRECTED], tmp_path / "sync"))
-    assert not marker.exists()  # no producer to kill in a synchronous run
-    stopped = [*base, *ASYNC, "algo.rollout.max_staleness=0", "algo.rollout.restarts=0"]
-    with pytest.raises(ProducerError, match=r"algo.rollout.restarts=0.*checkpoint: .*last.ckpt \(ckpt_path=last"):
-        run(compose(stopped, tmp_path / "async"))
-    assert marker.exists() and load(tmp_path / "async" / "checkpoints" / "last.ckpt")["global_step"] == 2
-    run(compose([*stopped, f"ckpt_path={tmp_path / 'async' / 'checkpoints' / 'last.ckpt'}"], tmp_path / "async"))
-    final = load(tmp_path / "sync" / "checkpoints" / "last.ckpt")
-    assert_same_end(load(tmp_path / "async" / "checkpoints" / "last.ckpt"), final, "async DAPO after its producer died")
 
 
 def test_async_needs_a_correction():
