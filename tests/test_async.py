@@ -10,22 +10,16 @@ async mode killed with SIGKILL resumes to the synchronous run's end (bound 0).""
 from __future__ import annotations
 
 import csv
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
-import torch
 
 from lit_rlhf.launch.runner import run
 from lit_rlhf.modules.configs import CriticFreeConfig
 from lit_rlhf.rollout.producer import ProducerError
 from lit_rlhf.utils.config import ConfigError, build_config
-from tests.conftest import ROOT, compose
+from tests.conftest import compose
 from tests.test_agent import overrides as agent_overrides
-from tests.test_resume import EVERY_BATCH, assert_same_end, load, stage_overrides
+from tests.test_resume import EVERY_BATCH, assert_same_end, kill_and_resume, load, stage_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("async_runs")]
 CORRECTED = ["algo.rollout_correction=decoupled"]
@@ -119,36 +113,10 @@ def test_sigkilled_async_train_py_resumes_to_the_synchronous_end(tmp_path, saved
     overrides = [*stage_overrides("ppo", saved_models), *EVERY_BATCH, *CORRECTED]
     run(compose(overrides, tmp_path / "sync"))
     final = load(tmp_path / "sync" / "checkpoints" / "last.ckpt")
-    run_dir = tmp_path / "killed"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", LIT_RLHF_ROOT=str(ROOT), OMP_NUM_THREADS=str(torch.get_num_threads()))
-    cmd = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        *overrides,
-        *ASYNC,
-        "algo.rollout.max_staleness=0",
-        f"hydra.run.dir={run_dir}",
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while len(list((run_dir / "checkpoints").glob("b*.ckpt"))) < 2 and proc.poll() is None:
-        assert time.monotonic() < deadline, "no second checkpoint in 300 s"
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, f"the run ended before it could be killed: {err[-2000:]}"
-    killed_at = load(run_dir / "checkpoints" / "last.ckpt")["global_step"]
-    assert 0 < killed_at < final["global_step"]
-    resumed = subprocess.run(
-        [*cmd, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_end(load(run_dir / "checkpoints" / "last.ckpt"), final, f"async ppo_max killed at step {killed_at}")
+    overrides = [*overrides, *ASYNC, "algo.rollout.max_staleness=0"]
+    killed_at = kill_and_resume(overrides, tmp_path / "killed", final["global_step"])
+    end = load(tmp_path / "killed" / "checkpoints" / "last.ckpt")
+    assert_same_end(end, final, f"async ppo_max killed at step {killed_at}")
 
 
 def test_async_needs_a_correction():

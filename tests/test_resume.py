@@ -155,30 +155,35 @@ def test_sigkilled_train_py_resumes_to_the_uninterrupted_end(tmp_path, saved_mod
     run(compose(overrides, tmp_path / "full"))
     final = load(tmp_path / "full" / "checkpoints" / "last.ckpt")
 
-    run_dir = tmp_path / "killed"
+    killed_at = kill_and_resume(overrides, tmp_path / "killed", final["global_step"])
+    end = load(tmp_path / "killed" / "checkpoints" / "last.ckpt")
+    assert_same_end(end, final, f"ppo_max killed after global step {killed_at}")
+
+
+def kill_and_resume(overrides: list[str], run_dir: Path, steps: int) -> int:
+    """``python train.py <overrides>`` in ``run_dir``, SIGKILLed once its second checkpoint is written
+    (producer processes and all), then the same command with ``ckpt_path`` of its ``last.ckpt``, which
+    must run to the end; returns the global step it was killed at (between 0 and ``steps``). The
+    thread count is the in-process runs': the same sums."""
     env = dict(
         os.environ,
         HF_HUB_OFFLINE="1",
         WANDB_MODE="offline",
         LIT_RLHF_ROOT=str(ROOT),
         OMP_NUM_THREADS=str(torch.get_num_threads()),
-    )  # the thread count of the in-process run: same sums
+    )
     cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while (
-        len(list((run_dir / "checkpoints").glob("b*.ckpt"))) < 2 and proc.poll() is None and time.monotonic() < deadline
-    ):
+    while len(list((run_dir / "checkpoints").glob("b*.ckpt"))) < 2 and proc.poll() is None:
+        assert time.monotonic() < deadline, "no second checkpoint in 300 s"
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, (
-        f"the run ended before it could be killed ({proc.returncode}): {err[-2000:]}"
-    )
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before it could be killed: {err[-2000:]}"
     killed_at = load(run_dir / "checkpoints" / "last.ckpt")["global_step"]
-    assert 0 < killed_at < final["global_step"]
-
-    out = subprocess.run(
+    assert 0 < killed_at < steps
+    resumed = subprocess.run(
         [*cmd, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"],
         cwd=ROOT,
         env=env,
@@ -186,5 +191,5 @@ def test_sigkilled_train_py_resumes_to_the_uninterrupted_end(tmp_path, saved_mod
         text=True,
         timeout=600,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert_same_end(load(run_dir / "checkpoints" / "last.ckpt"), final, f"ppo_max killed after global step {killed_at}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return killed_at

@@ -254,9 +254,7 @@ class RLModule(RLHFModule):
         from lit_rlhf.rollout.producer import ProducerError
 
         producer, k = self.rollout_producer(), self.iteration
-        for j, prompts in enumerate([batch, *ahead]):
-            if not producer.handed_out(k + j):
-                producer.submit(k + j, prompts, capture_rng() if c.max_staleness == 0 else None)
+        producer.hand_out(k, [batch, *ahead], capture_rng if c.max_staleness == 0 else None)
         asked = time.perf_counter()
         try:
             drawn, failure = producer.take(k), None
@@ -266,18 +264,7 @@ class RLModule(RLHFModule):
             self.stop_for_the_producer(failure)
         if drawn.rng is not None:
             restore_rng(drawn.rng)
-        staleness = k - drawn.version
-        stats = {f"async/staleness_{v}": torch.tensor(float(v == staleness)) for v in range(c.max_staleness + 1)}
-        stats.update(
-            {
-                "async/staleness": torch.tensor(float(staleness)),
-                "async/wait_s": torch.tensor(time.perf_counter() - asked),
-                "async/producer_sample_s": torch.tensor(drawn.sample_s),
-                "async/producer_weights_wait_s": torch.tensor(drawn.weights_wait_s),
-                "async/restarts": torch.tensor(float(producer.restarted)),
-            }
-        )
-        return drawn, stats
+        return drawn, producer.stats(k, drawn, time.perf_counter() - asked)
 
     def stop_for_the_producer(self, failure: Exception | None) -> None:
         """The producer failed (on this rank: ``failure``; else on another): stop after a checkpoint
@@ -300,7 +287,7 @@ class RLModule(RLHFModule):
         from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
         from lit_rlhf.rollout.agent import agent_settings, check_agent_tokenizer
-        from lit_rlhf.rollout.producer import AsyncRollouts, ProducerSettings
+        from lit_rlhf.rollout.producer import AsyncRollouts, ProducerSettings, split_threads
 
         c: RLConfig = self.config
         strategy = self.trainer.strategy if self._trainer is not None else None
@@ -318,13 +305,9 @@ class RLModule(RLHFModule):
             check_agent_tokenizer(self.tokenizer)
             dm = getattr(self.trainer, "datamodule", None)
             settings = agent_settings(c, getattr(getattr(dm, "config", None), "max_prompt_length", None))
-        # bound 0 overlaps nothing: the producer samples with the trainer's threads (the float sums of a
-        # product depend on their number: then the samples are the synchronous run's bit for bit)
-        threads = self._threads = torch.get_num_threads()
-        overlap = c.rollout.max_staleness > 0
-        mine = c.rollout.producer_threads or (max(1, threads // 2) if overlap else threads)
-        if overlap:
-            torch.set_num_threads(max(1, threads - mine))
+        self._threads = torch.get_num_threads()
+        mine, trainer = split_threads(self._threads, c.rollout.max_staleness, c.rollout.producer_threads)
+        torch.set_num_threads(trainer)
         sampler = c.monitor_sampler or c.rollout_correction != "none"
         self.producer = AsyncRollouts(
             self.actor,

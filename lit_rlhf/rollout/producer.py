@@ -181,7 +181,6 @@ def _produce(
     model: nn.Module, tokenizer: Any, settings: ProducerSettings, board: WeightBoard, jobs: Any, out: Any, parent: int
 ) -> None:
     """The producer process: sample the tickets of ``jobs`` in order into ``out`` until a None."""
-    from lit_rlhf.rollout.collect import sample_responses, scored_logprobs
     from lit_rlhf.rollout.vllm_engine import engine_for
 
     _die_with_parent()
@@ -211,24 +210,7 @@ def _produce(
             sampling = time.perf_counter()
             if settings.delay is not None:
                 time.sleep(settings.delay(job.ticket))
-            if job.rng is not None:
-                restore_rng(job.rng)
-            else:
-                torch.manual_seed(settings.seed * 1_000_003 + job.ticket)
-            with torch.inference_mode():
-                drawn = sample_responses(
-                    model,
-                    job.batch,
-                    tokenizer,
-                    settings.gen,
-                    engine,
-                    settings.responses_per_prompt,
-                    settings.logprob_temperature,
-                    agent,
-                )
-                ref = None
-                if settings.reference is not None:  # frozen: scored here instead of in the trainer
-                    ref = scored_logprobs(settings.reference, drawn, settings.score_temperature, settings.padding_free)
+            drawn, ref = _sample(model, tokenizer, job, settings, engine, agent)
             out.put(
                 Drawn(
                     ticket=job.ticket,
@@ -254,6 +236,34 @@ def _produce(
             agent.close()
         if engine is not None:
             engine.close()
+
+
+def _sample(
+    model: nn.Module, tokenizer: Any, job: Ticket, settings: ProducerSettings, engine: Any, agent: Any
+) -> tuple:
+    """(``sample_responses``' output, the reference's log-probs or None) of one ticket, with the
+    trainer's random state (bound 0) or the ticket's own seed."""
+    from lit_rlhf.rollout.collect import sample_responses, scored_logprobs
+
+    if job.rng is not None:
+        restore_rng(job.rng)
+    else:
+        torch.manual_seed(settings.seed * 1_000_003 + job.ticket)
+    with torch.inference_mode():
+        drawn = sample_responses(
+            model,
+            job.batch,
+            tokenizer,
+            settings.gen,
+            engine,
+            settings.responses_per_prompt,
+            settings.logprob_temperature,
+            agent,
+        )
+        if settings.reference is None:
+            return drawn, None
+        # frozen: scored here instead of in the trainer
+        return drawn, scored_logprobs(settings.reference, drawn, settings.score_temperature, settings.padding_free)
 
 
 class AsyncRollouts:
@@ -338,6 +348,29 @@ class AsyncRollouts:
     def handed_out(self, ticket: int) -> bool:
         return ticket in self.pending
 
+    def hand_out(self, k: int, batches: list[dict[str, Any]], rng: Callable[[], dict[str, Any]] | None) -> None:
+        """Hand out the tickets ``k, k+1, …`` of ``batches`` (RL iteration k's prompts and those the
+        loader looked ahead at) that are not out yet; ``rng()``: the trainer's random state (bound 0)."""
+        for j, batch in enumerate(batches):
+            if not self.handed_out(k + j):
+                self.submit(k + j, batch, rng() if rng is not None else None)
+
+    def stats(self, k: int, drawn: Drawn, waited_s: float) -> dict[str, torch.Tensor]:
+        """``async/*`` of iteration k's sample (docs/metrics.md): its staleness, one-hot over 0 … the
+        bound (the histogram's share), the trainer's wait, the producer's timings, the restarts."""
+        staleness = k - drawn.version
+        stats = {f"async/staleness_{v}": torch.tensor(float(v == staleness)) for v in range(self.max_staleness + 1)}
+        stats.update(
+            {
+                "async/staleness": torch.tensor(float(staleness)),
+                "async/wait_s": torch.tensor(waited_s),
+                "async/producer_sample_s": torch.tensor(drawn.sample_s),
+                "async/producer_weights_wait_s": torch.tensor(drawn.weights_wait_s),
+                "async/restarts": torch.tensor(float(self.restarted)),
+            }
+        )
+        return stats
+
     def take(self, ticket: int) -> Drawn:
         """The rollout of ``ticket``, waiting for it; a dead producer is restarted (its tickets
         sampled again) up to ``restarts`` times in the run."""
@@ -389,6 +422,17 @@ class AsyncRollouts:
         )
         self.process = None
         self.start(self.version)
+
+
+def split_threads(threads: int, bound: int, producer_threads: int | None) -> tuple[int, int]:
+    """(the producer's torch threads, the trainer's) out of the trainer's ``threads``: half each by
+    default (at least one). Bound 0 overlaps nothing: the producer gets them all and the trainer keeps
+    its own (the float sums of a product depend on the thread count: the samples are then the
+    synchronous run's bit for bit)."""
+    if bound == 0:
+        return producer_threads or threads, threads
+    mine = producer_threads or max(1, threads // 2)
+    return mine, max(1, threads - mine)
 
 
 def _detached(batch: dict[str, Any]) -> dict[str, Any]:
