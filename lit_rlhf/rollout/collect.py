@@ -125,9 +125,10 @@ def rollout_inputs(drawn: tuple) -> tuple[Tensor, Tensor, int]:
     return torch.cat([prompt_ids, sampled[0]], 1), torch.cat([prompt_mask, attention], 1), prompt_ids.shape[1]
 
 
-def scored_logprobs(model: Any, drawn: tuple, logprob_temperature: float, padding_free: bool) -> Tensor:
-    """``model``'s log-probs (eval mode, the caller's grad mode) of the responses of ``drawn``."""
-    ids, mask, width = rollout_inputs(drawn)
+def scored_logprobs(model: Any, inputs: tuple, logprob_temperature: float, padding_free: bool) -> Tensor:
+    """``model``'s log-probs (eval mode, the caller's grad mode) of the responses of ``inputs``
+    (:func:`rollout_inputs`)."""
+    ids, mask, width = inputs
     return _eval_forward(
         model, lambda: response_logprobs(model, ids, mask, width, logprob_temperature, padding_free=padding_free)[0]
     )
@@ -187,10 +188,10 @@ def generate_and_score(
     batch, sampled, turns = drawn
     response_ids, response_mask, ended, sampled_logprobs = sampled
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
-    ids, mask, width = rollout_inputs(drawn)
+    ids, mask, width = inputs = rollout_inputs(drawn)
 
     def logprobs_of(model: Any) -> Tensor:
-        return scored_logprobs(model, drawn, logprob_temperature, padding_free)
+        return scored_logprobs(model, inputs, logprob_temperature, padding_free)
 
     texts = turns.texts if turns is not None else decode_responses(tokenizer, response_ids, response_mask, ended)
     prompts = list(batch["prompts"])

@@ -243,7 +243,7 @@ def _sample(
 ) -> tuple:
     """(``sample_responses``' output, the reference's log-probs or None) of one ticket, with the
     trainer's random state (bound 0) or the ticket's own seed."""
-    from lit_rlhf.rollout.collect import sample_responses, scored_logprobs
+    from lit_rlhf.rollout.collect import rollout_inputs, sample_responses, scored_logprobs
 
     if job.rng is not None:
         restore_rng(job.rng)
@@ -263,7 +263,9 @@ def _sample(
         if settings.reference is None:
             return drawn, None
         # frozen: scored here instead of in the trainer
-        return drawn, scored_logprobs(settings.reference, drawn, settings.score_temperature, settings.padding_free)
+        return drawn, scored_logprobs(
+            settings.reference, rollout_inputs(drawn), settings.score_temperature, settings.padding_free
+        )
 
 
 class AsyncRollouts:

@@ -19,7 +19,7 @@ import torch
 
 from lit_rlhf.data.prompts import collate_prompts
 from lit_rlhf.models.builders import build_causal_lm
-from lit_rlhf.rollout.collect import sample_responses, scored_logprobs
+from lit_rlhf.rollout.collect import rollout_inputs, sample_responses, scored_logprobs
 from lit_rlhf.rollout.generate import GenerationConfig
 from lit_rlhf.rollout.producer import AsyncRollouts, ProducerError, ProducerSettings
 from lit_rlhf.utils.config import ConfigError
@@ -123,7 +123,7 @@ def test_bound_zero_samples_with_the_trainers_random_state(policy, tokenizer):
     assert torch.equal(drawn.drawn[1][3], logps)
     assert torch.equal(drawn.rng["torch"], after) and drawn.version == 0
     with torch.inference_mode():
-        assert torch.equal(drawn.ref_logprobs, scored_logprobs(reference, drawn.drawn, 1.0, False))
+        assert torch.equal(drawn.ref_logprobs, scored_logprobs(reference, rollout_inputs(drawn.drawn), 1.0, False))
 
 
 def test_a_killed_producer_is_started_again_and_then_stops_the_run(policy, tokenizer):
