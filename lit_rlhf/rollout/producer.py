@@ -22,7 +22,7 @@ ticket and handed back with the rollout. At a bound above 0 each ticket samples 
 
 **Faults.** A producer that dies is started again (``algo.rollout.restarts`` times in a run) and
 samples its unfinished tickets again; then the run stops with an error naming the key. A producer
-whose trainer died (SIGKILL) is killed with it (Linux; elsewhere it exits before its next ticket).
+whose trainer died (SIGKILL) is killed with it, mid-sample too (:func:`_watch_trainer`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import logging
 import os
 import queue
 import signal
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -49,6 +48,10 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5
 """How often a waiting side looks at the other (the trainer at the producer's health, the producer
 at its trainer's)."""
+
+
+PRELOAD = ("lit_rlhf.rollout.producer", "lit_rlhf.rollout.collect", "transformers")
+"""What the fork server imports once, before it forks a producer."""
 
 
 class ProducerError(RuntimeError):
@@ -160,32 +163,34 @@ class WeightBoard:
             return int(self.version.value), int(self.serial.value)
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this process when the trainer that started it dies, even mid-sample
-    (prctl PR_SET_PDEATHSIG); elsewhere the producer notices between tickets (:func:`_parent_alive`)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
+def _watch_trainer(lifeline: Any) -> Callable[[], bool]:
+    """Kill this process as soon as the trainer that started it is gone, even mid-sample: a thread
+    waits on ``lifeline``, the read end of a pipe whose only write end the trainer holds (the
+    kernel closes it when the trainer dies, SIGKILL included). Returns ``alive()``."""
+    import threading
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    gone = threading.Event()
 
+    def watch() -> None:
+        try:
+            while True:
+                lifeline.recv()
+        except (EOFError, OSError):
+            gone.set()
+            os.kill(os.getpid(), signal.SIGKILL)
 
-def _parent_alive(parent: int) -> Callable[[], bool]:
-    return lambda: os.getppid() == parent
+    threading.Thread(target=watch, name="lit_rlhf-trainer-watch", daemon=True).start()
+    return lambda: not gone.is_set()
 
 
 def _produce(
-    model: nn.Module, tokenizer: Any, settings: ProducerSettings, board: WeightBoard, jobs: Any, out: Any, parent: int
+    model: nn.Module, tokenizer: Any, settings: ProducerSettings, board: WeightBoard, jobs: Any, out: Any, lifeline: Any
 ) -> None:
     """The producer process: sample the tickets of ``jobs`` in order into ``out`` until a None."""
     from lit_rlhf.rollout.vllm_engine import engine_for
 
-    _die_with_parent()
+    alive = _watch_trainer(lifeline)
     torch.set_num_threads(settings.threads)
-    alive = _parent_alive(parent)
     agent = None
     if settings.agent is not None:
         from lit_rlhf.rollout.agent import AgentLoop
@@ -268,6 +273,17 @@ def _sample(
         )
 
 
+def _context() -> Any:
+    """Processes forked from a fork server that has imported torch, transformers and the rollout
+    path once (a producer, or a restarted one, starts in a fraction of a second instead of
+    importing them again); a fresh interpreter each (spawn) where there is no fork server."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
 class AsyncRollouts:
     """The trainer's side: start the producer, hand it tickets, take their rollouts in order,
     publish the weights after each iteration; restart a producer that died."""
@@ -283,9 +299,10 @@ class AsyncRollouts:
     ) -> None:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.max_staleness, self.restarts, self.timeout_s = max_staleness, restarts, timeout_s
-        self.ctx = mp.get_context("spawn")
+        self.ctx = _context()
         self.board: WeightBoard | None = None
         self.process: Any = None
+        self.lifeline: Any = None  # the write end of the producer's lifeline (_watch_trainer)
         self.jobs: Any = None
         self.out: Any = None
         self.pending: dict[int, Ticket] = {}  # handed out, not yet taken
@@ -307,9 +324,12 @@ class AsyncRollouts:
         self.jobs, self.out = self.ctx.Queue(), self.ctx.Queue()
         # a copy: pickling shares the tensors' memory with the child, which must not be the trained ones
         replica = copy.deepcopy(self.model).eval()
-        args = (replica, self.tokenizer, self.settings, self.board, self.jobs, self.out, os.getpid())
+        self._cut_lifeline()
+        lifeline, self.lifeline = self.ctx.Pipe(duplex=False)  # the producer's end, and the one kept here
+        args = (replica, self.tokenizer, self.settings, self.board, self.jobs, self.out, lifeline)
         self.process = self.ctx.Process(target=_produce, args=args, name="lit_rlhf-rollout-producer", daemon=True)
         self.process.start()
+        lifeline.close()
         del replica
         for t in sorted(self.pending):  # a restart: the tickets not delivered, sampled again
             if t not in self.ready:
@@ -337,6 +357,12 @@ class AsyncRollouts:
             for q in (self.jobs, self.out):
                 q.cancel_join_thread()
                 q.close()
+            self._cut_lifeline()
+
+    def _cut_lifeline(self) -> None:
+        if self.lifeline is not None:
+            self.lifeline.close()
+            self.lifeline = None
 
     # ------------------------------------------------------------------ tickets
     def submit(self, ticket: int, batch: dict[str, Any], rng: dict[str, Any] | None = None) -> None:
@@ -407,7 +433,7 @@ class AsyncRollouts:
             if not self.delivered and code == 1:
                 hint = (
                     " It died before its first rollout: a script that starts training needs an "
-                    "`if __name__ == '__main__':` guard (the producer is spawned and imports that script)."
+                    "`if __name__ == '__main__':` guard (the producer process imports that script)."
                 )
             raise ProducerError(
                 f"the rollout producer died (exit code {code}) and was restarted {self.restarted} time(s) "

@@ -1,5 +1,5 @@
 """The asynchronous rollouts' producer (lit_rlhf/rollout/producer.py) on a real tiny Llama in a real
-spawned process: the staleness bound under heavy-tailed sampling times and a slow trainer, every
+process: the staleness bound under heavy-tailed sampling times and a slow trainer, every
 ticket delivered once and in order, each rollout sampled by the weights of the version it is stamped
 with (greedy: compared with the trainer's own sample of those weights), bound 0's random state handed
 over and back (the trainer's own sample, bit for bit), a killed producer restarted and its ticket
@@ -175,7 +175,7 @@ def test_a_producer_whose_trainer_was_killed_exits(policy, tokenizer, tmp_path):
         "from lit_rlhf.data.tokenizers import build_tokenizer\n"
         "from lit_rlhf.models.builders import build_causal_lm\n"
         "from lit_rlhf.models.spec import ModelSpec, TinyLlamaConfig\n"
-        "if __name__ == '__main__':  # the producer is spawned: it imports this file again\n"
+        "if __name__ == '__main__':  # the producer imports this file again\n"
         "    spec = ModelSpec(tiny=TinyLlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,"
         " intermediate_size=64), tokenizer='synthetic')\n"
         "    tok = build_tokenizer(spec)\n"
