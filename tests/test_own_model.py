@@ -9,6 +9,7 @@ What each stage reads is the previous stage's export, as in the README."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -171,65 +172,132 @@ def test_ppo_max_with_lora_and_dpo_from_the_sft_export(chain, own, tmp_path):
     assert dpo["stability/kl"] > 0 and (tmp_path / "dpo" / "policy" / "config.json").is_file()  # it moved
 
 
-@pytest.mark.parametrize(
-    "arch, stage",
-    [
-        pytest.param("qwen2", "grpo_vllm", marks=VLLM),
-        pytest.param("gemma2", "grpo_vllm", marks=VLLM),
-        pytest.param("gpt_neox", "grpo_vllm", marks=VLLM),
-        pytest.param("olmo2", "grpo_vllm", marks=VLLM),
-        pytest.param("mistral", "grpo_vllm", marks=VLLM),
-        pytest.param("qwen3", "grpo_vllm", marks=VLLM),
-        pytest.param("gemma3", "grpo_vllm", marks=VLLM),
-        pytest.param("phi3", "grpo_vllm", marks=VLLM),
-        pytest.param("gpt2", "grpo_vllm", marks=VLLM),
-        ("gpt2", "ppo_max_lora"),
-    ],
-)
-def test_each_architecture_runs_its_stage_through_train_py(arch, stage, own, tmp_path):
-    """GRPO on the vLLM engine (the README's command 5 with ``engine=vllm``) with every architecture of
-    tests/rollout/test_vllm_architectures.py (Gemma 2 and 3: tied head; GPT-NeoX and OLMo 2: vLLM's
-    Transformers backend); GPT-2 (Conv1D) with LoRA PPO-max: saved like a user's model, through
-    train.py's path."""
+# every architecture family a user is likely to bring (tests/rollout/test_vllm_architectures.py's tiny
+# configs, head size 32), and a mixture of experts, which the vLLM engine refuses on CPU
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt_neox", "gpt2", "olmo2"]
+MOE = "qwen2_moe"
+
+
+@pytest.fixture(scope="module")
+def saved(own, tmp_path_factory):
+    """``saved(arch)``: a tiny random ``arch`` model saved beside the own model's ChatML tokenizer, once."""
     import torch
     import transformers as tf
     from transformers import AutoTokenizer
 
     from tests.rollout.test_vllm_architectures import _config
 
-    model_dir, data = own
-    policy = model_dir
-    if arch != "qwen2":
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        torch.manual_seed(0)
-        tf.AutoModelForCausalLM.from_config(_config(arch, len(tok))).save_pretrained(tmp_path / arch)
-        tok.save_pretrained(tmp_path / arch)
-        policy = tmp_path / arch
-    if stage == "grpo_vllm":
-        overrides = ["algo=grpo", "model=hf", f"algo.policy_path={policy}", "data=qa_file", "data.prompt.template=auto"]
-        overrides += [f"data.prompt.source={data / 'gsm8k.jsonl'}", "data.prompt.prompt_field=question"]
-        overrides += ["data.prompt.answer_format=gsm8k", "algo.num_generations=4", *RL]
-        overrides += ["algo.reward_fns=[{_target_: lit_rlhf.rewards.math_accuracy, name: accuracy}]"]
-        overrides += [
-            "algo.generation.engine=vllm",
-            "algo.generation.vllm.kv_cache_gib=0.0625",
-            "algo.monitor_sampler=true",
-        ]
-        metrics = _run(tmp_path / "run", overrides)
-        assert metrics["reward/accuracy_errors"] == 0 and 0.0 <= metrics["rollout/sampler_kl"] < 1e-4  # fp32 noise
-    else:
-        overrides = [
-            "algo=ppo_max",
-            "model=hf",
-            f"algo.policy_path={policy}",
-            "data=chat",
-            "algo.minibatch_size=4",
-            *RL,
-        ]
-        overrides += [f"data.prompt.source={data / 'prompts.jsonl'}", "model.lora.enabled=true"]
-        overrides += [
-            "algo.reward_fn={_target_: lit_rlhf.rewards.format_reward, pattern: '.*'}",
-            "algo.reward_path=null",
-        ]
-        metrics = _run(tmp_path / "run", overrides)
-        assert "policy/loss" in metrics and (tmp_path / "run" / "actor" / "adapter_config.json").is_file()
+    model_dir, _ = own
+    done = {"qwen2": model_dir}
+
+    def get(arch: str):
+        if arch not in done:
+            tok = AutoTokenizer.from_pretrained(model_dir)
+            folder = tmp_path_factory.mktemp(arch)
+            torch.manual_seed(0)
+            config = _config(arch, len(tok))
+            config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+            tf.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+            tok.save_pretrained(folder)
+            done[arch] = folder
+        return done[arch]
+
+    return get
+
+
+def _model_type(folder) -> str:
+    return json.loads((folder / "config.json").read_text())["model_type"]
+
+
+def _moved(before, after) -> bool:
+    """Whether the export in ``after`` is a model of ``before``'s architecture with other weights."""
+    from safetensors.torch import load_file
+
+    if _model_type(before) != _model_type(after):
+        return False
+    old, new = load_file(before / "model.safetensors"), load_file(after / "model.safetensors")
+    return old.keys() == new.keys() and any(not old[k].equal(new[k]) for k in old)
+
+
+def _grpo(policy, data) -> list[str]:
+    """The README's command 5 (GRPO on a GSM8K-style file, verifiable reward) from ``policy``."""
+    out = ["algo=grpo", "model=hf", f"algo.policy_path={policy}", "data=qa_file", "data.prompt.template=auto"]
+    out += [f"data.prompt.source={data / 'gsm8k.jsonl'}", "data.prompt.prompt_field=question"]
+    out += ["data.prompt.answer_format=gsm8k", "algo.num_generations=4", *RL]
+    return out + ["algo.reward_fns=[{_target_: lit_rlhf.rewards.math_accuracy, name: accuracy}]"]
+
+
+def _ppo_lora(policy, data) -> list[str]:
+    """PPO-max with LoRA adapters on actor and critic from ``policy``, a rule reward (no reward model)."""
+    out = ["algo=ppo_max", "model=hf", f"algo.policy_path={policy}", "data=chat", "algo.minibatch_size=4", *RL]
+    out += [f"data.prompt.source={data / 'prompts.jsonl'}", "model.lora.enabled=true", "algo.reward_path=null"]
+    return out + ["algo.reward_fn={_target_: lit_rlhf.rewards.format_reward, pattern: '.*'}"]
+
+
+VLLM_ENGINE = ["algo.generation.engine=vllm", "algo.generation.vllm.kv_cache_gib=0.0625", "algo.monitor_sampler=true"]
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, MOE])
+def test_each_architecture_trains_every_stage_with_the_hf_engine(arch, saved, own, tmp_path):
+    """The README's chain on a saved random model of ``arch``: SFT, the reward model on the SFT export,
+    DPO and GRPO from it, PPO-max from both exports (its critic is the reward model: the value head on
+    this architecture's trunk), each export still a model of ``arch``; the mixture of experts also with
+    LoRA (it has no vLLM run below)."""
+    _, data = own
+    model = saved(arch)
+    sft = _run(
+        tmp_path / "sft",
+        ["algo=sft", "model=hf", f"model.name_or_path={model}", "data=chat"]
+        + [f"data.sft.source={data / 'chat.jsonl'}", "data.batch_size=4"],
+    )
+    policy = tmp_path / "sft" / "policy"
+    assert math.isfinite(sft["train/loss"]) and _model_type(policy) == _model_type(model)
+    rm = _run(
+        tmp_path / "rm",
+        ["algo=rm", "model=hf", f"model.name_or_path={policy}", "data=chat"]
+        + [f"data.preference.source={data / 'prefs.jsonl'}", "data.batch_size=4"],
+    )
+    reward = tmp_path / "rm" / "reward_model"
+    assert 0.0 <= rm["val/accuracy"] <= 1.0 and _model_type(reward) == _model_type(model)
+    dpo = _run(
+        tmp_path / "dpo",
+        ["algo=dpo", "model=hf", f"algo.policy_path={policy}", "data=chat"]
+        + [f"data.preference.source={data / 'prefs.jsonl'}", "data.batch_size=4"],
+    )
+    assert math.isfinite(dpo["val/loss"]) and _moved(policy, tmp_path / "dpo" / "policy")
+    ppo = ["algo=ppo_max", "model=hf", f"algo.policy_path={policy}", f"algo.reward_path={reward}", "data=chat"]
+    ppo += [f"data.prompt.source={data / 'prompts.jsonl'}", "algo.minibatch_size=4", *RL]
+    ppo = _run(tmp_path / "ppo_max", ppo)
+    assert ppo["rl/iteration"] == 1.0 and all(math.isfinite(ppo[k]) for k in ("policy/loss", "critic/loss"))
+    grpo = _run(tmp_path / "grpo", _grpo(policy, data))
+    assert grpo["reward/accuracy_errors"] == 0 and 0.0 <= grpo["reward/accuracy"] <= 1.0
+    if arch == MOE:
+        lora = _run(tmp_path / "ppo_lora", _ppo_lora(policy, data))
+        assert (
+            math.isfinite(lora["policy/loss"]) and (tmp_path / "ppo_lora" / "actor" / "adapter_config.json").is_file()
+        )
+
+
+@VLLM
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_architecture_runs_grpo_and_lora_ppo_max_with_the_vllm_engine(arch, saved, own, tmp_path):
+    """GRPO (the README's command 5 with ``engine=vllm``) and PPO-max with LoRA (adapters merged into
+    the weights the engine gets) on the vLLM engine, from a saved random model of ``arch``: Gemma 2
+    and 3's tied head, GPT-NeoX and OLMo 2 through vLLM's Transformers backend, GPT-2's Conv1D
+    adapters. The sampler's log-probs agree with the trainer's (``rollout/sampler_kl``, fp32)."""
+    _, data = own
+    model = saved(arch)
+    grpo = _run(tmp_path / "grpo", [*_grpo(model, data), *VLLM_ENGINE])
+    assert grpo["reward/accuracy_errors"] == 0 and 0.0 <= grpo["rollout/sampler_kl"] < 1e-4  # fp32 noise
+    lora = _run(tmp_path / "ppo_lora", [*_ppo_lora(model, data), *VLLM_ENGINE])
+    assert 0.0 <= lora["rollout/sampler_kl"] < 1e-4 and math.isfinite(lora["policy/loss"])
+    assert (tmp_path / "ppo_lora" / "actor" / "adapter_config.json").is_file()
+
+
+@VLLM
+def test_a_mixture_of_experts_with_the_vllm_engine_is_refused_by_key_through_train_py(saved, own, tmp_path):
+    from lit_rlhf.utils.config import ConfigError
+
+    _, data = own
+    with pytest.raises(ConfigError, match=r"^algo.generation.engine: vLLM's CPU build cannot take synced weights"):
+        _run(tmp_path / "grpo", [*_grpo(saved(MOE), data), *VLLM_ENGINE])

@@ -53,7 +53,9 @@ class GenerationConfig:
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """Settings of the vllm engine (ignored with engine=hf)."""
     max_new_tokens: int = field(default=32, metadata={"ge": 1})
-    """Longest response in tokens (EOS included); a response without EOS by then is truncated."""
+    """Longest response in tokens (EOS included); a response without EOS by then is truncated. Both
+    engines also stop where the policy's positions end (its ``max_position_embeddings``; vLLM's
+    ``max_model_len``), with a warning."""
     temperature: float = field(default=1.0, metadata={"gt": 0.0})
     """Logits are divided by it before sampling (< 1 sharper, > 1 flatter)."""
     top_p: float = field(default=1.0, metadata={"gt": 0.0, "le": 1.0})

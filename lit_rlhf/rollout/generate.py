@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lit_rlhf.core.masked import position_ids_from_mask
 from lit_rlhf.rollout.config import GenerationConfig
 from lit_rlhf.rollout.decode_step import LayerStep, layer_step_ok, layer_step_verdict
 from lit_rlhf.utils.compat.transformers import cache_keyword, output_cache
+from lit_rlhf.utils.config import ConfigError
+from lit_rlhf.utils.facts import recall
+
+log = logging.getLogger(__name__)
 
 StopIds = int | Sequence[int]
 """EOS, or EOS and the chat template's end-of-turn token(s) (rollout/collect.py: stop_token_ids)."""
@@ -115,13 +121,56 @@ def _all_ranks_done(done: bool, device: torch.device) -> bool:
     forwards of sharded weights outside a gathered context gather them collectively (ZeRO-3,
     FSDP) and would hang otherwise. The stages sample from gathered weights, where this costs one
     small all-reduce per token."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not _distributed():
         return done
     flag = torch.tensor([0.0 if done else 1.0], device=device)
     dist.all_reduce(flag)
     return flag.item() == 0
+
+
+def _within_positions(model: Any, context: int, gen: GenerationConfig, device: torch.device) -> GenerationConfig:
+    """``gen`` with at most as many new tokens as the model has positions left after the longest
+    context (``context`` real tokens, positions counting them): decoding stops there, as vLLM stops a
+    request at its ``max_model_len`` (by default the model's ``max_position_embeddings``), instead of
+    raising deep in the forward (GPT-2's learned positions) or running past what the model was
+    trained for (rotary ones). The same number on every rank (its decoding steps are collective).
+    Warned once per model; a context that leaves no room at all is an error naming the keys."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not limit or context + gen.max_new_tokens <= limit and not _distributed():
+        return gen
+    room = limit - context
+    if _distributed():
+        least = torch.tensor([float(room)], device=device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        room = int(least.item())
+    if room >= gen.max_new_tokens:
+        return gen
+    name = type(model).__name__
+    if room < 1:
+        raise ConfigError(
+            "data.prompt.max_prompt_length",
+            f"a context of {limit - room} tokens leaves no position of {name}'s {limit} "
+            "(max_position_embeddings) for a response: shorten the prompts (or the turns before)",
+        )
+
+    def warn() -> bool:
+        log.warning(
+            "responses are cut at %s's %d positions (max_position_embeddings): contexts of up to %d tokens + "
+            "algo.generation.max_new_tokens=%d do not fit (as vLLM cuts them at its max_model_len); "
+            "lower data.prompt.max_prompt_length or max_new_tokens",
+            name,
+            limit,
+            limit - room,
+            gen.max_new_tokens,
+        )
+        return True
+
+    recall(model, "positions_warned", warn)
+    return replace(gen, max_new_tokens=room)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _decode(
@@ -145,6 +194,8 @@ def _decode(
     stop = eos_id if isinstance(eos_id, int) else torch.as_tensor(list(eos_id), device=device)
     from lit_rlhf.rollout import kv_cache
 
+    context = prompt_mask.sum(1) + (0 if past is None else past[2].sum(1))
+    gen = _within_positions(model, int(context.max()), gen, device)
     if past is None:
         ids, mask = prompt_ids, prompt_mask.long()
         cache = kv_cache.preallocated_cache(model, prompt_ids.shape[1] + gen.max_new_tokens)

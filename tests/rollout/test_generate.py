@@ -278,3 +278,35 @@ def test_nonfinite_probabilities_stop_sampling_with_a_clear_error(policy, tokeni
     ids, mask = pad([[2, 10, 11], [2, 20]], tokenizer.pad_token_id, "left")
     with pytest.raises(RuntimeError, match="probabilities are not finite"):
         sample(broken, ids, mask, GenerationConfig(max_new_tokens=4), eos_id=-1, pad_id=0)
+
+
+def test_decoding_stops_where_the_models_positions_end(caplog):
+    """A GPT-2 (learned positions: an index error past them) of 16 positions, prompts of up to 10
+    tokens and 12 new tokens asked: 6 are decoded, as vLLM would cut at its max_model_len, warned once
+    naming the keys; the tokens are greedy decoding's own (transformers' generate with the same cap);
+    a prompt that fills every position is an error naming the prompt length's key."""
+    import logging
+
+    import transformers as tf
+
+    from lit_rlhf.utils.config import ConfigError
+
+    torch.manual_seed(0)
+    config = tf.GPT2Config(n_embd=32, n_head=2, n_layer=1, n_positions=16, vocab_size=40, initializer_range=0.5)
+    model = tf.GPT2LMHeadModel(config).eval()
+    prompt_ids, prompt_mask = pad([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [7, 8, 9, 10]], 0, "left")
+    gen = GenerationConfig(max_new_tokens=12, do_sample=False)
+    with caplog.at_level(logging.WARNING, logger="lit_rlhf.rollout.generate"):
+        ids, mask, ended, _ = sample(model, prompt_ids, prompt_mask, gen, eos_id=39, pad_id=0)
+        sample(model, prompt_ids, prompt_mask, gen, eos_id=39, pad_id=0)
+    assert ids.shape == (2, 6) and not ended.any()
+    cut = [r.getMessage() for r in caplog.records if "responses are cut" in r.getMessage()]
+    assert len(cut) == 1 and "GPT2LMHeadModel's 16 positions" in cut[0] and "max_new_tokens=12" in cut[0]
+    with torch.no_grad():
+        want = model.generate(
+            input_ids=torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]), max_new_tokens=6, do_sample=False
+        )
+    assert ids[0].tolist() == want[0, 10:].tolist()
+    full, full_mask = pad([list(range(1, 17))], 0, "left")
+    with pytest.raises(ConfigError, match=r"^data.prompt.max_prompt_length: a context of 16 tokens leaves no position"):
+        sample(model, full, full_mask, gen, eos_id=39, pad_id=0)

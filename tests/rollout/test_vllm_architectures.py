@@ -26,6 +26,7 @@ def _config(arch: str, vocab: int):
     kv = {"num_key_value_heads": 1}
     common = {"vocab_size": vocab, "max_position_embeddings": 128, "initializer_range": 0.2}
     configs = {
+        "llama": lambda: tf.LlamaConfig(**SMALL, **kv, **common),
         "mistral": lambda: tf.MistralConfig(**SMALL, **kv, **common, sliding_window=None),
         "qwen2": lambda: tf.Qwen2Config(**SMALL, **kv, **common, tie_word_embeddings=True),
         "qwen3": lambda: tf.Qwen3Config(**SMALL, **kv, **common, head_dim=32, tie_word_embeddings=True),
