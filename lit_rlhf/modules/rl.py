@@ -211,7 +211,21 @@ class RLModule(RLHFModule):
         folder = getattr(self.trainer.checkpoint_callback, "dirpath", None)
         folder = folder or os.path.join(self.trainer.default_root_dir, "checkpoints")
         path = os.path.join(folder, ModelCheckpoint.CHECKPOINT_NAME_LAST + ModelCheckpoint.FILE_EXTENSION)
-        self.trainer.save_checkpoint(path)
+        # Lightning has counted the running batch as started, and its restart logic knows checkpoints
+        # saved at a batch's end: saved as the end of the batch before (what a periodic checkpoint
+        # holds), the resume starts this batch again, and validates and logs at the uninterrupted
+        # run's steps (the batch count drives a val_check_interval schedule)
+        loop = self.trainer.fit_loop.epoch_loop
+        counted, stepped = loop.batch_progress.state_dict(), loop._batches_that_stepped
+        for tracker in (loop.batch_progress.total, loop.batch_progress.current):
+            tracker.ready = tracker.started = tracker.processed = tracker.completed
+            tracker.completed -= 1
+        loop._batches_that_stepped -= 1
+        try:
+            self.trainer.save_checkpoint(path)
+        finally:
+            loop.batch_progress.load_state_dict(counted)
+            loop._batches_that_stepped = stepped
         return path
 
     def sample(self, batch: dict[str, Any], policy_logprobs: bool = True, drawn: Any = None) -> Rollout:
