@@ -41,7 +41,7 @@ def test_a_metric_never_logged_is_an_error_line_and_nan_not_a_failed_run(caplog)
 def test_ckpt_path_last_in_a_new_run_directory_starts_fresh_and_says_so_then_resumes(cfg_factory, tmp_path, caplog):
     """Both branches of ``ckpt_path=last``: an empty checkpoint folder (a job's first launch) is one
     line and a fresh start; the next launch in the same run directory names the file it resumes
-    and continues from its step (the CSV log of the second fit starts at step 3, not 0)."""
+    and continues from its step (the CSV log keeps the first fit's steps 0-2 and goes on at 3)."""
     common = ("logger=csv", "trainer.log_every_n_steps=1", "ckpt_path=last")
     with caplog.at_level(logging.INFO, logger="lit_rlhf.launch.runner"):
         run(cfg_factory("trainer.max_steps=3", *common))
@@ -56,7 +56,7 @@ def test_ckpt_path_last_in_a_new_run_directory_starts_fresh_and_says_so_then_res
     assert f"ckpt_path=last: resuming from {tmp_path / 'checkpoints' / 'last.ckpt'}" in caplog.text
     with open(tmp_path / "csv" / "metrics.csv") as fh:
         steps = [int(r["step"]) for r in csv.DictReader(fh) if r.get("train/loss")]
-    assert steps and min(steps) >= 3 and max(steps) == 4
+    assert steps == [0, 1, 2, 3, 4]
 
 
 def test_a_model_path_wins_over_the_tiny_config(tmp_path):

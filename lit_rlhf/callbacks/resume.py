@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lit_rlhf.callbacks.csv_log import RunCSVLogger
 from lit_rlhf.utils.rng import capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ class ResumeState(Callback):
         self._loader_states = fit_state.get("combined_loader") or None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for logger in trainer.loggers:  # the run's CSV log keeps a resumed run's earlier rows
+            if isinstance(logger, RunCSVLogger):
+                logger.fit_started(resumed=trainer.ckpt_path is not None)
         states, self._loader_states = self._loader_states, None
         from lit_rlhf.utils.compat.lightning import combined_loader
 

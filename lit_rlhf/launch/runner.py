@@ -247,6 +247,7 @@ def with_stability_csv(loggers: list[Any], callbacks: list[Any], algo_cls: type,
     the logger (``logger=wandb``, ``tensorboard``, ``none``)."""
     from lightning.pytorch.loggers import CSVLogger
 
+    from lit_rlhf.callbacks.csv_log import RunCSVLogger
     from lit_rlhf.callbacks.report import StabilityReport
     from lit_rlhf.modules.rl import RLModule
 
@@ -261,7 +262,7 @@ def with_stability_csv(loggers: list[Any], callbacks: list[Any], algo_cls: type,
             "stability.png reads a CSV log: keeping %s beside the configured logger(s)",
             os.path.join(save_dir, "csv", "metrics.csv"),
         )
-    return [*loggers, CSVLogger(save_dir=save_dir, name="csv", version="")]
+    return [*loggers, RunCSVLogger(save_dir=save_dir, name="csv", version="")]
 
 
 def resume_path(trainer: Any, ckpt_path: str | None) -> str | None:
