@@ -242,7 +242,7 @@ def _ppo_lora(policy, data) -> list[str]:
 VLLM_ENGINE = ["algo.generation.engine=vllm", "algo.generation.vllm.kv_cache_gib=0.0625", "algo.monitor_sampler=true"]
 
 
-@pytest.mark.parametrize("arch", [*ARCHS, MOE])
+@pytest.mark.parametrize("arch", [a for a in [*ARCHS, MOE] if a != "qwen2"])  # Qwen2: the README chain above
 def test_each_architecture_trains_every_stage_with_the_hf_engine(arch, saved, own, tmp_path):
     """The README's chain on a saved random model of ``arch``: SFT, the reward model on the SFT export,
     DPO and GRPO from it, PPO-max from both exports (its critic is the reward model: the value head on

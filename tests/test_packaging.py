@@ -152,7 +152,8 @@ def test_installed_wheel_runs_from_an_empty_folder(wheel, tmp_path):
     ).stdout
     assert str(venv) in where and str(ROOT) not in where  # the installed copy, not the checkout
 
-    assert "config groups" in run("--help") and "experiment" in run("--help")
+    helped = run("--help")
+    assert "config groups" in helped and "experiment" in helped
     assert "lit_rlhf" in run("--version")
 
     run("train", "experiment=sft_synthetic_tiny", "trainer.max_steps=2", "logger=csv", "callbacks=default")
