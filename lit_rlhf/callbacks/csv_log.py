@@ -6,7 +6,9 @@ every row the interrupted run logged, and the stability report drawn from the fi
 the resume. :class:`RunCSVLogger` keeps them: told by :class:`~lit_rlhf.callbacks.resume.ResumeState`
 whether the fit resumed, it keeps, at its first write, the rows logged before the first step this
 run logs (the steps after the checkpoint, which this run logs again, are dropped, and both counts
-logged); a fresh fit in a folder that has a log starts it anew, as Lightning's does."""
+logged); a fresh fit in a folder that has a log starts it anew, as Lightning's does; a run that does
+not fit (``trainer.test`` alone) appends to it. Rows this run logs before its fit (a validation)
+stay in every case."""
 
 from __future__ import annotations
 
@@ -22,44 +24,53 @@ log = logging.getLogger(__name__)
 
 
 class _Writer(ExperimentWriter):
-    """Lightning's CSV writer, which decides what to do with an existing ``metrics.csv`` at its first
-    write instead of deleting it when it is created."""
+    """Lightning's CSV writer, except that it leaves the ``metrics.csv`` it finds in place: the rows
+    there are an earlier run's (counted), the ones after them this run's own (a validation before the
+    fit), and what happens to the earlier ones is decided at the first write after the fit started."""
 
     def __init__(self, log_dir: str) -> None:
-        self.keep: str | None = None  # None: keep and append; "resumed": rows before this run's first step; "none"
+        self.keep: str | None = None  # "resumed": the earlier rows before this run's first step; "none"
+        self.earlier = 0  # rows of an earlier run at the top of the file
         super().__init__(log_dir)
 
     def _check_log_dir_exists(self) -> None:  # Lightning deletes metrics.csv here
         if self._fs.isfile(self.metrics_file_path):
             with self._fs.open(self.metrics_file_path, "r", newline="") as fh:
-                self.metrics_keys = list(next(csv.reader(fh), []))
+                reader = csv.DictReader(fh)
+                self.metrics_keys = list(reader.fieldnames or [])
+                self.earlier = sum(1 for _ in reader)
 
     def save(self) -> None:
         keep = self.keep if self.metrics else None
-        if self.metrics:
-            self.keep = None  # decided at the first write only
-        if keep is not None and self._fs.isfile(self.metrics_file_path):
-            if keep == "none":
-                self._fs.rm_file(self.metrics_file_path)
-                self.metrics_keys = []
-            else:
-                first = min(int(m["step"]) for m in self.metrics)
-                with self._fs.open(self.metrics_file_path, "r", newline="") as fh:
-                    rows = list(csv.DictReader(fh))
-                kept = [r for r in rows if int(float(r["step"])) < first]
-                with self._fs.open(self.metrics_file_path, "w", newline="") as fh:
-                    writer = csv.DictWriter(fh, fieldnames=self.metrics_keys)
-                    writer.writeheader()
-                    writer.writerows(kept)
-                log.info(
-                    "%s: kept the %d rows the interrupted run logged before step %d; %d rows after it are "
-                    "logged again by this run",
-                    self.metrics_file_path,
-                    len(kept),
-                    first,
-                    len(rows) - len(kept),
-                )
+        if keep is not None:
+            self.keep = None  # decided once
+            if self.earlier and self._fs.isfile(self.metrics_file_path):
+                self._keep_earlier(keep == "resumed", min(int(m["step"]) for m in self.metrics))
         super().save()
+
+    def _keep_earlier(self, resumed: bool, first: int) -> None:
+        """Rewrite the file with the earlier run's rows before step ``first`` (a resume) or none, then
+        this run's own."""
+        with self._fs.open(self.metrics_file_path, "r", newline="") as fh:
+            rows = list(csv.DictReader(fh))
+        earlier, own = rows[: self.earlier], rows[self.earlier :]
+        kept = [r for r in earlier if int(float(r["step"])) < first] if resumed else []
+        rows = kept + own
+        self.metrics_keys = [k for k in self.metrics_keys if k == "step" or any(r.get(k) for r in rows)]
+        with self._fs.open(self.metrics_file_path, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=self.metrics_keys, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        if resumed:
+            log.info(
+                "%s: kept the %d rows the interrupted run logged before step %d; its %d rows after that are "
+                "logged again by this run",
+                self.metrics_file_path,
+                len(kept),
+                first,
+                len(earlier) - len(kept),
+            )
+        self.earlier = 0
 
 
 class RunCSVLogger(CSVLogger):

@@ -43,13 +43,18 @@ def test_a_resumed_fit_keeps_the_rows_before_its_first_step_and_logs_new_columns
 def test_a_fresh_fit_starts_the_log_anew_and_anything_else_appends(tmp_path):
     _old_log(tmp_path / "fresh" / "csv", range(6))
     fresh = RunCSVLogger(tmp_path / "fresh", name="csv", version="")
+    fresh.log_metrics({"val/before": 1.0}, step=0)  # a validation before the fit (the demo pipeline's): its own
+    fresh.save()
     fresh.fit_started(resumed=False)
     fresh.log_metrics({"train/other": 2.0}, step=0)
     fresh.save()
-    assert _rows(tmp_path / "fresh" / "csv") == [{"train/other": "2.0", "step": "0"}]
+    assert _rows(tmp_path / "fresh" / "csv") == [
+        {"step": "0", "train/other": "", "val/before": "1.0"},
+        {"step": "0", "train/other": "2.0", "val/before": ""},
+    ]
     fresh.log_metrics({"train/other": 3.0}, step=1)  # decided once: the fit's rows stay (and a test's after them)
     fresh.save()
-    assert [r["step"] for r in _rows(tmp_path / "fresh" / "csv")] == ["0", "1"]
+    assert [r["step"] for r in _rows(tmp_path / "fresh" / "csv")] == ["0", "0", "1"]
     first = RunCSVLogger(tmp_path / "first", name="csv", version="")  # a fresh fit in a new folder
     first.fit_started(resumed=False)
     for step in (0, 1):
