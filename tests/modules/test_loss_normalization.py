@@ -5,6 +5,7 @@ shard accumulated over micro-batches of one row; per-rank counts (``local``) do 
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -82,8 +83,12 @@ def _rank(rank: int, store: str, out: str) -> None:
                         _loss(model, part, aggregation, normalizer, objective).backward()
                     grads[(aggregation, mode, objective, "micro")] = [p.grad.clone() for p in model.parameters()]
         torch.save(grads, f"{out}/rank{rank}.pt")
+        del model  # the last DDP reducer, before its process group goes
     finally:
         dist.destroy_process_group()
+    # no interpreter shutdown: there a DDP reducer's gloo group can deadlock in its destructor (a gloo
+    # thread waiting for the GIL the dealloc holds), which hung this fixture until pytest's timeout
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
