@@ -8,7 +8,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lit_rlhf.core.masked import position_ids_from_mask
@@ -16,6 +15,7 @@ from lit_rlhf.rollout.config import GenerationConfig
 from lit_rlhf.rollout.decode_step import LayerStep, layer_step_ok, layer_step_verdict
 from lit_rlhf.utils.compat.transformers import cache_keyword, output_cache
 from lit_rlhf.utils.config import ConfigError
+from lit_rlhf.utils.distributed import all_reduce_min
 from lit_rlhf.utils.facts import recall
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,9 @@ def _all_ranks_done(done: bool, device: torch.device) -> bool:
     forwards of sharded weights outside a gathered context gather them collectively (ZeRO-3,
     FSDP) and would hang otherwise. The stages sample from gathered weights, where this costs one
     small all-reduce per token."""
-    if not _distributed():
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return done
     flag = torch.tensor([0.0 if done else 1.0], device=device)
     dist.all_reduce(flag)
@@ -136,13 +138,9 @@ def _within_positions(model: Any, context: int, gen: GenerationConfig, device: t
     trained for (rotary ones). The same number on every rank (its decoding steps are collective).
     Warned once per model; a context that leaves no room at all is an error naming the keys."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if not limit or context + gen.max_new_tokens <= limit and not _distributed():
+    if not limit:
         return gen
-    room = limit - context
-    if _distributed():
-        least = torch.tensor([float(room)], device=device)
-        dist.all_reduce(least, op=dist.ReduceOp.MIN)
-        room = int(least.item())
+    room = int(all_reduce_min(torch.tensor([float(limit - context)], device=device)).item())
     if room >= gen.max_new_tokens:
         return gen
     name = type(model).__name__
@@ -167,10 +165,6 @@ def _within_positions(model: Any, context: int, gen: GenerationConfig, device: t
 
     recall(model, "positions_warned", warn)
     return replace(gen, max_new_tokens=room)
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _decode(

@@ -46,8 +46,8 @@ from lit_rlhf.utils.rng import capture_rng, restore_rng
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
-"""How often a waiting side looks at the other (the trainer at the producer's health, the producer
-at its trainer's)."""
+"""How often a waiting side looks again (the trainer at the producer's health, the producer at the
+board's version)."""
 
 
 PRELOAD = ("lit_rlhf.rollout.producer", "lit_rlhf.rollout.collect", "transformers")
@@ -147,13 +147,12 @@ class WeightBoard:
             self.cond.release()
         return True
 
-    def read(self, model: nn.Module, need: int, serial: int, alive: Callable[[], bool]) -> tuple[int, int]:
-        """Wait for a version ≥ ``need`` (while ``alive()``), copy the newest into ``model`` unless it
-        is the publication ``serial`` it already holds; returns (version, serial)."""
+    def read(self, model: nn.Module, need: int, serial: int) -> tuple[int, int]:
+        """Wait for a version ≥ ``need``, copy the newest into ``model`` unless it is the publication
+        ``serial`` it already holds; returns (version, serial). (A producer whose trainer is gone is
+        killed while it waits: :func:`_watch_trainer`.)"""
         with self.cond:
             while self.version.value < need:
-                if not alive():
-                    raise SystemExit(0)
                 self.cond.wait(POLL_S)
             if self.serial.value != serial:
                 params = dict(model.named_parameters())
@@ -163,24 +162,20 @@ class WeightBoard:
             return int(self.version.value), int(self.serial.value)
 
 
-def _watch_trainer(lifeline: Any) -> Callable[[], bool]:
-    """Kill this process as soon as the trainer that started it is gone, even mid-sample: a thread
-    waits on ``lifeline``, the read end of a pipe whose only write end the trainer holds (the
-    kernel closes it when the trainer dies, SIGKILL included). Returns ``alive()``."""
+def _watch_trainer(lifeline: Any) -> None:
+    """Kill this process as soon as the trainer that started it is gone, even mid-sample or waiting
+    for weights: a thread waits on ``lifeline``, the read end of a pipe whose only write end the
+    trainer holds (the kernel closes it when the trainer dies, SIGKILL included)."""
     import threading
-
-    gone = threading.Event()
 
     def watch() -> None:
         try:
             while True:
                 lifeline.recv()
         except (EOFError, OSError):
-            gone.set()
             os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="lit_rlhf-trainer-watch", daemon=True).start()
-    return lambda: not gone.is_set()
 
 
 def _produce(
@@ -189,7 +184,7 @@ def _produce(
     """The producer process: sample the tickets of ``jobs`` in order into ``out`` until a None."""
     from lit_rlhf.rollout.vllm_engine import engine_for
 
-    alive = _watch_trainer(lifeline)
+    _watch_trainer(lifeline)
     torch.set_num_threads(settings.threads)
     agent = None
     if settings.agent is not None:
@@ -200,16 +195,11 @@ def _produce(
     serial, engine = 0, None
     try:
         while True:
-            try:
-                job: Ticket | None = jobs.get(timeout=POLL_S)
-            except queue.Empty:
-                if not alive():
-                    return
-                continue
+            job: Ticket | None = jobs.get()
             if job is None:
                 return
             started = time.perf_counter()
-            version, serial = board.read(model, job.need, serial, alive)
+            version, serial = board.read(model, job.need, serial)
             if settings.gen.engine != "hf":  # synced to the board's weights as the colocated engine is
                 engine = engine_for(model, settings.gen, serial, engine, settings.vllm_logprobs)
             sampling = time.perf_counter()
