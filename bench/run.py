@@ -256,7 +256,8 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
         for name, label in (
             ("async1", "max_staleness 1"),
             ("async2", "max_staleness 2"),
-            ("async1_ref", "max_staleness 1, the reference scored by the producer"),
+            ("async1_producer_ref", "max_staleness 1, the reference scored by the producer"),
+            ("async2_balanced", "max_staleness 2, the reference scored by the side that idles"),
         ):
             derived[f"{name}_over_sync"] = modes[f"{name}_over_sync"]
             row(f"GRPO iterations/s, async ({label}) / sync", f"{name}_over_sync", modes[f"{name}_over_sync"])

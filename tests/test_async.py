@@ -45,7 +45,7 @@ def test_bound_zero_is_the_synchronous_run(stage, tmp_path, saved_models):
         killer = f"algo.reward_fn={{_target_: tests.helpers.producer_faults.producer_killer, marker: '{marker}'}}"
         base += [killer, "algo.reward_path=null"]
     sync = run(compose([*base, *CORRECTED], tmp_path / "sync"))
-    where = [f"algo.rollout.reference_in_producer={stage == 'ppo'}", "algo.rollout.restarts=0"]
+    where = [f"algo.rollout.reference_scoring={'producer' if stage == 'ppo' else 'trainer'}", "algo.rollout.restarts=0"]
     overrides = [*base, *ASYNC, "algo.rollout.max_staleness=0", *where]
     if stage == "grpo":
         assert not marker.exists()  # no producer to kill in a synchronous run
@@ -87,7 +87,7 @@ def test_every_stage_trains_at_bound_one_and_resumes(stage, tmp_path, saved_mode
         base = [*agent_overrides(algo, agent_policy_dir), *ASYNC, *(VLLM if stage == "agent_ppo_vllm" else [])]
     else:
         base = [*stage_overrides(stage, saved_models), *EVERY_BATCH, "logger=csv", "trainer.max_epochs=1", *ASYNC]
-    base.append("algo.rollout.max_staleness=1")
+    base += ["algo.rollout.max_staleness=1", "algo.rollout.reference_scoring=balanced"]
     full = tmp_path / "full"
     metrics = run(compose(base, full))
     rows = rows_of(full)
@@ -95,6 +95,8 @@ def test_every_stage_trains_at_bound_one_and_resumes(stage, tmp_path, saved_mode
     assert staleness[0] == 0 and max(staleness) == 1 and set(staleness) <= {0.0, 1.0}
     assert all(float(r["async/staleness_0"]) + float(r["async/staleness_1"]) == 1 for r in rows)
     assert metrics["async/restarts"] == 0
+    # reference_scoring=balanced: each sample's reference scored by one side or the other
+    assert all(r["async/producer_reference"] in ("0.0", "1.0") for r in rows)
     if stage.startswith("agent"):
         assert max(float(r["agent/tool_calls"]) for r in rows_of(full) if r.get("agent/tool_calls")) > 0
     if stage != "ppo":

@@ -154,7 +154,7 @@ def test_bench_smoke(tmp_path, bench):
     )
     assert saved["ratios"]["multiturn_single_over_multi"] == turns["single_over_multi"]
     modes = r["async_rollouts"]  # the same GRPO iterations, sync and with the producer ahead
-    for name in ("async1", "async2", "async1_ref"):
+    for name in ("async1", "async2", "async1_producer_ref", "async2_balanced"):
         assert modes[f"{name}_over_sync"] == pytest.approx(modes["sync_step_s"] / modes[f"{name}_step_s"])
         assert saved["ratios"][f"{name}_over_sync"] == modes[f"{name}_over_sync"]
     assert modes["ceiling_over_sync"] == pytest.approx(2 * modes["sync_step_s"] / modes["sync_1thread_step_s"])

@@ -289,8 +289,9 @@ class RLModule(RLHFModule):
         path = self.checkpoint_to_redo(None)
         resume = f"Training stopped at RL iteration {self.iteration}; checkpoint: {path} (ckpt_path=last redoes it)"
         if isinstance(failure, ConfigError):
-            raise ConfigError(failure.key, f"{failure.message}. {resume}") from failure
-        raise ProducerError(f"{failure or 'the rollout producer of another rank failed'}. {resume}") from failure
+            raise ConfigError(failure.key, f"{failure.message.rstrip('.')}. {resume}") from failure
+        said = str(failure or "the rollout producer of another rank failed").rstrip(".")
+        raise ProducerError(f"{said}. {resume}") from failure
 
     def rollout_producer(self) -> Any:
         """The producer of ``algo.rollout.mode=async`` (lit_rlhf/rollout/producer.py), started at the
@@ -331,9 +332,10 @@ class RLModule(RLHFModule):
                 responses_per_prompt=self.responses_per_prompt(),
                 logprob_temperature=self.logprob_temperature() if sampler else None,
                 agent=settings,
-                reference=self.frozen.get("reference") if c.rollout.reference_in_producer else None,
+                reference=self.frozen.get("reference") if c.rollout.reference_scoring != "trainer" else None,
                 score_temperature=self.logprob_temperature(),
                 padding_free=c.padding_free,
+                reference_scoring=c.rollout.reference_scoring,
                 vllm_logprobs=self.vllm_logprobs_mode(),
                 seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # the run's seed (pl.seed_everything)
                 threads=mine,

@@ -99,10 +99,13 @@ class RolloutModeConfig:
     """torch threads of the producer; the trainer keeps the rest of its own (at least one). None =
     half of the trainer's (at least one); at bound 0, where nothing overlaps, all of them (and the
     trainer keeps its own)."""
-    reference_in_producer: bool = False
-    """The producer also computes the frozen reference's log-probs of each sample (its memory shared
-    with the trainer's): work moved from the trainer to the producer, for runs whose update takes
-    longer than their sampling (``async/wait_s`` near 0); False = the trainer scores them."""
+    reference_scoring: Literal["trainer", "producer", "balanced"] = "trainer"
+    """Where the frozen reference's log-probs of each sample are computed (runs with a reference;
+    the producer's reference shares the trainer's memory, never a copy). trainer: after the sample is
+    taken. producer: where it is sampled (work moved off the trainer, for runs whose update takes
+    longer than their sampling). balanced: by the producer while it has recently waited at least as
+    long as the trainer, else by the trainer: the work goes to the side that idles, which pays at
+    max_staleness ≥ 2, where the producer can run ahead (docs/async.md §1)."""
     restarts: int = field(default=1, metadata={"ge": 0})
     """A producer that dies (killed, out of memory) is started again this many times in a run, its
     unfinished rollouts sampled again; once more and the run stops with an error naming this key."""

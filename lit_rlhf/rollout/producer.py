@@ -100,7 +100,9 @@ class ProducerSettings:
     reference that scores each sample where it is drawn (None: the trainer scores; its memory is
     shared with the trainer's, never copied) at the trainer's log-prob temperature and forward, the
     vLLM engine's log-prob mode, the seed of the tickets at a bound above 0, its torch threads, and a test's
-    delay (``ticket -> seconds`` slept before sampling; a picklable function)."""
+    delay (``ticket -> seconds`` slept before sampling; a picklable function). ``reference_scoring``
+    (with a reference): ``producer`` scores every sample; ``balanced`` only while the producer has
+    recently waited at least as long as the trainer (:func:`_recent`; the trainer scores the others)."""
 
     gen: Any
     responses_per_prompt: int
@@ -109,6 +111,7 @@ class ProducerSettings:
     reference: nn.Module | None = None
     score_temperature: float = 1.0
     padding_free: bool = False
+    reference_scoring: str = "producer"
     vllm_logprobs: str = "raw_logprobs"
     seed: int = 0
     threads: int = 1
@@ -179,9 +182,17 @@ def _watch_trainer(lifeline: Any) -> None:
 
 
 def _produce(
-    model: nn.Module, tokenizer: Any, settings: ProducerSettings, board: WeightBoard, jobs: Any, out: Any, lifeline: Any
+    model: nn.Module,
+    tokenizer: Any,
+    settings: ProducerSettings,
+    board: WeightBoard,
+    jobs: Any,
+    out: Any,
+    lifeline: Any,
+    trainer_wait: Any,
 ) -> None:
-    """The producer process: sample the tickets of ``jobs`` in order into ``out`` until a None."""
+    """The producer process: sample the tickets of ``jobs`` in order into ``out`` until a None;
+    ``trainer_wait``: the trainer's recent wait for a rollout, shared (:func:`_recent`)."""
     from lit_rlhf.rollout.vllm_engine import engine_for
 
     _watch_trainer(lifeline)
@@ -192,7 +203,7 @@ def _produce(
 
         agent = AgentLoop(settings.agent)
     model.eval()
-    serial, engine = 0, None
+    serial, engine, idle, idle_since = 0, None, 0.0, time.perf_counter()
     try:
         while True:
             job: Ticket | None = jobs.get()
@@ -203,9 +214,15 @@ def _produce(
             if settings.gen.engine != "hf":  # synced to the board's weights as the colocated engine is
                 engine = engine_for(model, settings.gen, serial, engine, settings.vllm_logprobs)
             sampling = time.perf_counter()
+            idle = _recent(idle, sampling - idle_since)
             if settings.delay is not None:
                 time.sleep(settings.delay(job.ticket))
-            drawn, ref = _sample(model, tokenizer, job, settings, engine, agent)
+            drawn = _sample(model, tokenizer, job, settings, engine, agent)
+            ref = None
+            if settings.reference is not None and (
+                settings.reference_scoring == "producer" or idle >= trainer_wait.value
+            ):
+                ref = _score_reference(drawn, settings)
             out.put(
                 Drawn(
                     ticket=job.ticket,
@@ -218,6 +235,7 @@ def _produce(
                     agent_counts=agent.take_counts() if agent is not None else {},
                 )
             )
+            idle_since = time.perf_counter()
     except SystemExit:
         return
     except BaseException as err:  # the trainer raises it (a config error as itself, naming its key)
@@ -233,19 +251,30 @@ def _produce(
             engine.close()
 
 
+def _recent(mean: float, seconds: float) -> float:
+    """The recent mean of a side's idle seconds per rollout (an exponential mean over the last few).
+
+    ``reference_scoring=balanced`` compares the two sides' with it: the producer scores a sample's
+    reference itself when it has recently waited (for a ticket or for weights) at least as long per
+    rollout as the trainer has waited for a rollout, and else leaves it to the trainer. Work goes to
+    the side that idles, and the share the producer scores settles where neither waits for the
+    other."""
+    return 0.5 * mean + 0.5 * seconds
+
+
 def _sample(
     model: nn.Module, tokenizer: Any, job: Ticket, settings: ProducerSettings, engine: Any, agent: Any
 ) -> tuple:
-    """(``sample_responses``' output, the reference's log-probs or None) of one ticket, with the
-    trainer's random state (bound 0) or the ticket's own seed."""
-    from lit_rlhf.rollout.collect import rollout_inputs, sample_responses, scored_logprobs
+    """``sample_responses``' output for one ticket, with the trainer's random state (bound 0) or the
+    ticket's own seed."""
+    from lit_rlhf.rollout.collect import sample_responses
 
     if job.rng is not None:
         restore_rng(job.rng)
     else:
         torch.manual_seed(settings.seed * 1_000_003 + job.ticket)
     with torch.inference_mode():
-        drawn = sample_responses(
+        return sample_responses(
             model,
             job.batch,
             tokenizer,
@@ -255,10 +284,16 @@ def _sample(
             settings.logprob_temperature,
             agent,
         )
-        if settings.reference is None:
-            return drawn, None
-        # frozen: scored here instead of in the trainer
-        return drawn, scored_logprobs(
+
+
+def _score_reference(drawn: tuple, settings: ProducerSettings) -> torch.Tensor:
+    """The frozen reference's log-probs of a sample, scored where it was drawn: the trainer's own
+    computation (rollout/collect.py ``scored_logprobs``, same inputs), so it does not matter which
+    side scores a sample (bit for bit where both have as many threads)."""
+    from lit_rlhf.rollout.collect import rollout_inputs, scored_logprobs
+
+    with torch.inference_mode():
+        return scored_logprobs(
             settings.reference, rollout_inputs(drawn), settings.score_temperature, settings.padding_free
         )
 
@@ -298,6 +333,9 @@ class AsyncRollouts:
         self.pending: dict[int, Ticket] = {}  # handed out, not yet taken
         self.ready: dict[int, Drawn] = {}  # delivered, not yet taken
         self.version = -1
+        self.waited = 0.0  # the trainer's recent wait per rollout (shared with the producer: _recent)
+        self.trainer_wait: Any = None
+        self.starting = False  # the producer's first rollout since it started is not yet taken
         self.restarted = 0
         self.delivered = 0
         self.max_held = 0  # most rollouts handed out and not taken at once (the bound's check)
@@ -312,11 +350,13 @@ class AsyncRollouts:
         self.board.publish(self.model, version, lambda: True)
         self.version = version
         self.jobs, self.out = self.ctx.Queue(), self.ctx.Queue()
+        self.trainer_wait = self.ctx.Value("d", self.waited, lock=False)
+        self.starting = True
         # a copy: pickling shares the tensors' memory with the child, which must not be the trained ones
         replica = copy.deepcopy(self.model).eval()
         self._cut_lifeline()
         lifeline, self.lifeline = self.ctx.Pipe(duplex=False)  # the producer's end, and the one kept here
-        args = (replica, self.tokenizer, self.settings, self.board, self.jobs, self.out, lifeline)
+        args = (replica, self.tokenizer, self.settings, self.board, self.jobs, self.out, lifeline, self.trainer_wait)
         self.process = self.ctx.Process(target=_produce, args=args, name="lit_rlhf-rollout-producer", daemon=True)
         self.process.start()
         lifeline.close()
@@ -384,6 +424,7 @@ class AsyncRollouts:
                 "async/wait_s": torch.tensor(waited_s),
                 "async/producer_sample_s": torch.tensor(drawn.sample_s),
                 "async/producer_weights_wait_s": torch.tensor(drawn.weights_wait_s),
+                "async/producer_reference": torch.tensor(float(drawn.ref_logprobs is not None)),
                 "async/restarts": torch.tensor(float(self.restarted)),
             }
         )
@@ -393,6 +434,7 @@ class AsyncRollouts:
         """The rollout of ``ticket``, waiting for it; a dead producer is restarted (its tickets
         sampled again) up to ``restarts`` times in the run."""
         deadline = time.monotonic() + self.timeout_s
+        asked = time.perf_counter()
         while ticket not in self.ready:
             try:
                 item = self.out.get(timeout=POLL_S)
@@ -414,6 +456,9 @@ class AsyncRollouts:
             self.ready[item.ticket] = item
             self.delivered += 1
         self.pending.pop(ticket)
+        if not self.starting:  # the wait for a first rollout is mostly the producer's start-up
+            self.waited = self.trainer_wait.value = _recent(self.waited, time.perf_counter() - asked)
+        self.starting = False
         return self.ready.pop(ticket)
 
     def _restart(self) -> None:

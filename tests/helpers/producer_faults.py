@@ -59,3 +59,8 @@ def producer_killer(marker: str, after: int = 1):
         return gold(prompts, responses, ended)
 
     return reward
+
+
+def slow(ticket: int) -> float:
+    """A producer slower than its trainer: every ticket takes 0.3 s more."""
+    return 0.3

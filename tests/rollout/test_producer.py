@@ -25,7 +25,7 @@ from lit_rlhf.rollout.producer import AsyncRollouts, ProducerError, ProducerSett
 from lit_rlhf.utils.config import ConfigError
 from lit_rlhf.utils.rng import capture_rng, restore_rng
 from tests.conftest import ROOT
-from tests.helpers.producer_faults import broken, heavy_tailed, misconfigured
+from tests.helpers.producer_faults import broken, heavy_tailed, misconfigured, slow
 
 pytestmark = pytest.mark.xdist_group("producer")
 GREEDY = GenerationConfig(max_new_tokens=5, do_sample=False)
@@ -124,6 +124,45 @@ def test_bound_zero_samples_with_the_trainers_random_state(policy, tokenizer):
     assert torch.equal(drawn.rng["torch"], after) and drawn.version == 0
     with torch.inference_mode():
         assert torch.equal(drawn.ref_logprobs, scored_logprobs(reference, rollout_inputs(drawn.drawn), 1.0, False))
+
+
+@pytest.mark.parametrize("slower", ["trainer", "producer"])
+def test_balanced_reference_scoring_gives_the_reference_to_the_side_that_waits(policy, tokenizer, slower):
+    """``reference_scoring=balanced``: beside a slow trainer (the producer waits for tickets) the
+    producer scores the reference of its samples; beside a fast one (the trainer waits for samples)
+    it leaves them to the trainer. What it scores is the trainer's own scoring of the sample."""
+    reference = replace_model(policy)
+    rollouts = producer(
+        policy,
+        tokenizer,
+        1,
+        reference=reference,
+        reference_scoring="balanced",
+        threads=torch.get_num_threads(),
+        delay=slow if slower == "producer" else None,
+    )
+    rollouts.start(0)
+    drawn = []
+    try:
+        rollouts.submit(0, prompts(tokenizer, 0))
+        for k in range(7):  # the trainer does nothing but wait (or sleep: slower) until the end
+            rollouts.submit(k + 1, prompts(tokenizer, k + 1))
+            drawn.append(rollouts.take(k))
+            if slower == "trainer":
+                time.sleep(0.5)
+            rollouts.publish(k + 1)
+    finally:
+        rollouts.close()
+    scored = [d.ref_logprobs is not None for d in drawn]
+    # the first tickets decide on the start-up's waits; from the fourth on, each side's recent wait
+    if slower == "trainer":
+        assert all(scored[3:]), scored
+    else:
+        assert not any(scored[3:]), scored
+    for d in drawn:
+        if d.ref_logprobs is not None:
+            with torch.inference_mode():
+                assert torch.equal(d.ref_logprobs, scored_logprobs(reference, rollout_inputs(d.drawn), 1.0, False))
 
 
 def test_a_killed_producer_is_started_again_and_then_stops_the_run(policy, tokenizer):
