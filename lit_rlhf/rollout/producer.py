@@ -218,11 +218,7 @@ def _produce(
             if settings.delay is not None:
                 time.sleep(settings.delay(job.ticket))
             drawn = _sample(model, tokenizer, job, settings, engine, agent)
-            ref = None
-            if settings.reference is not None and (
-                settings.reference_scoring == "producer" or idle >= trainer_wait.value
-            ):
-                ref = _score_reference(drawn, settings)
+            ref = _reference_here(drawn, settings, idle, trainer_wait.value)
             out.put(
                 Drawn(
                     ticket=job.ticket,
@@ -252,13 +248,9 @@ def _produce(
 
 
 def _recent(mean: float, seconds: float) -> float:
-    """The recent mean of a side's idle seconds per rollout (an exponential mean over the last few).
-
-    ``reference_scoring=balanced`` compares the two sides' with it: the producer scores a sample's
-    reference itself when it has recently waited (for a ticket or for weights) at least as long per
-    rollout as the trainer has waited for a rollout, and else leaves it to the trainer. Work goes to
-    the side that idles, and the share the producer scores settles where neither waits for the
-    other."""
+    """The recent mean of a side's idle seconds per rollout (an exponential mean over the last few):
+    the producer's wait for a ticket or for weights, the trainer's wait for a sample.
+    ``reference_scoring=balanced`` gives the reference to the side that idles (:func:`_reference_here`)."""
     return 0.5 * mean + 0.5 * seconds
 
 
@@ -286,12 +278,16 @@ def _sample(
         )
 
 
-def _score_reference(drawn: tuple, settings: ProducerSettings) -> torch.Tensor:
-    """The frozen reference's log-probs of a sample, scored where it was drawn: the trainer's own
-    computation (rollout/collect.py ``scored_logprobs``, same inputs), so it does not matter which
-    side scores a sample (bit for bit where both have as many threads)."""
+def _reference_here(drawn: tuple, settings: ProducerSettings, idle: float, trainer_wait: float) -> torch.Tensor | None:
+    """The frozen reference's log-probs of a sample when the producer scores them (always with
+    ``reference_scoring=producer``; with ``balanced`` while its recent ``idle`` is at least the
+    trainer's recent wait, :func:`_recent`), else None: the trainer scores them. The same
+    computation as the trainer's (rollout/collect.py ``scored_logprobs``, same inputs), so it does
+    not matter which side scores a sample (bit for bit where both have as many threads)."""
     from lit_rlhf.rollout.collect import rollout_inputs, scored_logprobs
 
+    if settings.reference is None or (settings.reference_scoring == "balanced" and idle < trainer_wait):
+        return None
     with torch.inference_mode():
         return scored_logprobs(
             settings.reference, rollout_inputs(drawn), settings.score_temperature, settings.padding_free
