@@ -95,8 +95,8 @@ def test_every_stage_trains_at_bound_one_and_resumes(stage, tmp_path, saved_mode
     assert staleness[0] == 0 and max(staleness) == 1 and set(staleness) <= {0.0, 1.0}
     assert all(float(r["async/staleness_0"]) + float(r["async/staleness_1"]) == 1 for r in rows)
     assert metrics["async/restarts"] == 0
-    # reference_scoring=balanced: each sample's reference scored by one side or the other
-    assert all(r["async/producer_reference"] in ("0.0", "1.0") for r in rows)
+    # reference_scoring=balanced: a share of each sample's rows scored by the producer, the rest by the trainer
+    assert all(0.0 <= float(r["async/producer_reference"]) <= 1.0 for r in rows)
     if stage.startswith("agent"):
         assert max(float(r["agent/tool_calls"]) for r in rows_of(full) if r.get("agent/tool_calls")) > 0
     if stage != "ppo":

@@ -177,8 +177,10 @@ def generate_and_score(
             policy's; the columns ``env_reward``, ``tool_calls`` and ``turns`` are added); None = one turn.
         drawn: the responses already sampled, :func:`sample_responses`' output for ``batch`` (an
             asynchronous producer's, rollout/producer.py); None = sampled here.
-        ref_logprobs: the reference's log-probs of ``drawn``, computed where it was sampled (the
-            producer holds the frozen reference); None = computed here when ``reference`` is given.
+        ref_logprobs: the reference's log-probs of ``drawn``'s first rows, computed where it was
+            sampled (the producer holds the frozen reference); the other rows, or all with None,
+            are scored here when ``reference`` is given (each row's log-probs do not depend on the
+            rows scored with it).
     Returns:
         the :class:`Rollout`; fields of models not given are None, ``rewards``/``advantages``/``returns`` too.
     """
@@ -208,7 +210,7 @@ def generate_and_score(
         response_attention_mask=turns.attention_mask if turns is not None else None,
         ended=ended,
         logprobs=logprobs_of(policy) if policy_logprobs else None,
-        ref_logprobs=logprobs_of(reference) if ref_logprobs is None and reference is not None else ref_logprobs,
+        ref_logprobs=_completed(ref_logprobs, reference, inputs, logprob_temperature, padding_free),
         sampler_logprobs=sampled_logprobs,
         values=_eval_forward(critic, lambda: response_values(critic, ids, mask, width)) if critic is not None else None,
         scores=scores() if scores is not None else None,
@@ -216,3 +218,16 @@ def generate_and_score(
         responses_text=texts,
         columns=columns,
     )
+
+
+def _completed(
+    ref_logprobs: Tensor | None, reference: Any, inputs: tuple, logprob_temperature: float, padding_free: bool
+) -> Tensor | None:
+    """The reference's log-probs of every row of ``inputs``: ``ref_logprobs`` (those of the first
+    rows, scored elsewhere; None: none) and the others' scored with ``reference`` (None: not computed)."""
+    ids, mask, width = inputs
+    done = ref_logprobs.shape[0] if ref_logprobs is not None else 0
+    if reference is None or done == ids.shape[0]:
+        return ref_logprobs
+    rest = scored_logprobs(reference, (ids[done:], mask[done:], width), logprob_temperature, padding_free)
+    return rest if ref_logprobs is None else torch.cat([ref_logprobs, rest], 0)

@@ -103,9 +103,9 @@ class RolloutModeConfig:
     """Where the frozen reference's log-probs of each sample are computed (runs with a reference;
     the producer's reference shares the trainer's memory, never a copy). trainer: after the sample is
     taken. producer: where it is sampled (work moved off the trainer, for runs whose update takes
-    longer than their sampling). balanced: by the producer while it has recently waited at least as
-    long as the trainer, else by the trainer: the work goes to the side that idles, which pays at
-    max_staleness ≥ 2, where the producer can run ahead (docs/async.md §1)."""
+    longer than their sampling). balanced: both, the producer the first rows of each sample and the
+    trainer the rest, the producer's share moving toward the split that leaves both sides equally
+    busy (docs/async.md §1)."""
     restarts: int = field(default=1, metadata={"ge": 0})
     """A producer that dies (killed, out of memory) is started again this many times in a run, its
     unfinished rollouts sampled again; once more and the run stops with an error naming this key."""

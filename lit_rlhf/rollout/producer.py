@@ -41,6 +41,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from lit_rlhf.rollout.collect import rollout_inputs, sample_responses, scored_logprobs
 from lit_rlhf.utils.rng import capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ class Ticket:
 @dataclass
 class Drawn:
     """A sampled ticket: ``sample_responses``' output (``drawn``), the policy version that sampled
-    it, the random state after sampling (bound 0), and the producer's timings and statistics."""
+    it, the reference's log-probs of its first rows (``reference_share`` of them; None: none), the
+    random state after sampling (bound 0), and the producer's timings and statistics."""
 
     ticket: int
     version: int
@@ -90,6 +92,7 @@ class Drawn:
     sample_s: float
     weights_wait_s: float
     agent_counts: dict[str, int] = field(default_factory=dict)
+    reference_share: float = 0.0
 
 
 @dataclass
@@ -101,8 +104,8 @@ class ProducerSettings:
     shared with the trainer's, never copied) at the trainer's log-prob temperature and forward, the
     vLLM engine's log-prob mode, the seed of the tickets at a bound above 0, its torch threads, and a test's
     delay (``ticket -> seconds`` slept before sampling; a picklable function). ``reference_scoring``
-    (with a reference): ``producer`` scores every sample; ``balanced`` only while the producer has
-    recently waited at least as long as the trainer (:func:`_recent`; the trainer scores the others)."""
+    (with a reference): ``producer`` scores every row of every sample; ``balanced`` the share of
+    rows that evens out the two sides' busy time (:class:`ReferenceShare`; the trainer scores the rest)."""
 
     gen: Any
     responses_per_prompt: int
@@ -203,6 +206,7 @@ def _produce(
 
         agent = AgentLoop(settings.agent)
     model.eval()
+    share = ReferenceShare(balanced=settings.reference_scoring == "balanced")
     serial, engine, idle, idle_since = 0, None, 0.0, time.perf_counter()
     try:
         while True:
@@ -218,7 +222,11 @@ def _produce(
             if settings.delay is not None:
                 time.sleep(settings.delay(job.ticket))
             drawn = _sample(model, tokenizer, job, settings, engine, agent)
-            ref = _reference_here(drawn, settings, idle, trainer_wait.value)
+            rows = rollout_inputs(drawn)[0].shape[0]
+            scoring = time.perf_counter()
+            ref = _reference_rows(drawn, settings, share.rows(rows)) if settings.reference is not None else None
+            done = time.perf_counter()
+            scored = ref.shape[0] if ref is not None else 0
             out.put(
                 Drawn(
                     ticket=job.ticket,
@@ -226,11 +234,13 @@ def _produce(
                     drawn=drawn,
                     ref_logprobs=ref,
                     rng=capture_rng() if job.rng is not None else None,
-                    sample_s=time.perf_counter() - sampling,
+                    sample_s=done - sampling,
                     weights_wait_s=sampling - started,
                     agent_counts=agent.take_counts() if agent is not None else {},
+                    reference_share=scored / rows,
                 )
             )
+            share.learn(idle, trainer_wait.value, rows, scored, done - scoring)
             idle_since = time.perf_counter()
     except SystemExit:
         return
@@ -248,10 +258,43 @@ def _produce(
 
 
 def _recent(mean: float, seconds: float) -> float:
-    """The recent mean of a side's idle seconds per rollout (an exponential mean over the last few):
-    the producer's wait for a ticket or for weights, the trainer's wait for a sample.
-    ``reference_scoring=balanced`` gives the reference to the side that idles (:func:`_reference_here`)."""
+    """A recent mean (an exponential mean over the last few values, weight ½) of a side's idle
+    seconds per rollout (the producer's wait for a ticket or for weights, the trainer's wait for a
+    sample) or of the producer's scoring seconds per row: what ``reference_scoring=balanced``
+    steers by (:class:`ReferenceShare`)."""
     return 0.5 * mean + 0.5 * seconds
+
+
+@dataclass
+class ReferenceShare:
+    """Which rows of each sample the producer scores with the frozen reference (the first
+    :meth:`rows`; the trainer scores the rest, rollout/collect.py ``generate_and_score``).
+    ``reference_scoring=producer``: every row. ``balanced``: a share that starts at half and moves
+    toward the split where both sides are equally busy (docs/async.md §1). A side that idles ``d``
+    seconds more per rollout than the other has ``d`` seconds of the other's work to spare, and half
+    of it evens them out: the share moves by ``(idle − trainer_wait) / 2`` seconds of scoring, at the
+    producer's measured seconds per row, damped by half again against the noise of the recent means
+    (:func:`_recent`) it steers by."""
+
+    balanced: bool
+    share: float = 0.5
+    row_s: float = 0.0  # the producer's recent seconds of reference scoring per row; 0: not measured yet
+
+    def rows(self, n: int) -> int:
+        """How many of a sample's ``n`` rows the producer scores."""
+        return round(self.share * n) if self.balanced else n
+
+    def learn(self, idle: float, trainer_wait: float, n: int, scored: int, scored_s: float) -> None:
+        """After a sample of ``n`` rows whose first ``scored`` the producer scored in ``scored_s``
+        seconds: its recent idle seconds per rollout and the trainer's (:func:`_recent`) move the share."""
+        if not self.balanced:
+            return
+        if scored:
+            per_row = scored_s / scored
+            self.row_s = per_row if not self.row_s else _recent(self.row_s, per_row)
+        if self.row_s:
+            step = (idle - trainer_wait) / 2 / (self.row_s * n) / 2
+            self.share = min(1.0, max(0.0, self.share + step))
 
 
 def _sample(
@@ -259,8 +302,6 @@ def _sample(
 ) -> tuple:
     """``sample_responses``' output for one ticket, with the trainer's random state (bound 0) or the
     ticket's own seed."""
-    from lit_rlhf.rollout.collect import sample_responses
-
     if job.rng is not None:
         restore_rng(job.rng)
     else:
@@ -278,19 +319,17 @@ def _sample(
         )
 
 
-def _reference_here(drawn: tuple, settings: ProducerSettings, idle: float, trainer_wait: float) -> torch.Tensor | None:
-    """The frozen reference's log-probs of a sample when the producer scores them (always with
-    ``reference_scoring=producer``; with ``balanced`` while its recent ``idle`` is at least the
-    trainer's recent wait, :func:`_recent`), else None: the trainer scores them. The same
-    computation as the trainer's (rollout/collect.py ``scored_logprobs``, same inputs), so it does
-    not matter which side scores a sample (bit for bit where both have as many threads)."""
-    from lit_rlhf.rollout.collect import rollout_inputs, scored_logprobs
-
-    if settings.reference is None or (settings.reference_scoring == "balanced" and idle < trainer_wait):
+def _reference_rows(drawn: tuple, settings: ProducerSettings, rows: int) -> torch.Tensor | None:
+    """The frozen reference's log-probs of the first ``rows`` rows of a sample (None: none). The
+    same computation as the trainer's (rollout/collect.py ``scored_logprobs``, same inputs, each row
+    on its own), so it does not matter which side scores a row (bit for bit where both have as many
+    threads)."""
+    if rows == 0:
         return None
+    ids, mask, width = rollout_inputs(drawn)
     with torch.inference_mode():
         return scored_logprobs(
-            settings.reference, rollout_inputs(drawn), settings.score_temperature, settings.padding_free
+            settings.reference, (ids[:rows], mask[:rows], width), settings.score_temperature, settings.padding_free
         )
 
 
@@ -420,7 +459,7 @@ class AsyncRollouts:
                 "async/wait_s": torch.tensor(waited_s),
                 "async/producer_sample_s": torch.tensor(drawn.sample_s),
                 "async/producer_weights_wait_s": torch.tensor(drawn.weights_wait_s),
-                "async/producer_reference": torch.tensor(float(drawn.ref_logprobs is not None)),
+                "async/producer_reference": torch.tensor(drawn.reference_share),
                 "async/restarts": torch.tensor(float(self.restarted)),
             }
         )

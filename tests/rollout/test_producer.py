@@ -19,9 +19,9 @@ import torch
 
 from lit_rlhf.data.prompts import collate_prompts
 from lit_rlhf.models.builders import build_causal_lm
-from lit_rlhf.rollout.collect import rollout_inputs, sample_responses, scored_logprobs
+from lit_rlhf.rollout.collect import generate_and_score, rollout_inputs, sample_responses, scored_logprobs
 from lit_rlhf.rollout.generate import GenerationConfig
-from lit_rlhf.rollout.producer import AsyncRollouts, ProducerError, ProducerSettings
+from lit_rlhf.rollout.producer import AsyncRollouts, ProducerError, ProducerSettings, ReferenceShare
 from lit_rlhf.utils.config import ConfigError
 from lit_rlhf.utils.rng import capture_rng, restore_rng
 from tests.conftest import ROOT
@@ -127,10 +127,11 @@ def test_bound_zero_samples_with_the_trainers_random_state(policy, tokenizer):
 
 
 @pytest.mark.parametrize("slower", ["trainer", "producer"])
-def test_balanced_reference_scoring_gives_the_reference_to_the_side_that_waits(policy, tokenizer, slower):
-    """``reference_scoring=balanced``: beside a slow trainer (the producer waits for tickets) the
-    producer scores the reference of its samples; beside a fast one (the trainer waits for samples)
-    it leaves them to the trainer. What it scores is the trainer's own scoring of the sample."""
+def test_balanced_reference_scoring_moves_the_rows_to_the_side_that_waits(policy, tokenizer, slower):
+    """``reference_scoring=balanced``: the producer starts with half of each sample's rows; beside a
+    slow trainer (the producer waits for tickets) it takes them all, beside a fast one (the trainer
+    waits for samples) it leaves them all to the trainer. What it scores is the trainer's own
+    scoring of those rows."""
     reference = replace_model(policy)
     rollouts = producer(
         policy,
@@ -153,16 +154,71 @@ def test_balanced_reference_scoring_gives_the_reference_to_the_side_that_waits(p
             rollouts.publish(k + 1)
     finally:
         rollouts.close()
-    scored = [d.ref_logprobs is not None for d in drawn]
-    # the first tickets decide on the start-up's waits; from the fourth on, each side's recent wait
-    if slower == "trainer":
-        assert all(scored[3:]), scored
-    else:
-        assert not any(scored[3:]), scored
+    shares = [d.reference_share for d in drawn]
+    assert shares[0] == 0.5, shares  # 2 prompts x 2 responses: the first 2 rows
+    # the first tickets steer by the start-up's waits; from the fourth on, each side's recent wait
+    assert all(x == (1.0 if slower == "trainer" else 0.0) for x in shares[3:]), shares
     for d in drawn:
-        if d.ref_logprobs is not None:
+        rows = round(d.reference_share * 4)
+        assert (d.ref_logprobs is None) == (rows == 0)
+        if rows:
+            ids, mask, width = rollout_inputs(d.drawn)
             with torch.inference_mode():
-                assert torch.equal(d.ref_logprobs, scored_logprobs(reference, rollout_inputs(d.drawn), 1.0, False))
+                whole = scored_logprobs(reference, (ids, mask, width), 1.0, False)
+            assert d.ref_logprobs.shape[0] == rows and torch.equal(d.ref_logprobs, whole[:rows])
+
+
+def test_the_balanced_share_moves_by_half_the_idle_difference_in_rows():
+    """Hand-computed: 16 rows, 0.01 s per row. The producer idled 0.2 s per rollout and the trainer
+    waited nothing: the trainer is 0.2 s busier, so moving 0.1 s of scoring (10 rows) evens them
+    out; damped by half, 5 rows: the share goes 0.5 -> 0.8125. The other way round it goes down,
+    and it stays within [0, 1]."""
+    share = ReferenceShare(balanced=True)
+    assert share.rows(16) == 8
+    share.learn(idle=0.2, trainer_wait=0.0, n=16, scored=8, scored_s=0.08)
+    assert share.row_s == pytest.approx(0.01) and share.share == pytest.approx(0.8125)
+    assert share.rows(16) == 13
+    share.learn(idle=0.0, trainer_wait=0.2, n=16, scored=13, scored_s=0.13)  # the same rate: row_s stays
+    assert share.row_s == pytest.approx(0.01) and share.share == pytest.approx(0.5)
+    share.learn(idle=0.0, trainer_wait=5.0, n=16, scored=8, scored_s=0.24)  # 0.03 s per row now
+    assert share.row_s == pytest.approx(0.02) and share.share == 0.0 and share.rows(16) == 0
+    share.learn(idle=0.5, trainer_wait=0.0, n=16, scored=0, scored_s=0.0)  # nothing scored: rate kept
+    assert share.row_s == pytest.approx(0.02) and share.share == pytest.approx(0.5 / 2 / 0.32 / 2)
+    producer_side = ReferenceShare(balanced=False)
+    producer_side.learn(idle=0.0, trainer_wait=9.0, n=16, scored=16, scored_s=0.1)
+    assert producer_side.rows(16) == 16  # reference_scoring=producer: every row, whatever the waits
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_the_trainer_scores_the_rows_the_producer_left(policy, tokenizer, padding_free):
+    """A sample whose first rows' reference log-probs come from the producer: the trainer scores the
+    others, and the rollout holds the same log-probs as one whose rows were all scored at once."""
+    reference = replace_model(policy)
+    gen = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=1.0)
+    torch.manual_seed(3)
+    with torch.inference_mode():
+        drawn = sample_responses(policy, prompts(tokenizer, 5), tokenizer, gen, None, 3, 1.0)
+        ids, mask, width = rollout_inputs(drawn)
+        assert ids.shape[0] == 6
+
+        def scored(first):
+            return generate_and_score(
+                policy,
+                drawn[0],
+                tokenizer,
+                gen,
+                reference=reference,
+                policy_logprobs=False,
+                padding_free=padding_free,
+                drawn=drawn,
+                ref_logprobs=first,
+            ).ref_logprobs
+
+        whole = scored(None)
+        for rows in (1, 4, 6):
+            first = scored_logprobs(reference, (ids[:rows], mask[:rows], width), 1.0, padding_free)
+            assert torch.equal(scored(first), whole), rows
+    assert not torch.equal(whole, torch.zeros_like(whole))
 
 
 def test_a_killed_producer_is_started_again_and_then_stops_the_run(policy, tokenizer):
