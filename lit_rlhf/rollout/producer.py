@@ -222,11 +222,7 @@ def _produce(
             if settings.delay is not None:
                 time.sleep(settings.delay(job.ticket))
             drawn = _sample(model, tokenizer, job, settings, engine, agent)
-            rows = rollout_inputs(drawn)[0].shape[0]
-            scoring = time.perf_counter()
-            ref = _reference_rows(drawn, settings, share.rows(rows)) if settings.reference is not None else None
-            done = time.perf_counter()
-            scored = ref.shape[0] if ref is not None else 0
+            ref, scored = _reference_rows(drawn, settings, share, idle, trainer_wait.value)
             out.put(
                 Drawn(
                     ticket=job.ticket,
@@ -234,13 +230,12 @@ def _produce(
                     drawn=drawn,
                     ref_logprobs=ref,
                     rng=capture_rng() if job.rng is not None else None,
-                    sample_s=done - sampling,
+                    sample_s=time.perf_counter() - sampling,
                     weights_wait_s=sampling - started,
                     agent_counts=agent.take_counts() if agent is not None else {},
-                    reference_share=scored / rows,
+                    reference_share=scored,
                 )
             )
-            share.learn(idle, trainer_wait.value, rows, scored, done - scoring)
             idle_since = time.perf_counter()
     except SystemExit:
         return
@@ -319,18 +314,26 @@ def _sample(
         )
 
 
-def _reference_rows(drawn: tuple, settings: ProducerSettings, rows: int) -> torch.Tensor | None:
-    """The frozen reference's log-probs of the first ``rows`` rows of a sample (None: none). The
-    same computation as the trainer's (rollout/collect.py ``scored_logprobs``, same inputs, each row
-    on its own), so it does not matter which side scores a row (bit for bit where both have as many
-    threads)."""
-    if rows == 0:
-        return None
+def _reference_rows(
+    drawn: tuple, settings: ProducerSettings, share: ReferenceShare, idle: float, trainer_wait: float
+) -> tuple[torch.Tensor | None, float]:
+    """(the frozen reference's log-probs of the first :meth:`ReferenceShare.rows` rows of a sample,
+    None: none; the share of its rows they are), the share then moved by the two sides' recent
+    waits (:meth:`ReferenceShare.learn`). The same computation as the trainer's (rollout/collect.py
+    ``scored_logprobs``, same inputs, each row on its own), so it does not matter which side scores
+    a row (bit for bit where both have as many threads)."""
+    if settings.reference is None:
+        return None, 0.0
     ids, mask, width = rollout_inputs(drawn)
-    with torch.inference_mode():
-        return scored_logprobs(
-            settings.reference, (ids[:rows], mask[:rows], width), settings.score_temperature, settings.padding_free
-        )
+    n = ids.shape[0]
+    rows, ref, started = share.rows(n), None, time.perf_counter()
+    if rows:
+        with torch.inference_mode():
+            ref = scored_logprobs(
+                settings.reference, (ids[:rows], mask[:rows], width), settings.score_temperature, settings.padding_free
+            )
+    share.learn(idle, trainer_wait, n, rows, time.perf_counter() - started)
+    return ref, rows / n
 
 
 def _context() -> Any:
