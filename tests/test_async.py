@@ -134,3 +134,38 @@ def test_async_needs_a_correction():
     with pytest.raises(ConfigError, match=r"algo.rollout.max_staleness"):
         build_config(CriticFreeConfig, {**base, "rollout": {"mode": "async", "max_staleness": -1}}, "algo")
     assert build_config(CriticFreeConfig, {**base, "rollout_correction": "tis"}, "algo").rollout.max_staleness == 1
+
+
+def test_a_sharded_lora_policys_reference_is_scored_by_the_trainer_only(saved_models, tokenizer):
+    """Under ZeRO-3 a LoRA policy's frozen reference is the policy itself with its adapters off, whose
+    weights are partitions (a rank holds its part only, outside a gather): the producer cannot score
+    it, and a run that asks it to stops naming the key before any producer starts; off the CPU async
+    stops naming algo.rollout.mode."""
+    from types import SimpleNamespace
+
+    import torch
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lit_rlhf.models.lora import AdaptersDisabled
+    from lit_rlhf.models.spec import LoraSpec, ModelSpec
+    from lit_rlhf.modules.critic_free import CriticFreeModule
+
+    algo = {
+        "policy_path": saved_models[0],
+        "reward_fn": {"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"},
+        "kl_coef": 0.1,
+        "rollout": {"mode": "async", "reference_scoring": "balanced"},
+        "rollout_correction": "decoupled",
+    }
+    cfg = build_config(CriticFreeConfig, algo, "algo")
+    spec = ModelSpec(name_or_path=saved_models[0], lora=LoraSpec(enabled=True, r=4))
+    m = CriticFreeModule(cfg, model=CriticFreeModule.resolve_model_spec(cfg, spec), tokenizer=tokenizer)
+    m.configure_model()
+    assert isinstance(m.frozen["reference"], AdaptersDisabled)
+    m._trainer = SimpleNamespace(strategy=DeepSpeedStrategy(stage=3))
+    with pytest.raises(ConfigError, match=r"rollout\.reference_scoring.*reference_scoring=trainer"):
+        m.rollout_producer()
+    assert m.producer is None
+    m._device = torch.device("meta")
+    with pytest.raises(ConfigError, match=r"rollout\.mode.*on the CPU.*meta"):
+        m.rollout_producer()

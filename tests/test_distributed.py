@@ -111,13 +111,16 @@ DPO_RUNS = [
     ("fsdp", False, "sigmoid"),
     ("ddp", False, "kto"),
 ]
-# the GRPO family's 2-process DDP runs (tests/helpers/grpo_multiproc.py's arguments); plain GRPO's is the
-# vLLM engine's run (``vllm_ranks``)
+# the GRPO family's 2-process runs: (strategy, tests/helpers/grpo_multiproc.py's arguments); plain GRPO's
+# is the vLLM engine's run (``vllm_ranks``); asynchronous rollouts under every strategy
 GRPO_RUNS = {
-    "dapo": ["--dapo"],
-    "reinforce_pp": ["--preset", "reinforce_pp"],
-    "remax": ["--preset", "remax"],
-    "async": ["--async"],
+    "dapo": ("ddp", ["--dapo"]),
+    "reinforce_pp": ("ddp", ["--preset", "reinforce_pp"]),
+    "remax": ("ddp", ["--preset", "remax"]),
+    "async": ("ddp", ["--async"]),
+    "async_deepspeed": ("deepspeed", ["--async"]),
+    "async_deepspeed3": ("deepspeed3", ["--async"]),
+    "async_fsdp": ("fsdp", ["--async"]),
 }
 
 
@@ -176,13 +179,13 @@ def two_processes(models, vllm_models, agent_policy_dir, tmp_path_factory):
                 ],
             )
         )
-    for name, args in GRPO_RUNS.items():
+    for name, (strategy, args) in GRPO_RUNS.items():
         keys.append(("grpo", name))
         runs.append(
             (
                 "grpo_multiproc",
                 tmp_path_factory.mktemp(name),
-                ["--strategy", "ddp", "--devices", "2", "--models", str(models), *args],
+                ["--strategy", strategy, "--devices", "2", "--models", str(models), *args],
             )
         )
     keys.append(("grpo", "agent"))  # multi-turn: the guessing game, the ranks' turns differ
@@ -391,8 +394,8 @@ def test_kto_under_ddp_takes_the_reference_point_over_both_ranks(dpo_runs, model
 
 @pytest.fixture(scope="module")
 def grpo_runs(two_processes):
-    """{run: ranks} of tests/helpers/grpo_multiproc.py under 2-process DDP (DAPO's dynamic sampling,
-    REINFORCE++, ReMax)."""
+    """{run: ranks} of tests/helpers/grpo_multiproc.py with 2 processes (DAPO's dynamic sampling,
+    REINFORCE++, ReMax, asynchronous rollouts)."""
     return {name: two_processes["grpo", name][1] for name in GRPO_RUNS}
 
 
@@ -456,10 +459,31 @@ def test_async_grpo_two_processes_each_with_its_producer_end_identical(two_proce
     that rank's prompts one policy version ahead; the ranks log the same (reduced) staleness, within
     the bound and 1 once the pipeline is full, and end with the same trained actor."""
     ranks = two_processes["grpo", "async"][1]
-    assert ranks[0]["world_size"] == 2 and ranks[0]["iteration"] == 2 and ranks[0]["prompts"] != ranks[1]["prompts"]
+    assert ranks[0]["world_size"] == 2 and ranks[0]["iteration"] == 4 and ranks[0]["prompts"] != ranks[1]["prompts"]
     staleness = [[s["async/staleness"] for s in r["sampling"]] for r in ranks]
     assert staleness[0] == staleness[1] and staleness[0][0] == 0 and staleness[0][-1] == 1
     assert_identical_and_trained(ranks, models / "policy")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("strategy", ["deepspeed", "deepspeed3", "fsdp"])
+def test_async_grpo_under_zero_and_fsdp_samples_the_trained_weights(two_processes, models, strategy):
+    """Asynchronous rollouts at bound 1 under ZeRO-2 (whole weights on every rank: the producer copies
+    the policy), ZeRO-3 and FSDP (shards: each publication gathers the whole weights into the
+    producer's board, its copy a plain model of the policy's config; rollout/producer.py
+    ``trained_tensors``): the ranks agree, the staleness is the DDP run's, and the final actor is the
+    DDP run's up to the float order of sharded sums (1.5e-6). A producer that sampled other weights
+    differs by far more: with publications lost, by 3.5e-3."""
+    ranks, ddp = two_processes["grpo", f"async_{strategy}"][1], two_processes["grpo", "async"][1]
+    wrapper = "FullyShardedDataParallel" if strategy == "fsdp" else "DeepSpeedEngine"
+    assert ranks[0]["wrapper"] == wrapper and ranks[0]["iteration"] == ddp[0]["iteration"] == 4
+    # from the third iteration on, the producer samples with weights the trainer published
+    assert [s["async/staleness"] for s in ranks[0]["sampling"]] == [0.0, 1.0, 1.0, 1.0]
+    assert_identical_and_trained(ranks, models / "policy")
+    assert ranks[0]["prompts"] == ddp[0]["prompts"]
+    worst = max((ranks[0]["params"][k] - v).abs().max().item() for k, v in ddp[0]["params"].items())
+    assert worst <= 5e-6, f"differs from the DDP run by {worst:.3g}"
 
 
 @pytest.mark.slow

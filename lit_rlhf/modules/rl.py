@@ -296,24 +296,36 @@ class RLModule(RLHFModule):
     def rollout_producer(self) -> Any:
         """The producer of ``algo.rollout.mode=async`` (lit_rlhf/rollout/producer.py), started at the
         first call with the policy's weights as version :attr:`rl_iteration`, its torch threads
-        taken from the trainer's; stopped in :meth:`teardown`."""
+        taken from the trainer's; stopped in :meth:`teardown`. On the CPU, under any strategy: where
+        the weights are shards (ZeRO-3, FSDP) they are gathered in :meth:`sampling_mode` for it."""
         if self.producer is not None:
             return self.producer
         from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
+        from lit_rlhf.models.lora import AdaptersDisabled
         from lit_rlhf.rollout.agent import agent_settings, check_agent_tokenizer
         from lit_rlhf.rollout.producer import AsyncRollouts, ProducerSettings, split_threads
 
         c: RLConfig = self.config
         strategy = self.trainer.strategy if self._trainer is not None else None
-        whole = strategy is None or (
-            isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(strategy, DeepSpeedStrategy)
-        )
-        if self.device.type != "cpu" or not whole:
+        if self.device.type != "cpu":
             raise ConfigError(
                 "rollout.mode",
-                "async rollouts run on the CPU, alone or under DDP (every rank with a producer of its own); "
-                f"this run: {self.device.type}, strategy {type(strategy).__name__}; use algo.rollout.mode=sync",
+                f"async rollouts run on the CPU (every rank with a producer of its own); this run is on "
+                f"{self.device.type}; use algo.rollout.mode=sync",
+            )
+        # every rank holds whole weights (one process, DDP, ZeRO-1/2), else shards (ZeRO-3, FSDP)
+        whole = strategy is None or (
+            not getattr(strategy, "zero_stage_3", False)
+            if isinstance(strategy, DeepSpeedStrategy)
+            else isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
+        )
+        reference = self.frozen.get("reference") if c.rollout.reference_scoring != "trainer" else None
+        if not whole and isinstance(reference, AdaptersDisabled):
+            raise ConfigError(
+                "rollout.reference_scoring",
+                "the frozen reference shares the sharded policy's weights (LoRA adapters off): only the "
+                "trainer can score it; use algo.rollout.reference_scoring=trainer",
             )
         settings = None
         if c.environment is not None:
@@ -332,7 +344,7 @@ class RLModule(RLHFModule):
                 responses_per_prompt=self.responses_per_prompt(),
                 logprob_temperature=self.logprob_temperature() if sampler else None,
                 agent=settings,
-                reference=self.frozen.get("reference") if c.rollout.reference_scoring != "trainer" else None,
+                reference=reference,
                 score_temperature=self.logprob_temperature(),
                 padding_free=c.padding_free,
                 reference_scoring=c.rollout.reference_scoring,
@@ -343,6 +355,8 @@ class RLModule(RLHFModule):
             c.rollout.max_staleness,
             c.rollout.restarts,
             c.rollout.timeout_s,
+            whole=whole,
+            gathered=lambda: self.sampling_mode(self.actor),
         )
         self.producer.start(self.iteration)
         return self.producer

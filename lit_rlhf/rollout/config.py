@@ -87,8 +87,8 @@ class RolloutModeConfig:
     policy versions old; the update weighs them with ``algo.rollout_correction``."""
 
     mode: Literal["sync", "async"] = "sync"
-    """sync, or async (either engine; on the CPU, alone or under DDP with a producer per rank; a
-    correction is required)."""
+    """sync, or async (either engine; on the CPU, alone or under any strategy, DDP, ZeRO-2/3 or FSDP,
+    with a producer per rank; a correction is required)."""
     max_staleness: int = field(default=1, metadata={"ge": 0})
     """Policy versions a sample may lag (async): the rollout iteration k trains on was sampled with
     the weights of an iteration ≥ k − max_staleness (a version is the policy after an RL iteration,

@@ -7,7 +7,10 @@ a *ticket*, numbered by the iteration that will train on it. The producer sample
 order through the one rollout path (rollout/collect.py ``sample_responses``: the hf loop or a vLLM
 engine, one turn or multi-turn with the run's environment) with its own copy of the policy. Its weights come from a
 :class:`WeightBoard`, one shared-memory copy of the trained tensors that the trainer overwrites
-after every RL iteration, stamped with the iteration's number (the *policy version*).
+after every RL iteration, stamped with the iteration's number (the *policy version*). Under ZeRO-3
+and FSDP, whose ranks hold shards, the trainer gathers the whole weights for it
+(:func:`trained_tensors`) and the producer's copy is a plain model of the policy's config
+(:func:`policy_replica`).
 
 **The bound.** Ticket ``k`` may only be sampled with a version ≥ ``k − max_staleness``: the
 producer waits for it (and takes the newest version there is when it starts the ticket), and the
@@ -27,6 +30,7 @@ whose trainer died (SIGKILL) is killed with it, mid-sample too (:func:`_watch_tr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -42,7 +46,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lit_rlhf.rollout.collect import rollout_inputs, sample_responses, scored_logprobs
-from lit_rlhf.utils.rng import capture_rng, restore_rng
+from lit_rlhf.utils.rng import capture_rng, restore_rng, rng_kept
 
 log = logging.getLogger(__name__)
 
@@ -122,30 +126,27 @@ class ProducerSettings:
 
 
 class WeightBoard:
-    """The trained weights the producer reads: one shared-memory copy of each trainable tensor of
-    the policy (frozen ones never change: the producer's copy of the model has them), the version
-    they are (the RL iterations done), and a publication count; one lock for writes and reads, so a
-    reader never sees half of a version."""
+    """The trained weights the producer reads: one shared-memory copy of each tensor of
+    :func:`trained_tensors`, the version they are (the RL iterations done), and a publication count;
+    one lock for writes and reads, so a reader never sees half of a version."""
 
-    def __init__(self, model: nn.Module, ctx: Any) -> None:
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
-        params = dict(model.named_parameters())
-        self.tensors = {n: params[n].detach().clone().share_memory_() for n in self.names}
-        self.version = ctx.Value("q", -1, lock=False)
-        self.serial = ctx.Value("q", 0, lock=False)
+    def __init__(self, tensors: dict[str, torch.Tensor], version: int, ctx: Any) -> None:
+        self.names = list(tensors)
+        self.tensors = {n: t.detach().clone().share_memory_() for n, t in tensors.items()}
+        self.version = ctx.Value("q", version, lock=False)
+        self.serial = ctx.Value("q", 1, lock=False)
         self.cond = ctx.Condition()
 
-    def publish(self, model: nn.Module, version: int, alive: Callable[[], bool]) -> bool:
-        """Copy ``model``'s trained tensors in as ``version`` and wake a producer that waits; False
-        when the lock stays taken by a reader that is no longer ``alive()`` (killed mid-copy)."""
+    def publish(self, tensors: dict[str, torch.Tensor], version: int, alive: Callable[[], bool]) -> bool:
+        """Copy ``tensors`` in as ``version`` and wake a producer that waits; False when the lock
+        stays taken by a reader that is no longer ``alive()`` (killed mid-copy)."""
         while not self.cond.acquire(timeout=POLL_S):
             if not alive():
                 return False
         try:
-            params = dict(model.named_parameters())
             with torch.no_grad():
                 for n in self.names:
-                    self.tensors[n].copy_(params[n].detach())
+                    self.tensors[n].copy_(tensors[n])
             self.version.value = version
             self.serial.value += 1
             self.cond.notify_all()
@@ -166,6 +167,54 @@ class WeightBoard:
                     for n in self.names:
                         params[n].copy_(self.tensors[n])
             return int(self.version.value), int(self.serial.value)
+
+
+def trained_tensors(model: nn.Module, whole: bool) -> dict[str, torch.Tensor]:
+    """What the producer's copy of the policy takes from the trainer after each RL iteration. Where
+    every rank holds whole weights (``whole``: one process, DDP, ZeRO-1/2): the trainable parameters
+    (the frozen ones never change and the copy has them). Under ZeRO-3 and FSDP, called inside the
+    module's gathered sampling context: every weight under its checkpoint name, LoRA merged, as the
+    colocated vLLM engine loads them (rollout/vllm_engine.py ``policy_weights``); the copy is then a
+    plain model of the policy's config (:func:`policy_replica`)."""
+    if whole:
+        return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    from lit_rlhf.rollout.vllm_engine import policy_weights
+
+    return policy_weights(model, engine_modules=set())  # a tied weight once, as the copy holds it
+
+
+def policy_replica(model: nn.Module, weights: dict[str, torch.Tensor], whole: bool) -> nn.Module:
+    """The producer's copy of the policy (in eval mode; the producer reads ``weights``, the board's
+    tensors, into it before it samples). ``whole``: a deep copy, adapters and all (a copy: pickling
+    shares a module's memory with the child, which must not be the trained tensors). Under
+    ZeRO-3/FSDP, whose parameters are shards: a model of the policy's Hugging Face class and config,
+    whose every parameter the board overwrites; a board weight it has no parameter for is refused."""
+    import copy
+
+    if whole:
+        return copy.deepcopy(model).eval()
+    from transformers import PreTrainedModel
+
+    from lit_rlhf.utils.config import ConfigError
+
+    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if hf is None:
+        raise ConfigError(
+            "rollout.mode",
+            f"async rollouts under ZeRO-3/FSDP copy a Hugging Face policy; {type(model).__name__} is none",
+        )
+    dtype = next(iter(weights.values())).dtype
+    with rng_kept():  # its initialization draws nothing from the trainer's random state
+        replica = type(hf)(hf.config).to(dtype).eval().requires_grad_(False)
+    names = {n for n, _ in replica.named_parameters()}
+    missing = sorted(set(weights) - names)
+    if missing or names - set(weights):
+        raise ConfigError(
+            "rollout.mode",
+            f"async rollouts under ZeRO-3/FSDP: the policy's weights {missing[:3] or sorted(names - set(weights))[:3]} "
+            f"do not match a fresh {type(hf).__name__}'s parameters; use algo.rollout.mode=sync",
+        )
+    return replica
 
 
 def _watch_trainer(lifeline: Any) -> None:
@@ -359,9 +408,13 @@ class AsyncRollouts:
         max_staleness: int,
         restarts: int,
         timeout_s: float,
+        whole: bool = True,
+        gathered: Callable[[], Any] = contextlib.nullcontext,
     ) -> None:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.max_staleness, self.restarts, self.timeout_s = max_staleness, restarts, timeout_s
+        # where the policy's weights are shards (ZeRO-3, FSDP): not whole, read inside gathered()
+        self.whole, self.gathered = whole, gathered
         self.ctx = _context()
         self.board: WeightBoard | None = None
         self.process: Any = None
@@ -379,19 +432,21 @@ class AsyncRollouts:
         self.max_held = 0  # most rollouts handed out and not taken at once (the bound's check)
 
     # ------------------------------------------------------------------ the producer
-    def start(self, version: int) -> None:
-        """Start the producer with the policy's weights as ``version`` (the RL iterations done)."""
-        import copy
-
+    def start(self, version: int, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Start the producer with the policy's weights as ``version`` (the RL iterations done):
+        ``tensors`` (:func:`trained_tensors`), else, at the first start, the policy's, gathered
+        here (under ZeRO-3/FSDP a collective: every rank starts its producer at the same
+        iteration), else (a restart) the last ones published."""
+        if tensors is None and self.board is None:
+            with self.gathered():
+                return self.start(version, trained_tensors(self.model, self.whole))
         # a board of its own: a producer killed while reading may have left the last one's lock taken
-        self.board = WeightBoard(self.model, self.ctx)
-        self.board.publish(self.model, version, lambda: True)
+        self.board = WeightBoard(self.board.tensors if tensors is None else tensors, version, self.ctx)
         self.version = version
         self.jobs, self.out = self.ctx.Queue(), self.ctx.Queue()
         self.trainer_wait = self.ctx.Value("d", self.waited, lock=False)
         self.starting = True
-        # a copy: pickling shares the tensors' memory with the child, which must not be the trained ones
-        replica = copy.deepcopy(self.model).eval()
+        replica = policy_replica(self.model, self.board.tensors, self.whole)
         self._cut_lifeline()
         lifeline, self.lifeline = self.ctx.Pipe(duplex=False)  # the producer's end, and the one kept here
         args = (replica, self.tokenizer, self.settings, self.board, self.jobs, self.out, lifeline, self.trainer_wait)
@@ -404,12 +459,15 @@ class AsyncRollouts:
                 self.jobs.put(self.pending[t])
 
     def publish(self, version: int) -> None:
-        """The trained weights after RL iteration ``version`` − 1: the producer's from now on."""
+        """The trained weights after RL iteration ``version`` − 1: the producer's from now on
+        (gathered under ZeRO-3/FSDP: every rank publishes after every iteration)."""
         self.version = version
-        if self.process is not None:  # else: the next start publishes it
-            alive = self.process.is_alive
-            if not self.board.publish(self.model, version, alive):
-                self._restart()
+        if self.process is None:  # the next start publishes it
+            return
+        with self.gathered():
+            tensors = trained_tensors(self.model, self.whole)
+            if not self.board.publish(tensors, version, self.process.is_alive):
+                self._restart(tensors)
 
     def close(self) -> None:
         if self.process is None:
@@ -499,7 +557,9 @@ class AsyncRollouts:
         self.starting = False
         return self.ready.pop(ticket)
 
-    def _restart(self) -> None:
+    def _restart(self, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Start a producer that died again with the weights of :attr:`version` (``tensors``, else
+        the board's), unless it has died ``restarts`` times already."""
         code = self.process.exitcode
         if self.restarted >= self.restarts:
             hint = ""
@@ -522,7 +582,7 @@ class AsyncRollouts:
             len(self.pending) - len(self.ready),
         )
         self.process = None
-        self.start(self.version)
+        self.start(self.version, tensors)
 
 
 def split_threads(threads: int, bound: int, producer_threads: int | None) -> tuple[int, int]:

@@ -73,3 +73,22 @@ def wrapper_name(trainer: Any, model: Any) -> str:
     from lit_rlhf.runtime.strategies import RLHFFSDPStrategy
 
     return type(model if isinstance(trainer.strategy, RLHFFSDPStrategy) else trainer.strategy.model).__name__
+
+
+def whole_weights(trainer: Any, module: Any) -> Any:
+    """A context in which the module's models have whole weights on every rank (their state dicts
+    under clean names): ZeRO-3's partitions gathered, FSDP's full state dicts; else nothing to do."""
+    import contextlib
+
+    if getattr(trainer.strategy, "zero_stage_3", False):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+    from lit_rlhf.runtime.strategies import RLHFFSDPStrategy
+
+    if isinstance(trainer.strategy, RLHFFSDPStrategy):
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        return FSDP.state_dict_type(module, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False))
+    return contextlib.nullcontext()

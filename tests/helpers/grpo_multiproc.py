@@ -8,7 +8,7 @@ ranks need different numbers of extra prompt batches and keep different numbers 
 ``--agent``: multi-turn rollouts of the guessing game (``--models`` is then a policy folder with the
 multi-turn tasks' chat tokenizer), over after one guess on rank 0 (:class:`RankGame`): rank 0
 samples placeholders while rank 1 plays on.
-``--async``: asynchronous rollouts at bound 1 (every rank's own producer process).
+``--async``: asynchronous rollouts at bound 1 (every rank's own producer process), 4 iterations.
 ``--preset reinforce_pp`` (one response per prompt, the KL in the reward, advantages whitened over
 all ranks, 2 minibatches) or ``--preset remax`` (the greedy baseline decoded on every rank): each
 rank also writes its last rollout's advantage sums and its baselines.
@@ -36,7 +36,13 @@ from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import CriticFreeConfig  # noqa: E402
 from lit_rlhf.modules.critic_free import CriticFreeModule  # noqa: E402
 from lit_rlhf.utils.config import build_config  # noqa: E402
-from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args, run_parser, wrapper_name  # noqa: E402
+from tests.helpers.cpu_strategies import (  # noqa: E402
+    cpu_strategy,
+    multiproc_args,
+    run_parser,
+    whole_weights,
+    wrapper_name,
+)
 
 
 def uneven_reward():
@@ -112,8 +118,9 @@ def run(args) -> None:
     algo = {"num_generations": 4, "minibatch_size": 4, "num_iterations": 2} if args.preset is None else {}
     if args.dapo:  # and accumulated over micro-batches of 2 under DDP (each backward all-reduces)
         algo["micro_batch_size"] = 2
-    if args.asynchronous:  # every rank's producer one policy version ahead
-        algo.update(rollout={"mode": "async", "max_staleness": 1}, rollout_correction="decoupled")
+    if args.asynchronous:  # every rank's producer one policy version ahead; 4 iterations of one pass, so
+        # that the producer samples with published weights (bound 1: ticket k from version ≥ k − 1)
+        algo.update(rollout={"mode": "async", "max_staleness": 1}, rollout_correction="decoupled", num_iterations=1)
     engine = {"engine": args.engine, "vllm": {"kv_cache_gib": 0.0625}}
     cfg = build_config(
         CriticFreeConfig,
@@ -169,7 +176,8 @@ def run(args) -> None:
         callbacks=[Wrapper()],
     )
     trainer.fit(module, data)
-    params = {k: v.detach().float().cpu().clone() for k, v in module.actor.state_dict().items()}
+    with whole_weights(trainer, module):
+        params = {k: v.detach().float().cpu().clone() for k, v in module.actor.state_dict().items()}
     torch.save(
         {
             "params": params,

@@ -31,7 +31,7 @@ from lit_rlhf.models.spec import ModelSpec  # noqa: E402
 from lit_rlhf.modules.configs import PPOConfig  # noqa: E402
 from lit_rlhf.modules.ppo import PPOModule  # noqa: E402
 from lit_rlhf.utils.config import build_config  # noqa: E402
-from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args, run_parser  # noqa: E402
+from tests.helpers.cpu_strategies import cpu_strategy, multiproc_args, run_parser, whole_weights  # noqa: E402
 
 
 def fsdp(trainer) -> bool:
@@ -90,19 +90,7 @@ class Dump(pl.Callback):
         self.advantages = [float((r.advantages * m).sum()), float((r.advantages**2 * m).sum()), float(m.sum())]
 
     def on_train_end(self, trainer, module) -> None:
-        import contextlib
-
-        gather = contextlib.nullcontext()
-        if getattr(trainer.strategy, "zero_stage_3", False):  # partitions: gather the whole weights
-            import deepspeed
-
-            gather = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-        if fsdp(trainer):  # whole (clean-named) state dicts on every rank
-            from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-            gather = FSDP.state_dict_type(module, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False))
-        with gather:
+        with whole_weights(trainer, module):  # ZeRO-3's partitions, FSDP's shards gathered
             state = {f"actor.{k}": v.detach().float().cpu().clone() for k, v in module.actor.state_dict().items()}
             state.update(
                 {f"critic.{k}": v.detach().float().cpu().clone() for k, v in module.critic.state_dict().items()}

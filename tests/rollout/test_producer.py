@@ -7,6 +7,7 @@ sampled again, the restarts' limit, and a producer whose trainer was SIGKILLed e
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import signal
@@ -304,3 +305,31 @@ def running(pid: int) -> bool:
             return "\nState:\tZ" not in fh.read()
     except FileNotFoundError:
         return False
+
+
+def test_the_copy_of_a_sharded_policy_is_a_plain_model_that_takes_every_weight(policy):
+    """Under ZeRO-3/FSDP the producer's copy is a model of the policy's config that the board's
+    weights (all of them, :func:`trained_tensors` inside the gathered context; a tied head once)
+    overwrite: it then computes the policy's logits; building it draws nothing from the trainer's
+    random state; a weight the copy has no place for is refused, naming the key."""
+    from lit_rlhf.rollout.producer import WeightBoard, policy_replica, trained_tensors
+
+    assert trained_tensors(policy, whole=True).keys() == {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert policy.lm_head.weight is policy.model.embed_tokens.weight  # the tiny Llama ties its head
+    weights = trained_tensors(policy, whole=False)
+    assert weights.keys() == {n for n, _ in policy.named_parameters()} and "lm_head.weight" not in weights
+    weights = {n: t * 0.5 for n, t in weights.items()}  # the trainer's newer weights
+    state = capture_rng()
+    replica = policy_replica(policy, weights, whole=False)
+    assert torch.equal(capture_rng()["torch"], state["torch"])
+    assert type(replica) is type(policy) and not replica.training
+    assert replica.lm_head.weight is replica.model.embed_tokens.weight
+    board = WeightBoard(weights, 0, torch.multiprocessing.get_context("spawn"))
+    assert board.read(replica, 0, 0) == (0, 1)
+    ids, halved = torch.tensor([[3, 4, 5, 6]]), copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in halved.parameters():
+            p.mul_(0.5)
+        torch.testing.assert_close(replica(ids).logits, halved(ids).logits, rtol=0, atol=0)
+    with pytest.raises(ConfigError, match=r"rollout\.mode.*model\.extra\.weight"):
+        policy_replica(policy, {**weights, "model.extra.weight": torch.zeros(1)}, whole=False)
