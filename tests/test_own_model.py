@@ -186,11 +186,9 @@ MOE = "qwen2_moe"
 @pytest.fixture(scope="module")
 def saved(own, tmp_path_factory):
     """``saved(arch)``: a tiny random ``arch`` model saved beside the own model's ChatML tokenizer, once."""
-    import torch
-    import transformers as tf
     from transformers import AutoTokenizer
 
-    from tests.rollout.test_vllm_architectures import _config
+    from tests.rollout.test_vllm_architectures import save_arch
 
     model_dir, _ = own
     done = {"qwen2": model_dir}
@@ -198,13 +196,8 @@ def saved(own, tmp_path_factory):
     def get(arch: str):
         if arch not in done:
             tok = AutoTokenizer.from_pretrained(model_dir)
-            folder = tmp_path_factory.mktemp(arch)
-            torch.manual_seed(0)
-            config = _config(arch, len(tok))
-            config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
-            tf.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-            tok.save_pretrained(folder)
-            done[arch] = folder
+            eos = tok.convert_tokens_to_ids("<|im_end|>")
+            done[arch] = save_arch(arch, tok, tmp_path_factory.mktemp(arch), eos)
         return done[arch]
 
     return get

@@ -56,21 +56,28 @@ def _config(arch: str, vocab: int):
     return configs[arch]()
 
 
+def save_arch(arch: str, tokenizer, folder, eos_token_id: int | None = None):
+    """A tiny random ``arch`` model (:func:`_config`, seed 0; its EOS ``eos_token_id`` when given) and
+    ``tokenizer``, saved in ``folder`` as a user's own model is; returns the folder."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = _config(arch, len(tokenizer))
+    if eos_token_id is not None:
+        config.eos_token_id = eos_token_id
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def saved(tokenizer, tmp_path_factory):
     """``saved(arch)``: the folder of a tiny random ``arch`` model and the tokenizer, saved once."""
-    from transformers import AutoModelForCausalLM
-
     done = {}
 
     def get(arch: str) -> str:
         if arch not in done:
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(_config(arch, len(tokenizer)))
-            folder = tmp_path_factory.mktemp(arch)
-            model.save_pretrained(folder)
-            tokenizer.save_pretrained(folder)
-            done[arch] = str(folder)
+            done[arch] = str(save_arch(arch, tokenizer, tmp_path_factory.mktemp(arch)))
         return done[arch]
 
     return get
