@@ -121,6 +121,7 @@ GRPO_RUNS = {
     "async_deepspeed": ("deepspeed", ["--async"]),
     "async_deepspeed3": ("deepspeed3", ["--async"]),
     "async_fsdp": ("fsdp", ["--async"]),
+    "async_deepspeed3_killed": ("deepspeed3", ["--async", "--kill-producer"]),
 }
 
 
@@ -484,6 +485,20 @@ def test_async_grpo_under_zero_and_fsdp_samples_the_trained_weights(two_processe
     assert ranks[0]["prompts"] == ddp[0]["prompts"]
     worst = max((ranks[0]["params"][k] - v).abs().max().item() for k, v in ddp[0]["params"].items())
     assert worst <= 5e-6, f"differs from the DDP run by {worst:.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_producer_killed_on_one_zero3_rank_is_restarted_by_that_rank_alone(two_processes, models):
+    """Under ZeRO-3 at bound 1, rank 1's producer is SIGKILLed as the third iteration starts, after it
+    delivered that iteration's rollout (tests/helpers/grpo_multiproc.py ``--kill-producer``): rank 1
+    alone restarts it from the weights last published (no collective, which rank 0 would not join:
+    the run would hang), the lost rollout is sampled again with the newest weights (staleness 0 on
+    rank 1: 0.5 over the ranks), and the run ends with both ranks trained and identical."""
+    ranks = two_processes["grpo", "async_deepspeed3_killed"][1]
+    assert [r["restarted"] for r in ranks] == [0, 1] and [r["iteration"] for r in ranks] == [4, 4]
+    assert [s["async/staleness"] for s in ranks[0]["sampling"]] == [0.0, 1.0, 0.5, 1.0]
+    assert_identical_and_trained(ranks, models / "policy")
 
 
 @pytest.mark.slow

@@ -534,6 +534,9 @@ class AsyncRollouts:
         while ticket not in self.ready:
             try:
                 item = self.out.get(timeout=POLL_S)
+            except (OSError, EOFError):  # a rollout whose producer died before the trainer took its tensors
+                self._lost_delivery()
+                continue
             except queue.Empty:
                 if not self.process.is_alive():
                     self._restart()
@@ -556,6 +559,19 @@ class AsyncRollouts:
             self.waited = self.trainer_wait.value = _recent(self.waited, time.perf_counter() - asked)
         self.starting = False
         return self.ready.pop(ticket)
+
+    def _lost_delivery(self) -> None:
+        """A delivered rollout could not be read: its tensors travel as file descriptors that the
+        producer hands over when the trainer reads them, so a producer killed after it delivered
+        takes them with it. Its tickets not yet read (this one among them) are sampled again by
+        a restarted producer (one still alive, which cannot happen with a dead sender, is stopped
+        first: the delivery is lost all the same)."""
+        self.process.join(timeout=POLL_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        log.warning("a delivered rollout was lost with the rollout producer that sampled it")
+        self._restart()
 
     def _restart(self, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Start a producer that died again with the weights of :attr:`version` (``tensors``, else

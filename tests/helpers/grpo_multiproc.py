@@ -8,7 +8,8 @@ ranks need different numbers of extra prompt batches and keep different numbers 
 ``--agent``: multi-turn rollouts of the guessing game (``--models`` is then a policy folder with the
 multi-turn tasks' chat tokenizer), over after one guess on rank 0 (:class:`RankGame`): rank 0
 samples placeholders while rank 1 plays on.
-``--async``: asynchronous rollouts at bound 1 (every rank's own producer process), 4 iterations.
+``--async``: asynchronous rollouts at bound 1 (every rank's own producer process), 4 iterations;
+``--kill-producer``: rank 1's producer is SIGKILLed as the third iteration starts.
 ``--preset reinforce_pp`` (one response per prompt, the KL in the reward, advantages whitened over
 all ranks, 2 minibatches) or ``--preset remax`` (the greedy baseline decoded on every rank): each
 rank also writes its last rollout's advantage sums and its baselines.
@@ -19,6 +20,7 @@ Run as a script: Lightning's subprocess launcher re-executes it once per extra r
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -85,6 +87,7 @@ PARSER = run_parser(
         ("--engine", {"choices": ["hf", "vllm"], "default": "hf"}),
         ("--agent", {"action": "store_true"}),
         ("--async", {"action": "store_true", "dest": "asynchronous"}),
+        ("--kill-producer", {"action": "store_true"}),
     ],
 )
 
@@ -150,10 +153,16 @@ def run(args) -> None:
         def on_train_start(self, trainer, module):
             wrapper.append(wrapper_name(trainer, module.actor))
 
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if args.kill_producer and trainer.global_rank == 1 and module.rl_iteration == 2:
+                os.kill(module.producer.process.pid, signal.SIGKILL)  # this rank alone restarts it
+
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             st, r = outputs["stats"], outputs["rollout"]
             kept = ("grpo/kept_groups", "grpo/resample_rounds", "async/staleness")
             sampling.append({k: float(st[k]) for k in kept if k in st})
+            if module.producer is not None:  # this rank's own count (the logged one is over the ranks)
+                last["restarted"] = module.producer.restarted
             m = r.response_mask.float()  # this rank's masked sum, sum of squares and count of the advantages
             last.update(
                 advantages=[float((r.advantages * m).sum()), float((r.advantages**2 * m).sum()), float(m.sum())],

@@ -241,6 +241,28 @@ def test_a_killed_producer_is_started_again_and_then_stops_the_run(policy, token
         rollouts.close()
 
 
+def test_a_rollout_delivered_by_a_producer_killed_before_it_was_taken_is_sampled_again(policy, tokenizer):
+    """The producer delivered ticket 0 and was SIGKILLed before the trainer took it: the rollout's
+    tensors (file descriptors the sender hands over on reading) are gone with it; the trainer restarts
+    the producer, which samples ticket 0 again, the same greedy responses."""
+    rollouts = producer(policy, tokenizer, 1, restarts=1)
+    rollouts.start(0)
+    try:
+        rollouts.submit(0, prompts(tokenizer, 0))
+        deadline = time.monotonic() + 120
+        while rollouts.out.empty() and time.monotonic() < deadline:  # delivered, not taken
+            time.sleep(0.05)
+        assert not rollouts.out.empty()
+        os.kill(rollouts.process.pid, signal.SIGKILL)
+        rollouts.process.join(10)
+        drawn = rollouts.take(0)
+        assert drawn.ticket == 0 and drawn.version == 0 and rollouts.restarted == 1
+        again = sample_responses(policy, prompts(tokenizer, 0), tokenizer, GREEDY, None, 2, 1.0)
+        assert torch.equal(drawn.drawn[1][0], again[1][0])
+    finally:
+        rollouts.close()
+
+
 @pytest.mark.parametrize(
     "fault, error, message",
     [
