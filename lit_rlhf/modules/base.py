@@ -242,6 +242,19 @@ class RLHFModule(pl.LightningModule):
         if trainer is not None:
             trainer.strategy.barrier("export")
 
+    def weights_are_whole(self) -> bool:
+        """Whether every rank holds the trained models' whole weights: no trainer, one device, DDP,
+        DeepSpeed ZeRO-1/2. False under ZeRO-3 and FSDP (shards; gathered by :meth:`sampling_mode`)
+        and under any other strategy."""
+        if self._trainer is None:
+            return True
+        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
+        strategy = self.trainer.strategy
+        if isinstance(strategy, DeepSpeedStrategy):
+            return not strategy.zero_stage_3
+        return isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
+
     def sampling_mode(self, model: torch.nn.Module) -> Any:
         """The context for sampling from ``model`` (and the frozen models' scoring forwards); under
         ZeRO-3 and FSDP it gathers every trained model of the module, ``model`` or not:
@@ -256,22 +269,18 @@ class RLHFModule(pl.LightningModule):
           weights gathered once for the context (:func:`lit_rlhf.runtime.strategies.fsdp_gathered`);
         * any other strategy: ``no_grad``.
         """
-        if self._trainer is None:
+        if self.weights_are_whole():
             return torch.inference_mode()
-        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+        from lightning.pytorch.strategies import DeepSpeedStrategy
 
         strategy = self.trainer.strategy
-        if isinstance(strategy, DeepSpeedStrategy):
-            if not strategy.zero_stage_3:
-                return torch.inference_mode()
+        if isinstance(strategy, DeepSpeedStrategy):  # ZeRO-3
             engine = getattr(strategy, "model", None)  # None before setup: nothing partitioned yet
             if not hasattr(engine, "module"):
                 return torch.no_grad()
             from lit_rlhf.runtime.strategies import zero3_gathered
 
             return zero3_gathered(engine)
-        if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
-            return torch.inference_mode()
         from lit_rlhf.runtime.strategies import RLHFFSDPStrategy, fsdp_gathered
 
         if isinstance(strategy, RLHFFSDPStrategy) and strategy.wrapped:  # before setup: nothing sharded yet

@@ -300,26 +300,18 @@ class RLModule(RLHFModule):
         the weights are shards (ZeRO-3, FSDP) they are gathered in :meth:`sampling_mode` for it."""
         if self.producer is not None:
             return self.producer
-        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
-
         from lit_rlhf.models.lora import AdaptersDisabled
         from lit_rlhf.rollout.agent import agent_settings, check_agent_tokenizer
         from lit_rlhf.rollout.producer import AsyncRollouts, ProducerSettings, split_threads
 
         c: RLConfig = self.config
-        strategy = self.trainer.strategy if self._trainer is not None else None
         if self.device.type != "cpu":
             raise ConfigError(
                 "rollout.mode",
                 f"async rollouts run on the CPU (every rank with a producer of its own); this run is on "
                 f"{self.device.type}; use algo.rollout.mode=sync",
             )
-        # every rank holds whole weights (one process, DDP, ZeRO-1/2), else shards (ZeRO-3, FSDP)
-        whole = strategy is None or (
-            not getattr(strategy, "zero_stage_3", False)
-            if isinstance(strategy, DeepSpeedStrategy)
-            else isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
-        )
+        whole = self.weights_are_whole()
         reference = self.frozen.get("reference") if c.rollout.reference_scoring != "trainer" else None
         if not whole and isinstance(reference, AdaptersDisabled):
             raise ConfigError(
