@@ -277,6 +277,22 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
             modes["ceiling_over_sync"],
             quartiles("ceiling"),
         )
+        derived["async_ceiling_busy_over_sync"] = modes["ceiling_busy_over_sync"]
+        row(
+            "the ceiling with both cores at work: sync step on 2 threads / (sync step on 1 thread beside "
+            f"another run on the other core / 2; that neighbour slows it {modes['neighbour_slowdown']:.2f}x)",
+            "async_ceiling_busy_over_sync",
+            modes["ceiling_busy_over_sync"],
+            quartiles("ceiling_busy"),
+        )
+        if "async2_balanced_cpu_s" in modes:  # /proc: Linux
+            derived["async_cpu_over_sync_1thread"] = modes["async2_balanced_cpu_s"] / modes["sync_1thread_cpu_s"]
+            row(
+                "CPU seconds per GRPO iteration, async (max_staleness 2, balanced; both processes) / sync on "
+                f"1 thread (the async run keeps {modes['async2_balanced_cores_busy']:.0%} of the 2 cores busy)",
+                "async_cpu_over_sync_1thread",
+                derived["async_cpu_over_sync_1thread"],
+            )
     turns = r.get("multiturn", {})
     if "single_over_multi" in turns:
         derived["multiturn_single_over_multi"] = turns["single_over_multi"]

@@ -3,9 +3,11 @@ runs end to end in smoke mode (tiny shapes, no TRL, no timing asserts)."""
 
 import importlib
 import json
+import os
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -153,13 +155,26 @@ def test_bench_smoke(tmp_path, bench):
         turns["single_tokens_per_s"] / turns["multi_tokens_per_s"]
     )
     assert saved["ratios"]["multiturn_single_over_multi"] == turns["single_over_multi"]
-    modes = r["async_rollouts"]  # GRPO iterations in rounds: each async run's, then sync's on 2 and 1 threads
+    modes = r[
+        "async_rollouts"
+    ]  # GRPO iterations in rounds: each async run's, then sync's on 2 threads, 1, and 1 beside a neighbour run
     assert modes["paired_rounds"] == 1  # smoke: one timed round, so each ratio is that round's
     for name in ("async1", "async2", "async2_balanced"):
         assert modes[f"{name}_over_sync"] == pytest.approx(modes["sync_step_s"] / modes[f"{name}_step_s"])
         assert modes[f"{name}_over_sync_quartiles"] == [modes[f"{name}_over_sync"]] * 2
         assert saved["ratios"][f"{name}_over_sync"] == modes[f"{name}_over_sync"]
     assert modes["ceiling_over_sync"] == pytest.approx(2 * modes["sync_step_s"] / modes["sync_1thread_step_s"])
+    busy = modes["sync_1thread_busy_step_s"]  # 1 thread beside the neighbour run on the other core
+    assert modes["ceiling_busy_over_sync"] == pytest.approx(2 * modes["sync_step_s"] / busy)
+    assert modes["neighbour_slowdown"] == pytest.approx(busy / modes["sync_1thread_step_s"])
+    assert saved["ratios"]["async_ceiling_busy_over_sync"] == modes["ceiling_busy_over_sync"]
+    # CPU seconds of an async turn (trainer and producer, from /proc, in clock ticks: a smoke turn may
+    # take less than one); cpu_seconds itself is checked against the clock below
+    for name in ("async1", "async2", "async2_balanced"):
+        assert modes[f"{name}_cpu_s"] >= 0 and modes[f"{name}_cores_busy"] >= 0
+    assert saved["ratios"]["async_cpu_over_sync_1thread"] == pytest.approx(
+        modes["async2_balanced_cpu_s"] / modes["sync_1thread_cpu_s"]
+    )
     grpo = r["grpo_ours"]
     assert 0 < grpo["rollout_s"] < grpo["step_s"] and grpo["update_s"] == pytest.approx(
         grpo["step_s"] - grpo["rollout_s"]
@@ -256,3 +271,15 @@ def test_alternation_runs_one_loop_at_a_time_and_times_each_cycle(bench):
     assert len(ours) == 3 and len(theirs) == 5  # a loop's last cycle (into its teardown) is not recorded
     assert all(0.02 <= c < 0.5 for c in ours) and all(0.05 <= c < 0.5 for c in theirs)  # its own work, not the other's
     assert alt.pairs(1) == list(zip(ours, theirs))[1:]
+
+
+def test_cpu_seconds_reads_what_the_process_clock_says(bench):
+    """The async case's CPU accounting of other processes (/proc/PID/stat, clock ticks) agrees with
+    this process's own CPU clock after a fifth of a second of work, to a few ticks."""
+    cpu_seconds = importlib.import_module("cases.asynchronous").cpu_seconds
+    before, clock = cpu_seconds(os.getpid()), time.process_time()
+    while time.process_time() - clock < 0.2:
+        sum(i * i for i in range(10_000))
+    used = cpu_seconds(os.getpid()) - before
+    assert used == pytest.approx(time.process_time() - clock, abs=0.05)
+    assert cpu_seconds(2**22 + 12_345) is None  # no such process

@@ -9,8 +9,16 @@ seconds apart (this VM's speed drifts by 20% within minutes: runs one after the 
 from 1.08 to 1.37). The synchronous run trains in this process; each async run trains in a process
 of its own and waits for its turn at the start of each iteration. A round is one iteration of each
 async run (its producer runs during its turn only: it is stopped, SIGSTOP, the rest of the time),
-then one synchronous iteration on 2 threads and one on 1 thread. Every iteration thus has the
-machine to itself, and an async turn holds both of its processes' work for one iteration.
+then one synchronous iteration on 2 threads, one on 1 thread, and one more on 1 thread beside a
+*neighbour*: another synchronous GRPO run on one thread, continued (SIGCONT) for that iteration only.
+Every other iteration thus has the machine to itself, and an async turn holds both of its processes'
+work for one iteration.
+
+Two ceilings bound what any split of the work over two single-thread processes can gain: with the
+other core idle (the synchronous iteration on 2 threads over half of the one on 1 thread), and with
+the other core busy (over half of the one beside the neighbour). Two processes that work at once
+slow each other down (they share the caches and the memory bus); the second ceiling counts that,
+and an async run's two processes always work at once.
 """
 
 from __future__ import annotations
@@ -56,6 +64,23 @@ def _side(name: str, models: Path, s: dict, turns: int, threads: int, conn: Any)
     conn.send("end")
 
 
+def _neighbour(models: Path, s: dict, steps: int, conn: Any) -> None:
+    """A synchronous GRPO run on one thread (a process of its own) that the bench continues only
+    while it times the synchronous run beside it: it says when its first iteration starts."""
+    import lightning.pytorch as pl
+    import torch
+
+    torch.set_num_threads(1)
+
+    class Started(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == 0:
+                conn.send("started")
+
+    trainer, module, data = _grpo_ours(models, s, steps, [Started()], algo={"rollout_correction": "decoupled"})
+    trainer.fit(module, data)
+
+
 def _context() -> Any:
     """Processes forked from a fork server that imported the GRPO run's modules once."""
     ctx = mp.get_context("forkserver")
@@ -69,7 +94,7 @@ class Side:
 
     def __init__(self, name: str, models: Path, s: dict, turns: int, threads: int) -> None:
         ctx = _context()
-        self.name, self.pid, self.cycles = name, None, []
+        self.name, self.pid, self.cycles, self.cpu = name, None, [], []
         self.conn, theirs = ctx.Pipe()
         args = (name, models, s, turns, threads, theirs)
         # not a daemon: the run starts a producer process of its own
@@ -93,12 +118,20 @@ class Side:
             except ProcessLookupError:  # a producer the run restarted
                 pass
 
+    def _cpu_s(self) -> float | None:
+        """CPU seconds the run's trainer and producer processes have used (None: not on Linux)."""
+        used = [cpu_seconds(self.process.pid)] + [cpu_seconds(self.pid)] * (self.pid is not None)
+        return None if None in used else sum(used)
+
     def turn(self) -> None:
+        cpu = self._cpu_s()
         self._signal(signal.SIGCONT)
         started = time.perf_counter()
         self.conn.send("go")
         message = self._next()
         self.cycles.append(time.perf_counter() - started)
+        after = self._cpu_s()  # a restarted producer's first turn: not counted
+        self.cpu.append(None if cpu is None or after is None or message != self.pid else after - cpu)
         if message == "end":
             self.pid = None
             return
@@ -114,12 +147,44 @@ class Side:
             self.process.join()
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (/proc; None where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Neighbour:
+    """The bench's handle on the neighbour run: stopped (SIGSTOP) but while :meth:`busy`."""
+
+    def __init__(self, models: Path, s: dict, steps: int) -> None:
+        ctx = _context()
+        self.conn, theirs = ctx.Pipe()
+        self.process = ctx.Process(target=_neighbour, args=(models, s, steps, theirs), name="bench-neighbour")
+        self.process.start()
+        theirs.close()
+        if not self.conn.poll(TIMEOUT_S):
+            raise TimeoutError(f"the neighbour run did not start in {TIMEOUT_S:.0f} s")
+        self.conn.recv()
+        self.busy(False)
+
+    def busy(self, on: bool) -> None:
+        os.kill(self.process.pid, signal.SIGCONT if on else signal.SIGSTOP)
+
+    def close(self) -> None:
+        self.busy(True)
+        self.process.kill()
+        self.process.join()
+
+
 def case_async_rollouts(models: Path, s: dict) -> dict:
     """Per mode, the median over the timed rounds of the synchronous iteration (2 threads) over the
     mode's iteration of the same round, with its quartiles; each mode's median iteration; and the
-    ceiling of any split of the work over the two cores: per round, the synchronous iteration on
-    two threads over half of the one on ONE thread (two processes of one thread each, perfectly
-    balanced, no contention)."""
+    two ceilings of any split of the work over the two cores: per round, the synchronous iteration
+    on two threads over half of the one on ONE thread, alone (two processes of one thread each,
+    perfectly balanced, that do not slow each other down) and beside the neighbour (that do)."""
     import lightning.pytorch as pl
     import torch
 
@@ -128,40 +193,53 @@ def case_async_rollouts(models: Path, s: dict) -> dict:
     rounds = 1 if s["steps"] == 1 else ROUNDS
     turns = warmup + rounds + 1  # the last turn holds the run's teardown: not timed
     sides: list[Side] = []
-    cycles: dict[str, list[float]] = {"sync": [], "sync_1thread": []}
+    phases = ("sync", "sync_1thread", "sync_1thread_busy")  # a round's synchronous iterations
+    cycles: dict[str, list[float]] = {phase: [] for phase in phases}
+    cpu: dict[str, list[float]] = {phase: [] for phase in phases}  # this process's CPU seconds
     clock: dict[str, Any] = {"mode": None, "since": 0.0}
+    neighbour: list[Neighbour] = []
 
     class Rounds(pl.Callback):
-        """At each synchronous iteration's start: time the one before; before every other one,
-        the async runs' turns, then 2 threads; else 1."""
+        """At each synchronous iteration's start: time the one before; then, by turn, the async
+        runs' turns and 2 threads, or 1 thread, or 1 thread beside the neighbour."""
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if clock["mode"] is not None:
                 cycles[clock["mode"]].append(time.perf_counter() - clock["since"])
-            if batch_idx % 2 == 0:
+                cpu[clock["mode"]].append(time.process_time() - clock["cpu"])
+            neighbour[0].busy(False)
+            phase = phases[batch_idx % len(phases)]
+            if phase == "sync":
                 for side in sides:
                     side.turn()
-            clock["mode"] = "sync" if batch_idx % 2 == 0 else "sync_1thread"
-            torch.set_num_threads(threads if batch_idx % 2 == 0 else 1)
-            clock["since"] = time.perf_counter()
+            clock["mode"] = phase
+            torch.set_num_threads(threads if phase == "sync" else 1)
+            neighbour[0].busy(phase == "sync_1thread_busy")
+            clock["since"], clock["cpu"] = time.perf_counter(), time.process_time()
 
     failed = True
     try:
         for name in SIDES:
             sides.append(Side(name, models, s, turns, threads))
-        trainer, module, data = _grpo_ours(models, s, 2 * turns, [Rounds()], algo={"rollout_correction": "decoupled"})
+        neighbour.append(Neighbour(models, s, 4 * turns))
+        algo = {"rollout_correction": "decoupled"}
+        trainer, module, data = _grpo_ours(models, s, len(phases) * turns, [Rounds()], algo=algo)
         trainer.fit(module, data)
         failed = False
     finally:
         torch.set_num_threads(threads)
         for side in sides:
             side.close(failed)
+        for n in neighbour:
+            n.close()
     timed = slice(warmup, warmup + rounds)
-    sync, one = cycles["sync"][timed], cycles["sync_1thread"][timed]
+    sync, one, busy = (cycles[phase][timed] for phase in phases)
     out: dict = {
         "paired_rounds": rounds,
         "sync_step_s": statistics.median(sync),
         "sync_1thread_step_s": statistics.median(one),
+        "sync_1thread_busy_step_s": statistics.median(busy),
+        "sync_1thread_cpu_s": statistics.median(cpu["sync_1thread"][timed]),
     }
     for side in sides:
         mine = side.cycles[timed]
@@ -169,9 +247,18 @@ def case_async_rollouts(models: Path, s: dict) -> dict:
         out[f"{side.name}_step_s"] = statistics.median(mine)
         out[f"{side.name}_over_sync"] = statistics.median(ratios)
         out[f"{side.name}_over_sync_quartiles"] = _quartiles(ratios)
+        used = [(c, t) for c, t in zip(side.cpu[timed], mine) if c is not None]
+        if used:  # CPU seconds of both processes per iteration, and the share of two cores they kept busy
+            out[f"{side.name}_cpu_s"] = statistics.median(c for c, _ in used)
+            out[f"{side.name}_cores_busy"] = statistics.median(c / (2 * t) for c, t in used)
     ceiling = [2 * a / b for a, b in zip(sync, one)]
     out["ceiling_over_sync"] = statistics.median(ceiling)
     out["ceiling_over_sync_quartiles"] = _quartiles(ceiling)
+    ceiling = [2 * a / b for a, b in zip(sync, busy)]
+    out["ceiling_busy_over_sync"] = statistics.median(ceiling)
+    out["ceiling_busy_over_sync_quartiles"] = _quartiles(ceiling)
+    slowdown = [b / a for a, b in zip(one, busy)]
+    out["neighbour_slowdown"] = statistics.median(slowdown)  # 1 thread: beside the neighbour / alone
     out["step_s"] = out["sync_step_s"]
     out["samples_per_s"] = s["batch"] / out["sync_step_s"]
     return out
