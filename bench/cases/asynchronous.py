@@ -74,7 +74,7 @@ def _neighbour(models: Path, s: dict, steps: int, conn: Any) -> None:
 
     class Started(pl.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            if batch_idx == 0:
+            if trainer.global_step == 0 and batch_idx == 0:
                 conn.send("started")
 
     trainer, module, data = _grpo_ours(models, s, steps, [Started()], algo={"rollout_correction": "decoupled"})
@@ -196,7 +196,7 @@ def case_async_rollouts(models: Path, s: dict) -> dict:
     phases = ("sync", "sync_1thread", "sync_1thread_busy")  # a round's synchronous iterations
     cycles: dict[str, list[float]] = {phase: [] for phase in phases}
     cpu: dict[str, list[float]] = {phase: [] for phase in phases}  # this process's CPU seconds
-    clock: dict[str, Any] = {"mode": None, "since": 0.0}
+    clock: dict[str, Any] = {"mode": None, "since": 0.0, "iterations": 0}
     neighbour: list[Neighbour] = []
 
     class Rounds(pl.Callback):
@@ -208,7 +208,8 @@ def case_async_rollouts(models: Path, s: dict) -> dict:
                 cycles[clock["mode"]].append(time.perf_counter() - clock["since"])
                 cpu[clock["mode"]].append(time.process_time() - clock["cpu"])
             neighbour[0].busy(False)
-            phase = phases[batch_idx % len(phases)]
+            phase = phases[clock["iterations"] % len(phases)]  # batch_idx restarts with each epoch
+            clock["iterations"] += 1
             if phase == "sync":
                 for side in sides:
                     side.turn()
