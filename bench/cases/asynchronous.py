@@ -101,7 +101,11 @@ class Side:
         self.process = ctx.Process(target=_side, args=args, name=f"bench-{name}")
         self.process.start()
         theirs.close()
-        self.pid = self._next()  # its first iteration's start
+        try:
+            self.pid = self._next()  # its first iteration's start
+        except BaseException:  # not in the bench's list yet: nothing else would stop it
+            self.process.kill()
+            raise
 
     def _next(self) -> Any:
         if not self.conn.poll(TIMEOUT_S):
@@ -165,9 +169,13 @@ class Neighbour:
         self.process = ctx.Process(target=_neighbour, args=(models, s, steps, theirs), name="bench-neighbour")
         self.process.start()
         theirs.close()
-        if not self.conn.poll(TIMEOUT_S):
-            raise TimeoutError(f"the neighbour run did not start in {TIMEOUT_S:.0f} s")
-        self.conn.recv()
+        try:
+            if not self.conn.poll(TIMEOUT_S):
+                raise TimeoutError(f"the neighbour run did not start in {TIMEOUT_S:.0f} s")
+            self.conn.recv()
+        except BaseException:  # not in the bench's list yet: nothing else would stop it
+            self.process.kill()
+            raise
         self.busy(False)
 
     def busy(self, on: bool) -> None:

@@ -324,10 +324,15 @@ class RLHFModule(pl.LightningModule):
             self.engine.sleep()
 
     def teardown(self, stage: str) -> None:
-        """The end of a fit (or validate/test): the vllm engine is released; a later rollout builds anew."""
+        """The end of a fit (or validate/test): the vllm engine is released; a later rollout builds anew.
+        Also when the fit fails (:class:`TeardownOnFailure`): what it holds, processes included, is
+        released before the error reaches the caller."""
         if self.engine is not None:
             engine, self.engine = self.engine, None
             engine.close()
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        return [TeardownOnFailure()]
 
     def with_lora(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` with LoRA adapters injected when ``model.lora.enabled`` (then only they, and
@@ -412,3 +417,16 @@ def save_pretrained_atomic(model: Any, tokenizer: Any, directory: str, state_dic
             tokenizer.save_pretrained(folder)
 
     atomic_folder(directory, write)
+
+
+class TeardownOnFailure(pl.Callback):
+    """Lightning tears the module down (``LightningModule.teardown``) only at a fit's normal end; on
+    an exception it calls the callbacks' ``on_exception`` instead. This one tears the module down
+    there, so that a failed fit leaves no rollout producer, vLLM engine or tool worker behind, and
+    a retry in the same process (``trainer.fit(module, ckpt_path="last")``) starts them afresh."""
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        try:
+            pl_module.teardown(trainer.state.fn.value if trainer.state.fn is not None else "fit")
+        except Exception:  # the fit's own error is the one to raise
+            log.exception("tearing the module down after a failed fit failed too")

@@ -109,6 +109,9 @@ class RolloutModeConfig:
     restarts: int = field(default=1, metadata={"ge": 0})
     """A producer that dies (killed, out of memory) is started again this many times in a run, its
     unfinished rollouts sampled again; once more and the run stops with an error naming this key."""
-    timeout_s: float = field(default=1800.0, metadata={"gt": 0.0})
+    timeout_s: float = field(default=1200.0, metadata={"gt": 0.0})
     """A rollout the producer has not delivered this long after the trainer asked for it stops the
-    run with an error (a hung producer: a tool that never returns, a dead lock)."""
+    run with an error (a hung producer: a tool that never returns, a dead lock). On several ranks,
+    keep it below the process group's timeout (30 min unless the strategy sets one): the other
+    ranks wait for the hung one at the next collective, and it must stop them, with a checkpoint,
+    before that wait times out."""

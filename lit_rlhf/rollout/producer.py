@@ -51,8 +51,10 @@ from lit_rlhf.utils.rng import capture_rng, restore_rng, rng_kept
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
-"""How often a waiting side looks again (the trainer at the producer's health, the producer at the
-board's version)."""
+"""How often a waiting trainer looks again at the producer's health (and a publisher at a board
+lock that a dead reader may hold)."""
+BOARD_POLL_S = 0.005
+"""How often a producer that waits for a version looks at the board again."""
 
 
 PRELOAD = ("lit_rlhf.rollout.producer", "lit_rlhf.rollout.collect", "transformers")
@@ -128,19 +130,21 @@ class ProducerSettings:
 class WeightBoard:
     """The trained weights the producer reads: one shared-memory copy of each tensor of
     :func:`trained_tensors`, the version they are (the RL iterations done), and a publication count;
-    one lock for writes and reads, so a reader never sees half of a version."""
+    one lock for writes and reads, so a reader never sees half of a version. A reader that waits for a
+    version polls the board instead of sleeping on a condition: a ``multiprocessing.Condition``
+    whose sleeper was killed makes the next ``notify`` wait for it forever."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], version: int, ctx: Any) -> None:
         self.names = list(tensors)
         self.tensors = {n: t.detach().clone().share_memory_() for n, t in tensors.items()}
         self.version = ctx.Value("q", version, lock=False)
         self.serial = ctx.Value("q", 1, lock=False)
-        self.cond = ctx.Condition()
+        self.lock = ctx.Lock()
 
     def publish(self, tensors: dict[str, torch.Tensor], version: int, alive: Callable[[], bool]) -> bool:
         """Copy ``tensors`` in as ``version`` and wake a producer that waits; False when the lock
         stays taken by a reader that is no longer ``alive()`` (killed mid-copy)."""
-        while not self.cond.acquire(timeout=POLL_S):
+        while not self.lock.acquire(timeout=POLL_S):
             if not alive():
                 return False
         try:
@@ -149,24 +153,24 @@ class WeightBoard:
                     self.tensors[n].copy_(tensors[n])
             self.version.value = version
             self.serial.value += 1
-            self.cond.notify_all()
         finally:
-            self.cond.release()
+            self.lock.release()
         return True
 
     def read(self, model: nn.Module, need: int, serial: int) -> tuple[int, int]:
         """Wait for a version ≥ ``need``, copy the newest into ``model`` unless it is the publication
         ``serial`` it already holds; returns (version, serial). (A producer whose trainer is gone is
         killed while it waits: :func:`_watch_trainer`.)"""
-        with self.cond:
-            while self.version.value < need:
-                self.cond.wait(POLL_S)
-            if self.serial.value != serial:
-                params = dict(model.named_parameters())
-                with torch.no_grad():
-                    for n in self.names:
-                        params[n].copy_(self.tensors[n])
-            return int(self.version.value), int(self.serial.value)
+        while True:
+            with self.lock:
+                if self.version.value >= need:
+                    if self.serial.value != serial:
+                        params = dict(model.named_parameters())
+                        with torch.no_grad():
+                            for n in self.names:
+                                params[n].copy_(self.tensors[n])
+                    return int(self.version.value), int(self.serial.value)
+            time.sleep(BOARD_POLL_S)
 
 
 def trained_tensors(model: nn.Module, whole: bool) -> dict[str, torch.Tensor]:
@@ -417,6 +421,7 @@ class AsyncRollouts:
         self.whole, self.gathered = whole, gathered
         self.ctx = _context()
         self.board: WeightBoard | None = None
+        self.unpublished: dict[str, torch.Tensor] | None = None  # weights a dead producer kept off the board
         self.process: Any = None
         self.lifeline: Any = None  # the write end of the producer's lifeline (_watch_trainer)
         self.jobs: Any = None
@@ -467,13 +472,20 @@ class AsyncRollouts:
         with self.gathered():
             tensors = trained_tensors(self.model, self.whole)
             if not self.board.publish(tensors, version, self.process.is_alive):
-                self._restart(tensors)
+                # the producer died holding the board's lock: the next take() starts it again with
+                # these weights (or stops the run there, with a checkpoint that redoes the iteration)
+                self.unpublished = {n: t.detach().clone() for n, t in tensors.items()}
 
     def close(self) -> None:
         if self.process is None:
             return
         process, self.process = self.process, None
         try:
+            try:  # the tickets not yet started (those read ahead at the run's end) are not sampled
+                while True:
+                    self.jobs.get_nowait()
+            except queue.Empty:
+                pass
             self.jobs.put(None)
             process.join(timeout=10)
         finally:
@@ -575,7 +587,8 @@ class AsyncRollouts:
 
     def _restart(self, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Start a producer that died again with the weights of :attr:`version` (``tensors``, else
-        the board's), unless it has died ``restarts`` times already."""
+        those it kept off the board by dying, else the board's), unless it has died ``restarts``
+        times already."""
         code = self.process.exitcode
         if self.restarted >= self.restarts:
             hint = ""
@@ -598,6 +611,7 @@ class AsyncRollouts:
             len(self.pending) - len(self.ready),
         )
         self.process = None
+        tensors, self.unpublished = tensors if tensors is not None else self.unpublished, None
         self.start(self.version, tensors)
 
 

@@ -64,3 +64,49 @@ def producer_killer(marker: str, after: int = 1):
 def slow(ticket: int) -> float:
     """A producer slower than its trainer: every ticket takes 0.3 s more."""
     return 0.3
+
+
+def reward_failing_at(call: int = 2):
+    """``algo.reward_fn`` of the embedded task (its gold reward) that raises at its call ``call``: a
+    fit that fails mid-run, in the trainer."""
+    from lit_rlhf.data.synthetic import gold_reward_fn
+
+    gold, calls = gold_reward_fn(), [0]
+
+    def reward(prompts, responses, ended=None):
+        calls[0] += 1
+        if calls[0] == call:
+            raise RuntimeError(f"reward call {call}: the grader is broken")
+        return gold(prompts, responses, ended)
+
+    return reward
+
+
+class Logged:
+    """A producer that writes each ticket it starts to the file ``log`` (a line each) and takes
+    ``seconds`` more over it."""
+
+    def __init__(self, log: str, seconds: float) -> None:
+        self.log, self.seconds = log, seconds
+
+    def __call__(self, ticket: int) -> float:
+        with open(self.log, "a") as fh:
+            fh.write(f"{ticket}\n")
+        return self.seconds
+
+
+def wait_for_version(board, need: int, ready) -> None:
+    """A reader of ``board`` (a one-tensor ``weight`` board) that waits for version ``need``."""
+    import torch
+
+    ready.set()
+    board.read(torch.nn.Linear(3, 1, bias=False), need, 0)
+
+
+def hold_the_lock(board, ready) -> None:
+    """A reader that dies holding ``board``'s lock (the test kills it while it sleeps)."""
+    import time
+
+    board.lock.acquire()
+    ready.set()
+    time.sleep(600)

@@ -430,3 +430,22 @@ def test_a_list_answer_field_is_several_acceptable_answers(tokenizer, tmp_path):
             PromptDataModule(source=str(path), prompt_field="q", answer_field="a", batch_size=1).connect(
                 tokenizer
             ).setup()
+
+
+def test_a_failed_async_fit_leaves_no_producer_behind(saved_models, tokenizer):
+    """Lightning tears a module down only after a fit that ends; a fit that fails (here the reward
+    callable raises in iteration 2) still stops its rollout producer process and gives the trainer
+    its torch threads back (lit_rlhf/modules/base.py ``TeardownOnFailure``), so a retry in the same
+    process starts a producer of its own."""
+    fails = {"_target_": "tests.helpers.producer_faults.reward_failing_at", "call": 2}
+    m = make(saved_models, tokenizer, reward_fn=fails, rollout={"mode": "async"}, rollout_correction="decoupled")
+    threads, seen = torch.get_num_threads(), []
+
+    class Producer(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            seen.append(module.producer.process)
+
+    with pytest.raises(Exception, match="the grader is broken"):
+        fit(m, data(tokenizer), 3, callbacks=[Producer()])
+    assert len(seen) == 1 and seen[0].exitcode is not None  # the producer of the failed fit has exited
+    assert m.producer is None and torch.get_num_threads() == threads

@@ -13,6 +13,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -22,11 +23,27 @@ from lit_rlhf.data.prompts import collate_prompts
 from lit_rlhf.models.builders import build_causal_lm
 from lit_rlhf.rollout.collect import generate_and_score, rollout_inputs, sample_responses, scored_logprobs
 from lit_rlhf.rollout.generate import GenerationConfig
-from lit_rlhf.rollout.producer import AsyncRollouts, ProducerError, ProducerSettings, ReferenceShare
+from lit_rlhf.rollout.producer import (
+    AsyncRollouts,
+    ProducerError,
+    ProducerSettings,
+    ReferenceShare,
+    WeightBoard,
+    _context,
+    trained_tensors,
+)
 from lit_rlhf.utils.config import ConfigError
 from lit_rlhf.utils.rng import capture_rng, restore_rng
 from tests.conftest import ROOT
-from tests.helpers.producer_faults import broken, heavy_tailed, misconfigured, slow
+from tests.helpers.producer_faults import (
+    Logged,
+    broken,
+    heavy_tailed,
+    hold_the_lock,
+    misconfigured,
+    slow,
+    wait_for_version,
+)
 
 pytestmark = pytest.mark.xdist_group("producer")
 GREEDY = GenerationConfig(max_new_tokens=5, do_sample=False)
@@ -239,6 +256,81 @@ def test_a_killed_producer_is_started_again_and_then_stops_the_run(policy, token
             rollouts.take(2)
     finally:
         rollouts.close()
+
+
+def test_a_reader_killed_while_it_waits_for_a_version_does_not_block_the_next_publish():
+    """A producer killed while it waits on the board for a version (a ``multiprocessing.Condition``
+    sleeper killed mid-wait made the next ``notify`` wait for it forever): the trainer's next publish
+    goes through, and the next reader gets that version."""
+    ctx = _context()
+    board = WeightBoard({"weight": torch.zeros(1, 3)}, 0, ctx)
+    ready = ctx.Event()
+    reader = ctx.Process(target=wait_for_version, args=(board, 1, ready), daemon=True)
+    reader.start()
+    assert ready.wait(60)
+    time.sleep(0.3)  # inside read(), waiting for version 1
+    reader.kill()
+    reader.join(10)
+    published = []
+    writer = threading.Thread(target=lambda: published.append(board.publish({"weight": torch.ones(1, 3)}, 1, bool)))
+    writer.start()
+    writer.join(30)
+    assert published == [True]
+    linear = torch.nn.Linear(3, 1, bias=False)
+    assert board.read(linear, 1, 0) == (1, 2) and torch.equal(linear.weight.detach(), torch.ones(1, 3))
+
+
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_a_producer_that_died_holding_the_board_gets_the_weights_at_the_next_take(policy, tokenizer, restarts):
+    """The producer died holding the board's lock, so the trainer's publish of version 1 cannot write
+    it: publish() returns (the update is done; raising there would skip the stop with a checkpoint),
+    and the next take() restarts the producer with version 1's weights, which sample its ticket; with
+    no restarts left, take() raises, inside the trainer's stop-with-a-checkpoint path."""
+    model = replace_model(policy)
+    rollouts = producer(model, tokenizer, 1, restarts=restarts)
+    rollouts.start(0)
+    holder = None
+    try:
+        ready = rollouts.ctx.Event()
+        holder = rollouts.ctx.Process(target=hold_the_lock, args=(rollouts.board, ready), daemon=True)
+        holder.start()
+        assert ready.wait(60)
+        holder.kill()  # the lock stays taken
+        holder.join(10)
+        os.kill(rollouts.process.pid, signal.SIGKILL)
+        rollouts.process.join(10)
+        nudge(model, 1)
+        rollouts.publish(1)  # returns: the weights wait for the restart
+        rollouts.submit(2, prompts(tokenizer, 2))  # ticket 2 needs version 1
+        if restarts == 0:
+            with pytest.raises(ProducerError, match=r"algo.rollout.restarts=0"):
+                rollouts.take(2)
+            return
+        drawn = rollouts.take(2)
+        assert drawn.version == 1 and rollouts.restarted == 1
+        weights = trained_tensors(model, True)
+        assert all(torch.equal(rollouts.board.tensors[n], weights[n]) for n in weights)
+        again = sample_responses(model, prompts(tokenizer, 2), tokenizer, GREEDY, None, 2, 1.0)
+        assert torch.equal(drawn.drawn[1][0], again[1][0])
+    finally:
+        rollouts.close()
+
+
+def test_closing_skips_the_tickets_not_started(policy, tokenizer, tmp_path):
+    """At the end of a fit the tickets read ahead are not sampled: close() takes them back before it
+    stops the producer, which finishes the ticket it is on."""
+    log = tmp_path / "started"
+    rollouts = producer(policy, tokenizer, 3, delay=Logged(str(log), 0.5))
+    rollouts.start(0)
+    try:
+        for k in range(4):
+            rollouts.submit(k, prompts(tokenizer, k))
+        deadline = time.monotonic() + 60
+        while not log.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        rollouts.close()
+    assert log.read_text().split() == ["0"]
 
 
 def test_a_rollout_delivered_by_a_producer_killed_before_it_was_taken_is_sampled_again(policy, tokenizer):
