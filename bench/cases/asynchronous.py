@@ -179,11 +179,19 @@ class Neighbour:
         self.busy(False)
 
     def busy(self, on: bool) -> None:
-        os.kill(self.process.pid, signal.SIGCONT if on else signal.SIGSTOP)
+        try:
+            os.kill(self.process.pid, signal.SIGCONT if on else signal.SIGSTOP)
+        except ProcessLookupError:
+            self.process.join(5)
+            raise RuntimeError(f"the neighbour run ended (exit code {self.process.exitcode})") from None
 
     def close(self) -> None:
-        self.busy(True)
-        self.process.kill()
+        """Kill it (it may have finished: the synchronous run's last iteration continues it)."""
+        try:
+            os.kill(self.process.pid, signal.SIGCONT)
+            self.process.kill()
+        except ProcessLookupError:
+            pass
         self.process.join()
 
 
@@ -230,17 +238,17 @@ def case_async_rollouts(models: Path, s: dict) -> dict:
     try:
         for name in SIDES:
             sides.append(Side(name, models, s, turns, threads))
-        neighbour.append(Neighbour(models, s, 4 * turns))
+        neighbour.append(Neighbour(models, s, 10 * turns))  # more than it can train in its phases
         algo = {"rollout_correction": "decoupled"}
         trainer, module, data = _grpo_ours(models, s, len(phases) * turns, [Rounds()], algo=algo)
         trainer.fit(module, data)
         failed = False
     finally:
         torch.set_num_threads(threads)
+        for n in neighbour:  # first: the last iteration continued it, and it would train on alone
+            n.close()
         for side in sides:
             side.close(failed)
-        for n in neighbour:
-            n.close()
     timed = slice(warmup, warmup + rounds)
     sync, one, busy = (cycles[phase][timed] for phase in phases)
     out: dict = {
