@@ -142,8 +142,8 @@ class WeightBoard:
         self.lock = ctx.Lock()
 
     def publish(self, tensors: dict[str, torch.Tensor], version: int, alive: Callable[[], bool]) -> bool:
-        """Copy ``tensors`` in as ``version`` and wake a producer that waits; False when the lock
-        stays taken by a reader that is no longer ``alive()`` (killed mid-copy)."""
+        """Copy ``tensors`` in as ``version`` (a producer that waits for it sees it at its next look);
+        False when the lock stays taken by a reader that is no longer ``alive()`` (killed mid-copy)."""
         while not self.lock.acquire(timeout=POLL_S):
             if not alive():
                 return False
