@@ -436,7 +436,7 @@ def test_a_failed_async_fit_leaves_no_producer_behind(saved_models, tokenizer):
     """Lightning tears a module down only after a fit that ends; a fit that fails (here the reward
     callable raises in iteration 2) still stops its rollout producer process and gives the trainer
     its torch threads back (lit_rlhf/modules/base.py ``TeardownOnFailure``), so a retry in the same
-    process starts a producer of its own."""
+    process starts a producer of its own (and ends with it stopped, as a fit that ends does)."""
     fails = {"_target_": "tests.helpers.producer_faults.reward_failing_at", "call": 2}
     m = make(saved_models, tokenizer, reward_fn=fails, rollout={"mode": "async"}, rollout_correction="decoupled")
     threads, seen = torch.get_num_threads(), []
@@ -448,4 +448,7 @@ def test_a_failed_async_fit_leaves_no_producer_behind(saved_models, tokenizer):
     with pytest.raises(Exception, match="the grader is broken"):
         fit(m, data(tokenizer), 3, callbacks=[Producer()])
     assert len(seen) == 1 and seen[0].exitcode is not None  # the producer of the failed fit has exited
+    assert m.producer is None and torch.get_num_threads() == threads
+    fit(m, data(tokenizer), 2, callbacks=[Producer()])  # the retry (the reward's calls 3 and 4 succeed)
+    assert len(seen) == 3 and seen[1] is seen[2] is not seen[0] and seen[1].exitcode is not None
     assert m.producer is None and torch.get_num_threads() == threads
