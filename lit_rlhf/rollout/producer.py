@@ -221,18 +221,30 @@ def policy_replica(model: nn.Module, weights: dict[str, torch.Tensor], whole: bo
     return replica
 
 
-def _watch_trainer(lifeline: Any) -> None:
+def _watch_trainer(lifeline: Any, trainer: int) -> None:
     """Kill this process as soon as the trainer that started it is gone, even mid-sample or waiting
-    for weights: a thread waits on ``lifeline``, the read end of a pipe whose only write end the
-    trainer holds (the kernel closes it when the trainer dies, SIGKILL included)."""
+    for weights: a thread waits on ``lifeline``, the read end of a pipe whose write end the trainer
+    holds (the kernel closes it when the trainer dies, SIGKILL included), and, where Linux has them,
+    on a pidfd of the ``trainer`` process, readable when it exits. The pipe alone can outlive the
+    trainer: a process it forks after starting the producer (a DataLoader worker) holds a copy of
+    the write end until it exits too."""
     import threading
+    from multiprocessing.connection import wait
+
+    try:
+        pidfd = os.pidfd_open(trainer)
+    except ProcessLookupError:  # gone already
+        os.kill(os.getpid(), signal.SIGKILL)
+    except (AttributeError, OSError):  # no pidfd here (not Linux 5.3+): the pipe alone
+        pidfd = None
 
     def watch() -> None:
         try:
-            while True:
+            while pidfd not in wait([lifeline] + ([pidfd] if pidfd is not None else [])):
                 lifeline.recv()
         except (EOFError, OSError):
-            os.kill(os.getpid(), signal.SIGKILL)
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="lit_rlhf-trainer-watch", daemon=True).start()
 
@@ -246,12 +258,14 @@ def _produce(
     out: Any,
     lifeline: Any,
     trainer_wait: Any,
+    trainer: int,
 ) -> None:
     """The producer process: sample the tickets of ``jobs`` in order into ``out`` until a None;
-    ``trainer_wait``: the trainer's recent wait for a rollout, shared (:func:`_recent`)."""
+    ``trainer_wait``: the trainer's recent wait for a rollout, shared (:func:`_recent`); ``trainer``:
+    its pid (:func:`_watch_trainer`)."""
     from lit_rlhf.rollout.vllm_engine import engine_for
 
-    _watch_trainer(lifeline)
+    _watch_trainer(lifeline, trainer)
     torch.set_num_threads(settings.threads)
     agent = None
     if settings.agent is not None:
@@ -454,7 +468,8 @@ class AsyncRollouts:
         replica = policy_replica(self.model, self.board.tensors, self.whole)
         self._cut_lifeline()
         lifeline, self.lifeline = self.ctx.Pipe(duplex=False)  # the producer's end, and the one kept here
-        args = (replica, self.tokenizer, self.settings, self.board, self.jobs, self.out, lifeline, self.trainer_wait)
+        args = (replica, self.tokenizer, self.settings, self.board, self.jobs, self.out, lifeline)
+        args += (self.trainer_wait, os.getpid())  # the trainer, watched (_watch_trainer)
         self.process = self.ctx.Process(target=_produce, args=args, name="lit_rlhf-rollout-producer", daemon=True)
         self.process.start()
         lifeline.close()

@@ -374,9 +374,11 @@ def test_the_producers_exception_stops_the_trainer_with_its_message(policy, toke
         rollouts.close()
 
 
-def test_a_producer_whose_trainer_was_killed_exits(policy, tokenizer, tmp_path):
+@pytest.mark.parametrize("forked", [False, True])
+def test_a_producer_whose_trainer_was_killed_exits(policy, tokenizer, tmp_path, forked):
     """The trainer SIGKILLed while the producer samples a (minute-long) ticket: the producer is gone
-    within seconds, not left behind holding memory."""
+    within seconds, not left behind holding memory; also when a process the trainer forked after
+    starting it (as a DataLoader worker is) lives on, holding a copy of the lifeline's write end."""
     script, marker = tmp_path / "trainer.py", tmp_path / "sampling"
     script.write_text(
         "import sys, time, torch\n"
@@ -393,12 +395,24 @@ def test_a_producer_whose_trainer_was_killed_exits(policy, tokenizer, tmp_path):
         "    r.start(0)\n"
         "    r.submit(0, prompts(tok, 0))\n"
         "    print(r.process.pid, flush=True)\n"
-        "    time.sleep(120)\n"
+        + (
+            "    import os\n"
+            "    forked = os.fork()\n"
+            "    if forked == 0:  # a child that outlives the trainer\n"
+            "        time.sleep(90)\n"
+            "        os._exit(0)\n"
+            "    print(forked, flush=True)\n"
+            if forked
+            else ""
+        )
+        + "    time.sleep(120)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     trainer = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    orphan = None
     try:
         child = int(trainer.stdout.readline())
+        orphan = int(trainer.stdout.readline()) if forked else None
         deadline = time.monotonic() + 120
         while not marker.exists() and time.monotonic() < deadline:  # the producer is in its ticket
             time.sleep(0.1)
@@ -409,8 +423,11 @@ def test_a_producer_whose_trainer_was_killed_exits(policy, tokenizer, tmp_path):
         while running(child) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not running(child), "the producer outlived its trainer"
+        assert orphan is None or running(orphan)  # the copy of the lifeline's write end still open
     finally:
         trainer.kill()
+        if orphan is not None and running(orphan):
+            os.kill(orphan, signal.SIGKILL)
 
 
 def running(pid: int) -> bool:
