@@ -88,24 +88,31 @@ def _context() -> Any:
     return ctx
 
 
+def _launch(target: Any, args: tuple, name: str) -> tuple[Any, Any, Any]:
+    """(process, connection, its first message): ``target(*args, conn)`` started in a process of its
+    own (not a daemon: an async run starts a producer of its own), killed if no message comes."""
+    ctx = _context()
+    conn, theirs = ctx.Pipe()
+    process = ctx.Process(target=target, args=(*args, theirs), name=name)
+    process.start()
+    theirs.close()
+    try:
+        if not conn.poll(TIMEOUT_S):
+            raise TimeoutError(f"{name}: no iteration started in {TIMEOUT_S:.0f} s")
+        return process, conn, conn.recv()
+    except BaseException:  # not in the bench's lists yet: nothing else would stop it
+        process.kill()
+        raise
+
+
 class Side:
     """The bench's handle on one async run: :meth:`turn` lets it run one iteration (its producer
     continued for the turn, stopped after) and times it."""
 
     def __init__(self, name: str, models: Path, s: dict, turns: int, threads: int) -> None:
-        ctx = _context()
-        self.name, self.pid, self.cycles, self.cpu = name, None, [], []
-        self.conn, theirs = ctx.Pipe()
-        args = (name, models, s, turns, threads, theirs)
-        # not a daemon: the run starts a producer process of its own
-        self.process = ctx.Process(target=_side, args=args, name=f"bench-{name}")
-        self.process.start()
-        theirs.close()
-        try:
-            self.pid = self._next()  # its first iteration's start
-        except BaseException:  # not in the bench's list yet: nothing else would stop it
-            self.process.kill()
-            raise
+        self.name, self.cycles, self.cpu = name, [], []
+        # its producer's pid at its first iteration's start
+        self.process, self.conn, self.pid = _launch(_side, (name, models, s, turns, threads), f"bench-{name}")
 
     def _next(self) -> Any:
         if not self.conn.poll(TIMEOUT_S):
@@ -164,18 +171,7 @@ class Neighbour:
     """The bench's handle on the neighbour run: stopped (SIGSTOP) but while :meth:`busy`."""
 
     def __init__(self, models: Path, s: dict, steps: int) -> None:
-        ctx = _context()
-        self.conn, theirs = ctx.Pipe()
-        self.process = ctx.Process(target=_neighbour, args=(models, s, steps, theirs), name="bench-neighbour")
-        self.process.start()
-        theirs.close()
-        try:
-            if not self.conn.poll(TIMEOUT_S):
-                raise TimeoutError(f"the neighbour run did not start in {TIMEOUT_S:.0f} s")
-            self.conn.recv()
-        except BaseException:  # not in the bench's list yet: nothing else would stop it
-            self.process.kill()
-            raise
+        self.process, self.conn, _ = _launch(_neighbour, (models, s, steps), "bench-neighbour")
         self.busy(False)
 
     def busy(self, on: bool) -> None:
@@ -262,23 +258,24 @@ def case_async_rollouts(models: Path, s: dict) -> dict:
         mine = side.cycles[timed]
         ratios = [a / b for a, b in zip(sync, mine)]
         out[f"{side.name}_step_s"] = statistics.median(mine)
-        out[f"{side.name}_over_sync"] = statistics.median(ratios)
-        out[f"{side.name}_over_sync_quartiles"] = _quartiles(ratios)
+        _median(out, f"{side.name}_over_sync", ratios)
         used = [(c, t) for c, t in zip(side.cpu[timed], mine) if c is not None]
         if used:  # CPU seconds of both processes per iteration, and the share of two cores they kept busy
             out[f"{side.name}_cpu_s"] = statistics.median(c for c, _ in used)
             out[f"{side.name}_cores_busy"] = statistics.median(c / (2 * t) for c, t in used)
-    ceiling = [2 * a / b for a, b in zip(sync, one)]
-    out["ceiling_over_sync"] = statistics.median(ceiling)
-    out["ceiling_over_sync_quartiles"] = _quartiles(ceiling)
-    ceiling = [2 * a / b for a, b in zip(sync, busy)]
-    out["ceiling_busy_over_sync"] = statistics.median(ceiling)
-    out["ceiling_busy_over_sync_quartiles"] = _quartiles(ceiling)
+    _median(out, "ceiling_over_sync", [2 * a / b for a, b in zip(sync, one)])
+    _median(out, "ceiling_busy_over_sync", [2 * a / b for a, b in zip(sync, busy)])
     slowdown = [b / a for a, b in zip(one, busy)]
     out["neighbour_slowdown"] = statistics.median(slowdown)  # 1 thread: beside the neighbour / alone
     out["step_s"] = out["sync_step_s"]
     out["samples_per_s"] = s["batch"] / out["sync_step_s"]
     return out
+
+
+def _median(out: dict, key: str, ratios: list[float]) -> None:
+    """``out[key]``: the median of the rounds' ``ratios``; ``out[key + "_quartiles"]``: their quartiles."""
+    out[key] = statistics.median(ratios)
+    out[f"{key}_quartiles"] = _quartiles(ratios)
 
 
 def _quartiles(values: list[float]) -> list[float]:

@@ -435,7 +435,6 @@ class AsyncRollouts:
         self.whole, self.gathered = whole, gathered
         self.ctx = _context()
         self.board: WeightBoard | None = None
-        self.unpublished: dict[str, torch.Tensor] | None = None  # weights a dead producer kept off the board
         self.process: Any = None
         self.lifeline: Any = None  # the write end of the producer's lifeline (_watch_trainer)
         self.jobs: Any = None
@@ -487,9 +486,9 @@ class AsyncRollouts:
         with self.gathered():
             tensors = trained_tensors(self.model, self.whole)
             if not self.board.publish(tensors, version, self.process.is_alive):
-                # the producer died holding the board's lock: the next take() starts it again with
-                # these weights (or stops the run there, with a checkpoint that redoes the iteration)
-                self.unpublished = {n: t.detach().clone() for n, t in tensors.items()}
+                # the producer died holding the board's lock: a new board holds these weights, from
+                # which the next take() starts it again (or stops the run there, with a checkpoint)
+                self.board = WeightBoard(tensors, version, self.ctx)
 
     def close(self) -> None:
         if self.process is None:
@@ -602,8 +601,7 @@ class AsyncRollouts:
 
     def _restart(self, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Start a producer that died again with the weights of :attr:`version` (``tensors``, else
-        those it kept off the board by dying, else the board's), unless it has died ``restarts``
-        times already."""
+        the board's), unless it has died ``restarts`` times already."""
         code = self.process.exitcode
         if self.restarted >= self.restarts:
             hint = ""
@@ -626,7 +624,6 @@ class AsyncRollouts:
             len(self.pending) - len(self.ready),
         )
         self.process = None
-        tensors, self.unpublished = tensors if tensors is not None else self.unpublished, None
         self.start(self.version, tensors)
 
 
