@@ -3,7 +3,11 @@ Llama for a few iterations under DeepSpeed ZeRO-2 and ZeRO-3 (bf16), FSDP (fp32 
 and with LoRA (bf16-mixed, one device); and ``vllm``: ZeRO-2 with the colocated vLLM rollout engine
 (``algo.generation.engine=vllm``, bf16, gpu_memory_utilization 0.3, asleep during the update), whose
 rollout tokens/s are compared with a standalone ``vllm.LLM`` of the same trained policy (its own
-process memory, same prompts and sampling) instead of bare ``generate``.
+process memory, same prompts and sampling) instead of bare ``generate``; and ``async``: ZeRO-2 with
+asynchronous rollouts (``algo.rollout.mode=async``, bound 1, the decoupled correction: a producer
+process samples on the same GPU while the trainer updates), whose step time compares with
+``zero2``'s, its rollout tokens/s are the producer's sampling, and its peak memory is the GPU's
+(both processes: ``torch.cuda.mem_get_info``) against the plan, which counts the producer.
 
     bash bench/gpu_check.sh            # = python bench/gpu_check.py, writes bench/results/gpu_check.md
 
@@ -37,7 +41,7 @@ SHAPE = dict(
     hidden=768, layers=12, heads=12, inter=2048, batch=32, prompt_len=16, new_tokens=128, iterations=6, warmup=2
 )
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
-VARIANTS = ["zero2", "zero3", "fsdp", "lora", "vllm"]
+VARIANTS = ["zero2", "zero3", "fsdp", "lora", "vllm", "async"]
 
 
 def build(folder: Path) -> None:
@@ -97,6 +101,11 @@ def run_variant(variant: str, folder: Path) -> dict:
                 score_norm="normalize",
                 kl_coef=0.05,
                 critic_warmup_steps=0,
+                **(
+                    {"rollout": {"mode": "async", "max_staleness": 1}, "rollout_correction": "decoupled"}
+                    if variant == "async"
+                    else {}
+                ),
                 generation={
                     "max_new_tokens": s["new_tokens"],
                     "top_p": 1.0,
@@ -116,10 +125,10 @@ def run_variant(variant: str, folder: Path) -> dict:
     data = PromptDataModule(
         n_train=s["batch"] * 20, n_val=0, batch_size=s["batch"], max_prompt_length=s["prompt_len"]
     ).connect(tok)
-    if variant in ("zero2", "zero3", "vllm"):
+    if variant in ("zero2", "zero3", "vllm", "async"):
         from lit_rlhf.runtime.strategies import RLHFDeepSpeedStrategy
 
-        stage = 2 if variant == "vllm" else int(variant[-1])
+        stage = int(variant[-1]) if variant.startswith("zero") else 2
         strategy: object = RLHFDeepSpeedStrategy(
             config={
                 "zero_optimization": {"stage": stage},
@@ -145,13 +154,16 @@ def run_variant(variant: str, folder: Path) -> dict:
 
     class Probe(pl.Callback):
         def __init__(self) -> None:
-            self.stamps, self.rollout_s, self.tokens, self.total_tokens = [], [], [], []
+            self.stamps, self.rollout_s, self.tokens, self.total_tokens, self.used = [], [], [], [], []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             torch.cuda.synchronize()
             self.stamps.append(time.perf_counter())
+            free, total = torch.cuda.mem_get_info()  # the whole GPU: an async run's producer too
+            self.used.append(total - free)
             r = outputs["rollout"]
-            self.rollout_s.append(float(outputs["stats"]["perf/rollout_s"]))
+            sampled = "async/producer_sample_s" if variant == "async" else "perf/rollout_s"
+            self.rollout_s.append(float(outputs["stats"][sampled]))
             self.tokens.append(float(r.response_ids.numel()))  # sampled positions (batch x decoding steps)
             self.total_tokens.append(float(r.attention_mask.sum()))
 
@@ -173,7 +185,7 @@ def run_variant(variant: str, folder: Path) -> dict:
     torch.cuda.synchronize()
     start = time.perf_counter()
     trainer.fit(module, data)
-    peak = torch.cuda.max_memory_allocated()
+    peak = max(probe.used) if variant == "async" else torch.cuda.max_memory_allocated()
     stamps = [start] + probe.stamps
     steps = [b - a for a, b in zip(stamps, stamps[1:])][s["warmup"] :]
     step_s = statistics.median(steps)

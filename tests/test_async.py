@@ -40,6 +40,8 @@ def test_bound_zero_is_the_synchronous_run(stage, tmp_path, saved_models):
     naming the key and a ``last.ckpt`` that redoes it; ``ckpt_path=last`` (a new producer) still ends
     where the synchronous run ends, its validations the same and at the same steps."""
     base = [*stage_overrides(stage, saved_models), *EVERY_BATCH, "trainer.max_epochs=1", "logger=csv"]
+    if stage == "ppo":  # under autocast: the producer samples and scores under the training step's too
+        base.append("trainer.precision=bf16-mixed")
     marker = tmp_path / "killed"
     if stage == "grpo":
         killer = f"algo.reward_fn={{_target_: tests.helpers.producer_faults.producer_killer, marker: '{marker}'}}"

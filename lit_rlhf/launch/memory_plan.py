@@ -35,6 +35,13 @@ it takes ``algo.generation.vllm.gpu_memory_utilization`` of the card (its weight
 workspace), or its weights (the policy's, at the weights dtype, over ``tensor_parallel_size``)
 plus ``vllm.kv_cache_gib`` when that is set. Asleep during the update (``vllm.sleep``) it holds
 nothing then; awake it adds to the update's peak too.
+
+With asynchronous rollouts (``algo.rollout.mode=async``, docs/async.md) each rank's producer
+process samples on the rank's GPU while the trainer updates, so what it holds is resident beside
+everything else: its copy of the policy (at the trained weights' dtype: the weights dtype under
+DeepSpeed and LoRA, full precision under DDP and FSDP mixed precision) and its KV cache, or, with
+the vLLM engine, an engine of its own that never sleeps. The trainer keeps its own KV cache or engine
+row, for what it still samples (validation, DAPO's extra batches, ReMax's greedy baselines).
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ class Setup:
     gen_batch: int
     gen_len: int
     engine: Any = None  # the VLLMConfig of a vllm rollout engine; None = the hf loop
+    producer: bool = False  # asynchronous rollouts: a producer process on each rank's GPU
 
     @property
     def master_weight_bytes(self) -> int:
@@ -132,6 +140,8 @@ class MemoryPlan:
     kv_cache: float
     kv_note: str
     rollout_gather: float = 0.0  # ZeRO-3/FSDP: trained weights gathered whole for the rollout, beyond the shard
+    producer: float = 0.0  # asynchronous rollouts: the producer's copy of the policy and its KV cache or engine
+    producer_note: str = ""
     engine_sleeps: bool = False  # a vllm engine (the kv_cache row) frees its memory during the update
     notes: list[str] = field(default_factory=list)
     gpu_memory_gb: float | None = None
@@ -145,7 +155,8 @@ class MemoryPlan:
     @property
     def peak(self) -> float:
         resident = 0.0 if self.engine_sleeps or not self.setup.engine else self.kv_cache  # an awake engine's share
-        return self.model_states + max(self.activations + resident, self.kv_cache + self.rollout_gather)
+        rollout = self.kv_cache + self.rollout_gather
+        return self.model_states + self.producer + max(self.activations + resident, rollout)
 
     @property
     def fits(self) -> bool | None:
@@ -181,7 +192,11 @@ class MemoryPlan:
                 f"{g(self.rollout_gather)} |"
             )
             rollout = "KV cache + rollout gather"
-        lines.append(f"| **peak** | model states + max(activations, {rollout}) | | | | | | **{g(self.peak)}** |")
+        states = "model states"
+        if self.producer:
+            lines.append(f"| rollout producer | {self.producer_note} | | | | | | {g(self.producer)} |")
+            states = "model states + rollout producer"
+        lines.append(f"| **peak** | {states} + max(activations, {rollout}) | | | | | | **{g(self.peak)}** |")
         lines.append("")
         if self.gpu_memory_gb is None:
             lines.append("GPU memory not set (memory_plan.gpu_memory_gb, or a visible GPU): no fit check.")
@@ -251,6 +266,7 @@ def setup_from(cfg: Any, job: Any) -> Setup:
         gen_batch=int(gen_batch),
         gen_len=int(gen_len),
         engine=engine,
+        producer=bool(rl and algo.rollout.mode == "async"),
     )
 
 
@@ -312,6 +328,18 @@ def estimate(cfg: Any, job: Any, setup: Setup | None = None, gpu_memory_gb: floa
         full = 2 if s.strategy == "zero3" else s.master_weight_bytes
         gather = float(sum(max(0.0, full * r.params - r.weights) for r in rows if r.role == "trained"))
     kv_note = f"generation, {s.gen_batch} x {t} tokens" if s.gen_batch else "no generation"
+    producer, producer_note = 0.0, ""
+    if s.producer:  # its copy of the policy, at the trained weights' dtype, and its sampler, always resident
+        copy = (
+            s.weight_bytes if s.strategy.startswith("zero") or s.lora.enabled else s.master_weight_bytes
+        ) * a.params()
+        sampler, what = float(kv), "KV cache"
+        if s.engine is not None:
+            sampler, what = (
+                engine_bytes(replace(s, engine=replace(s.engine, sleep=False)), a, [], gpu_memory_gb)[0],
+                "vLLM engine",
+            )
+        producer, producer_note = copy + sampler, f"async: its copy of the policy + its {what}, never freed"
     if s.engine is not None:
         kv, kv_note = engine_bytes(s, a, notes, gpu_memory_gb)
     title = (
@@ -328,6 +356,8 @@ def estimate(cfg: Any, job: Any, setup: Setup | None = None, gpu_memory_gb: floa
         kv_note=kv_note,
         notes=notes,
         engine_sleeps=bool(s.engine is not None and s.engine.sleep),
+        producer=float(producer),
+        producer_note=producer_note,
     )
 
 

@@ -265,7 +265,7 @@ class RLModule(RLHFModule):
         c = self.config.rollout
         if c.mode == "sync":
             return None, {}
-        from lit_rlhf.rollout.producer import ProducerError
+        from lit_rlhf.rollout.producer import ProducerError, moved
 
         producer, k = self.rollout_producer(), self.iteration
         producer.hand_out(k, [batch, *ahead], capture_rng if c.max_staleness == 0 else None)
@@ -278,6 +278,8 @@ class RLModule(RLHFModule):
             self.stop_for_the_producer(failure)
         if drawn.rng is not None:
             restore_rng(drawn.rng)
+        if self.device.type != "cpu":  # it crossed through CPU memory
+            drawn.drawn, drawn.ref_logprobs = moved((drawn.drawn, drawn.ref_logprobs), self.device)
         return drawn, producer.stats(k, drawn, time.perf_counter() - asked)
 
     def stop_for_the_producer(self, failure: Exception | None) -> None:
@@ -296,8 +298,9 @@ class RLModule(RLHFModule):
     def rollout_producer(self) -> Any:
         """The producer of ``algo.rollout.mode=async`` (lit_rlhf/rollout/producer.py), started at the
         first call with the policy's weights as version :attr:`rl_iteration`, its torch threads
-        taken from the trainer's; stopped in :meth:`teardown`. On the CPU, under any strategy: where
-        the weights are shards (ZeRO-3, FSDP) they are gathered in :meth:`sampling_mode` for it."""
+        taken from the trainer's; stopped in :meth:`teardown`. Under any strategy, on this rank's
+        device (the CPU or its GPU) and under the training step's autocast: where the weights are
+        shards (ZeRO-3, FSDP) they are gathered in :meth:`sampling_mode` for it."""
         if self.producer is not None:
             return self.producer
         from lit_rlhf.models.lora import AdaptersDisabled
@@ -305,11 +308,11 @@ class RLModule(RLHFModule):
         from lit_rlhf.rollout.producer import AsyncRollouts, ProducerSettings, split_threads
 
         c: RLConfig = self.config
-        if self.device.type != "cpu":
+        if self.device.type not in ("cpu", "cuda"):
             raise ConfigError(
                 "rollout.mode",
-                f"async rollouts run on the CPU (every rank with a producer of its own); this run is on "
-                f"{self.device.type}; use algo.rollout.mode=sync",
+                f"async rollouts run on the CPU or a CUDA GPU (every rank with a producer of its own); "
+                f"this run is on {self.device.type}; use algo.rollout.mode=sync",
             )
         whole = self.weights_are_whole()
         reference = self.frozen.get("reference") if c.rollout.reference_scoring != "trainer" else None
@@ -324,6 +327,8 @@ class RLModule(RLHFModule):
             check_agent_tokenizer(self.tokenizer)
             dm = getattr(self.trainer, "datamodule", None)
             settings = agent_settings(c, getattr(getattr(dm, "config", None), "max_prompt_length", None))
+        kind = self.device.type  # the training step's autocast (bf16-mixed), for the producer's sampling too
+        autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
         self._threads = torch.get_num_threads()
         mine, trainer = split_threads(self._threads, c.rollout.max_staleness, c.rollout.producer_threads)
         torch.set_num_threads(trainer)
@@ -343,6 +348,8 @@ class RLModule(RLHFModule):
                 vllm_logprobs=self.vllm_logprobs_mode(),
                 seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # the run's seed (pl.seed_everything)
                 threads=mine,
+                device=str(self.device),
+                autocast=autocast,
             ),
             c.rollout.max_staleness,
             c.rollout.restarts,

@@ -61,9 +61,16 @@ def _linear(module: Any, x: Tensor) -> Tensor:
 
 
 def prepack_supported(weight: Tensor) -> bool:
-    """Whether oneDNN prepacked projections apply: an fp32 CPU weight and a torch built with the
-    oneDNN linear operators (the x86-64 CPU wheels have them; elsewhere a failure falls back)."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and mkldnn_linear_available()
+    """Whether oneDNN prepacked projections apply: an fp32 CPU weight, no CPU autocast (the
+    ``bf16-mixed`` precision's products are autocast's, which passes prepacked operators by), and
+    a torch built with the oneDNN linear operators (the x86-64 CPU wheels have them; elsewhere a
+    failure falls back)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and not torch.is_autocast_enabled("cpu")
+        and mkldnn_linear_available()
+    )
 
 
 class _Packed:
@@ -304,16 +311,24 @@ class LayerStep:
         )
 
 
-def _verdicts(model: Any) -> dict[bool, bool]:
-    """``model``'s {prepacked: verdict} (the prepacked and the exact step round differently: each is
-    judged on its own), kept on the model (lit_rlhf/utils/facts.py)."""
+def _verdicts(model: Any) -> dict[tuple, bool]:
+    """``model``'s {(prepacked, autocast dtype): verdict}, kept on the model (lit_rlhf/utils/facts.py):
+    the prepacked and the exact step round differently, and so does each under autocast (a
+    ``bf16-mixed`` run samples under it, an evaluation after it may not): each is judged on its own."""
     return recall(model, "layer_step_verdicts", dict)
 
 
+def _judged(model: Any, prepacked: bool) -> tuple:
+    """The key of the verdict that applies now: the step, and the autocast on the model's device."""
+    kind = next((p.device.type for p in model.parameters()), "cpu")
+    return prepacked, torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
 def layer_step_verdict(model: Any, prepacked: bool) -> bool | None:
-    """Whether the layer-level step (prepacked or exact) decodes ``model`` as its forward does:
-    True / False once judged (:func:`layer_step_ok`, on the model's first decoding step), None before."""
-    return (known(model, "layer_step_verdicts") or {}).get(prepacked)
+    """Whether the layer-level step (prepacked or exact) decodes ``model`` as its forward does, under
+    the autocast in force now: True / False once judged (:func:`layer_step_ok`, on the model's first
+    decoding step in that context), None before."""
+    return (known(model, "layer_step_verdicts") or {}).get(_judged(model, prepacked))
 
 
 def _available_memory() -> int | None:
@@ -328,7 +343,7 @@ def _available_memory() -> int | None:
 
 def layer_step_ok(model: Any, step: LayerStep, kwargs: dict[str, Any]) -> tuple[bool, Any]:
     """Whether ``step`` decodes ``model`` as its own forward does, decided once per model (and per
-    prepacked / exact step) on its first decoding step: both run the same step (the layer step
+    prepacked / exact step, and autocast) on its first decoding step: both run the same step (the layer step
     first, its cache entries then overwritten by the model's), logits compared at 1e-4 (fp32) /
     2e-2 (half) of their scale. Returns the verdict and the model's own output for this step."""
     cache = kwargs[step.cache_keyword]
@@ -344,13 +359,13 @@ def layer_step_ok(model: Any, step: LayerStep, kwargs: dict[str, Any]) -> tuple[
     out = model(**kwargs)
     theirs = out.logits[:, -1]
     if failure is not None:
-        _verdicts(model)[step.prepacked] = False
+        _verdicts(model)[_judged(model, step.prepacked)] = False
         log.warning("layer-level decoding of %s failed (%s); decoding with its forward", type(model).__name__, failure)
         return False, out
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
     tol = (1e-4 if dtype == torch.float32 else 2e-2) * max(1.0, float(theirs.abs().max()))
     gap = float((mine.float() - theirs.float()).abs().max())
-    verdict = _verdicts(model)[step.prepacked] = gap <= tol
+    verdict = _verdicts(model)[_judged(model, step.prepacked)] = gap <= tol
     if verdict:
         log.info("layer-level decoding of %s matches its forward (max |Δ| %.1e)", type(model).__name__, gap)
     else:

@@ -31,6 +31,7 @@ whose trainer died (SIGKILL) is killed with it, mid-sample too (:func:`_watch_tr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -111,7 +112,11 @@ class ProducerSettings:
     vLLM engine's log-prob mode, the seed of the tickets at a bound above 0, its torch threads, and a test's
     delay (``ticket -> seconds`` slept before sampling; a picklable function). ``reference_scoring``
     (with a reference): ``producer`` scores every row of every sample; ``balanced`` the share of
-    rows that evens out the two sides' busy time (:class:`ReferenceShare`; the trainer scores the rest)."""
+    rows that evens out the two sides' busy time (:class:`ReferenceShare`; the trainer scores the rest).
+    ``device``: where the producer samples and scores, the trainer's own (the CPU, or the rank's
+    GPU); ``autocast``: the dtype of the trainer's autocast there during its training step (its
+    ``bf16-mixed`` precision; None: none), under which the producer samples and scores too, as the
+    synchronous rollout does inside the training step."""
 
     gen: Any
     responses_per_prompt: int
@@ -125,18 +130,21 @@ class ProducerSettings:
     seed: int = 0
     threads: int = 1
     delay: Callable[[int], float] | None = None
+    device: str = "cpu"
+    autocast: torch.dtype | None = None
 
 
 class WeightBoard:
     """The trained weights the producer reads: one shared-memory copy of each tensor of
-    :func:`trained_tensors`, the version they are (the RL iterations done), and a publication count;
-    one lock for writes and reads, so a reader never sees half of a version. A reader that waits for a
+    :func:`trained_tensors` in CPU memory (wherever the trainer's are), the version they are (the RL
+    iterations done), and a publication count; one lock for writes and reads, so a reader never
+    sees half of a version. A reader that waits for a
     version polls the board instead of sleeping on a condition: a ``multiprocessing.Condition``
     whose sleeper was killed makes the next ``notify`` wait for it forever."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], version: int, ctx: Any) -> None:
         self.names = list(tensors)
-        self.tensors = {n: t.detach().clone().share_memory_() for n, t in tensors.items()}
+        self.tensors = {n: t.detach().to("cpu", copy=True).share_memory_() for n, t in tensors.items()}
         self.version = ctx.Value("q", version, lock=False)
         self.serial = ctx.Value("q", 1, lock=False)
         self.lock = ctx.Lock()
@@ -188,15 +196,21 @@ def trained_tensors(model: nn.Module, whole: bool) -> dict[str, torch.Tensor]:
 
 
 def policy_replica(model: nn.Module, weights: dict[str, torch.Tensor], whole: bool) -> nn.Module:
-    """The producer's copy of the policy (in eval mode; the producer reads ``weights``, the board's
-    tensors, into it before it samples). ``whole``: a deep copy, adapters and all (a copy: pickling
-    shares a module's memory with the child, which must not be the trained tensors). Under
+    """The producer's copy of the policy, in CPU memory and eval mode (the producer moves it to its
+    device and reads ``weights``, the board's tensors, into it before it samples). ``whole``: a deep
+    copy, adapters and all (a copy: pickling shares a module's memory with the child, which must not
+    be the trained tensors), made tensor by tensor into CPU memory (no second copy on the GPU). Under
     ZeRO-3/FSDP, whose parameters are shards: a model of the policy's Hugging Face class and config,
     whose every parameter the board overwrites; a board weight it has no parameter for is refused."""
     import copy
 
     if whole:
-        return copy.deepcopy(model).eval()
+        memo: dict[int, Any] = {}
+        for t in model.buffers():
+            memo[id(t)] = t.detach().to("cpu", copy=True)
+        for p in model.parameters():
+            memo[id(p)] = nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
+        return copy.deepcopy(model, memo).cpu().eval()
     from transformers import PreTrainedModel
 
     from lit_rlhf.utils.config import ConfigError
@@ -219,6 +233,24 @@ def policy_replica(model: nn.Module, weights: dict[str, torch.Tensor], whole: bo
             f"do not match a fresh {type(hf).__name__}'s parameters; use algo.rollout.mode=sync",
         )
     return replica
+
+
+def moved(obj: Any, device: torch.device | str) -> Any:
+    """``obj`` with every tensor in it detached and on ``device`` (through dicts, lists, tuples and
+    dataclasses, as :func:`sample_responses`' output holds them): what crosses between the trainer
+    and the producer goes through CPU memory, and each side moves it to its own device."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to(device)
+    if isinstance(obj, dict):
+        return {k: moved(v, device) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        return type(obj)(*(moved(v, device) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(moved(v, device) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: moved(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **fields)
+    return obj
 
 
 def _watch_trainer(lifeline: Any, trainer: int) -> None:
@@ -267,6 +299,10 @@ def _produce(
 
     _watch_trainer(lifeline, trainer)
     torch.set_num_threads(settings.threads)
+    device = torch.device(settings.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model.to(device)  # the copy samples there (hf loop), or a vLLM engine is built there from it
     agent = None
     if settings.agent is not None:
         from lit_rlhf.rollout.agent import AgentLoop
@@ -288,14 +324,16 @@ def _produce(
             idle = _recent(idle, sampling - idle_since)
             if settings.delay is not None:
                 time.sleep(settings.delay(job.ticket))
-            drawn = _sample(model, tokenizer, job, settings, engine, agent)
-            ref, scored = _reference_rows(drawn, settings, share, idle, trainer_wait.value)
+            job.batch = moved(job.batch, device)
+            with torch.autocast(device.type, settings.autocast, enabled=settings.autocast is not None):
+                drawn = _sample(model, tokenizer, job, settings, engine, agent)
+                ref, scored = _reference_rows(drawn, settings, share, idle, trainer_wait.value)
             out.put(
                 Drawn(
                     ticket=job.ticket,
                     version=version,
-                    drawn=drawn,
-                    ref_logprobs=ref,
+                    drawn=moved(drawn, "cpu"),
+                    ref_logprobs=moved(ref, "cpu"),
                     rng=capture_rng() if job.rng is not None else None,
                     sample_s=time.perf_counter() - sampling,
                     weights_wait_s=sampling - started,
@@ -520,7 +558,7 @@ class AsyncRollouts:
     def submit(self, ticket: int, batch: dict[str, Any], rng: dict[str, Any] | None = None) -> None:
         """Hand out ``ticket`` (the prompts of that RL iteration); ``rng``: the trainer's random state
         (bound 0 only)."""
-        job = Ticket(ticket=ticket, batch=_detached(batch), need=ticket - self.max_staleness, rng=rng)
+        job = Ticket(ticket=ticket, batch=moved(batch, "cpu"), need=ticket - self.max_staleness, rng=rng)
         self.pending[ticket] = job
         self.max_held = max(self.max_held, len(self.pending))
         self.jobs.put(job)
@@ -636,11 +674,3 @@ def split_threads(threads: int, bound: int, producer_threads: int | None) -> tup
         return producer_threads or threads, threads
     mine = producer_threads or max(1, threads // 2)
     return mine, max(1, threads - mine)
-
-
-def _detached(batch: dict[str, Any]) -> dict[str, Any]:
-    """``batch`` with its tensors on the CPU (what crosses to the producer)."""
-    out = {}
-    for k, v in batch.items():
-        out[k] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
-    return out

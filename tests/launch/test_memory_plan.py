@@ -244,3 +244,24 @@ def test_a_plan_that_fits_or_has_no_gpu_to_check_is_not_a_failure(capsys):
 
     assert print_memory_plan(compose(["experiment=sft_synthetic_tiny"])) is None
     assert "Memory plan" in capsys.readouterr().out
+
+
+def test_async_rollouts_count_the_producers_copy_and_sampler_beside_everything():
+    """algo.rollout.mode=async: each rank's producer holds a copy of the policy (bf16 under DeepSpeed,
+    fp32 under DDP's mixed precision) and its KV cache, or a vLLM engine that never sleeps, all
+    resident beside the update; the trainer's own rows stay (it still samples for validation)."""
+    gib = 2**30
+    base = ["experiment=ppo_max_llama7b_a100x8", "algo.reward_path=/ckpt/rm", "memory_plan.gpu_memory_gb=80"]
+    asynchronous = [*base, "algo.rollout.mode=async", "algo.rollout_correction=decoupled"]
+    sync, hf = _plan(*base), _plan(*asynchronous)
+    assert sync.producer == 0 and "| rollout producer |" not in sync.render()
+    assert hf.kv_cache == sync.kv_cache and hf.model_states == sync.model_states
+    assert hf.producer == pytest.approx(2 * P7B + sync.kv_cache)
+    assert hf.peak == pytest.approx(sync.peak + 2 * P7B + sync.kv_cache)
+    assert "| rollout producer | async: its copy of the policy + its KV cache, never freed |" in hf.render()
+    assert "model states + rollout producer + max(" in hf.render()
+    ddp = _plan(*asynchronous, "strategy=ddp")
+    assert ddp.producer == pytest.approx(4 * P7B + sync.kv_cache)  # DDP keeps fp32 weights under bf16-mixed
+    vllm = _plan(*asynchronous, "algo.generation.engine=vllm")  # asleep in the trainer, awake in the producer
+    assert vllm.producer == pytest.approx(2 * P7B + 0.3 * 80 * gib)
+    assert vllm.peak == pytest.approx(vllm.model_states + vllm.producer + max(vllm.activations, 0.3 * 80 * gib))

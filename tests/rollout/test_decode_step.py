@@ -239,6 +239,40 @@ def test_prepacking_only_for_fp32_cpu_weights_of_plain_layers():
     assert all(p is None for p in decode_step.LayerStep(half, 16, rows=2).packed)
 
 
+def test_under_cpu_autocast_the_products_are_autocasts(tokenizer):
+    """``bf16-mixed`` on the CPU: fp32 weights whose products autocast runs in bf16, which it does
+    not do for oneDNN's prepacked operators (they refuse the bf16 inputs): nothing is prepacked
+    then, and the sample is the one the model's own forward draws under autocast, also for a model
+    whose layer step was judged (and prepacked) outside autocast before."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import lit_rlhf.rollout.decode_step as decode_step
+
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
+    torch.manual_seed(0)
+    model, twin = LlamaForCausalLM(cfg), LlamaForCausalLM(cfg)
+    twin.load_state_dict(model.state_dict())
+    ids, mask = pad([[2, 10, 11, 12, 13], [2, 20]], tokenizer.pad_token_id, "left")
+    gen = GenerationConfig(max_new_tokens=8, temperature=1.3)
+    with torch.inference_mode():  # judged in fp32 first: prepacked
+        sample(model, ids, mask, gen, eos_id=-1, pad_id=0)
+    assert decode_step.layer_step_verdict(model, prepacked=True) is True
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert decode_step.layer_step_verdict(model, prepacked=True) is None  # not judged under autocast
+        assert not decode_step.prepack_supported(model.lm_head.weight)
+        torch.manual_seed(4)
+        got, _, _, logps = sample(model, ids, mask, gen, eos_id=-1, pad_id=0, logprob_temperature=1.0)
+        torch.manual_seed(4)
+        plain = replace(gen, inline_layers=False, prepack=False)
+        want, _, _, want_logps = sample(twin, ids, mask, plain, eos_id=-1, pad_id=0, logprob_temperature=1.0)
+        assert decode_step.layer_step_verdict(model, prepacked=False) is True  # the exact step, judged here
+    assert decode_step.prepack_supported(model.lm_head.weight)  # outside autocast: fp32 products, prepacked
+    assert got.tolist() == want.tolist()
+    torch.testing.assert_close(logps, want_logps)
+
+
 def test_a_oneDNN_failure_falls_back_to_plain_products_or_the_model_forward(tokenizer, monkeypatch, caplog):
     """Prepacking that raises (a build without those kernels) decodes with F.linear, with a
     warning; a layer step that raises at its first check decodes with the model's forward for

@@ -116,13 +116,16 @@ def replace_model(policy, state: dict | None = None):
     return twin
 
 
-def test_bound_zero_samples_with_the_trainers_random_state(policy, tokenizer):
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_bound_zero_samples_with_the_trainers_random_state(policy, tokenizer, autocast):
     """At bound 0 the producer's sample is the trainer's own, bit for bit, and the random state it
     hands back is the one the trainer's sampling would have left; the reference's log-probs, scored
-    by the producer, are the trainer's own scoring of that sample."""
+    by the producer, are the trainer's own scoring of that sample. ``autocast``: the trainer samples
+    under its training step's autocast (``bf16-mixed``), and so does the producer it names it to."""
     sampled = GenerationConfig(max_new_tokens=6, temperature=1.0)
     reference = replace_model(policy)  # scored where sampled: the reference's log-probs come with the sample
-    rollouts = producer(policy, tokenizer, 0, gen=sampled, threads=torch.get_num_threads(), reference=reference)
+    threads = torch.get_num_threads()
+    rollouts = producer(policy, tokenizer, 0, gen=sampled, threads=threads, reference=reference, autocast=autocast)
     rollouts.start(0)
     try:
         torch.manual_seed(7)
@@ -132,7 +135,8 @@ def test_bound_zero_samples_with_the_trainers_random_state(policy, tokenizer):
     finally:
         rollouts.close()
     restore_rng(state)
-    with torch.inference_mode():
+    trainers = torch.autocast("cpu", autocast, enabled=autocast is not None)
+    with torch.inference_mode(), trainers:
         _, (ids, mask, ended, logps), _ = sample_responses(
             policy, prompts(tokenizer, 0), tokenizer, sampled, None, 2, 1.0
         )
@@ -140,8 +144,12 @@ def test_bound_zero_samples_with_the_trainers_random_state(policy, tokenizer):
     assert torch.equal(drawn.drawn[1][0], ids) and torch.equal(drawn.drawn[1][1], mask)
     assert torch.equal(drawn.drawn[1][3], logps)
     assert torch.equal(drawn.rng["torch"], after) and drawn.version == 0
-    with torch.inference_mode():
-        assert torch.equal(drawn.ref_logprobs, scored_logprobs(reference, rollout_inputs(drawn.drawn), 1.0, False))
+    with torch.inference_mode(), trainers:
+        ref = scored_logprobs(reference, rollout_inputs(drawn.drawn), 1.0, False)
+    assert torch.equal(drawn.ref_logprobs, ref)
+    if autocast is not None:  # not the full-precision numbers: the producer did sample under autocast
+        with torch.inference_mode():
+            assert not torch.equal(ref, scored_logprobs(reference, rollout_inputs(drawn.drawn), 1.0, False))
 
 
 @pytest.mark.parametrize("slower", ["trainer", "producer"])
