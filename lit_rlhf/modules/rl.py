@@ -310,7 +310,7 @@ class RLModule(RLHFModule):
         c: RLConfig = self.config
         if self.device.type not in ("cpu", "cuda"):
             raise ConfigError(
-                "rollout.mode",
+                "algo.rollout.mode",
                 f"async rollouts run on the CPU or a CUDA GPU (every rank with a producer of its own); "
                 f"this run is on {self.device.type}; use algo.rollout.mode=sync",
             )
@@ -318,7 +318,7 @@ class RLModule(RLHFModule):
         reference = self.frozen.get("reference") if c.rollout.reference_scoring != "trainer" else None
         if not whole and isinstance(reference, AdaptersDisabled):
             raise ConfigError(
-                "rollout.reference_scoring",
+                "algo.rollout.reference_scoring",
                 "the frozen reference shares the sharded policy's weights (LoRA adapters off): only the "
                 "trainer can score it; use algo.rollout.reference_scoring=trainer",
             )
@@ -356,8 +356,15 @@ class RLModule(RLHFModule):
             c.rollout.timeout_s,
             whole=whole,
             gathered=lambda: self.sampling_mode(self.actor),
+            sharing=getattr(self._trainer, "num_devices", 1),  # the ranks of this host start theirs at once
         )
-        self.producer.start(self.iteration)
+        failure = None
+        try:
+            self.producer.start(self.iteration)
+        except ConfigError as err:  # no room for its weights: every rank stops (one alone would hang the rest)
+            failure = err
+        if self.on_any_rank(failure is not None):
+            raise failure or ConfigError("algo.rollout.mode", "the rollout producer of another rank could not start")
         return self.producer
 
     def agent_loop(self) -> Any:
@@ -866,7 +873,7 @@ class RLModule(RLHFModule):
             loader = loaders.get("prompts") if isinstance(loaders, dict) else loaders
             if not hasattr(loader, "lookahead"):
                 raise ConfigError(
-                    "rollout.max_staleness",
+                    "algo.rollout.max_staleness",
                     f"async rollouts ahead of the trainer need lit_rlhf's prompt loader; got {type(loader).__name__}",
                 )
             loader.lookahead = c.max_staleness

@@ -218,7 +218,7 @@ def policy_replica(model: nn.Module, weights: dict[str, torch.Tensor], whole: bo
     hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     if hf is None:
         raise ConfigError(
-            "rollout.mode",
+            "algo.rollout.mode",
             f"async rollouts under ZeRO-3/FSDP copy a Hugging Face policy; {type(model).__name__} is none",
         )
     dtype = next(iter(weights.values())).dtype
@@ -228,7 +228,7 @@ def policy_replica(model: nn.Module, weights: dict[str, torch.Tensor], whole: bo
     missing = sorted(set(weights) - names)
     if missing or names - set(weights):
         raise ConfigError(
-            "rollout.mode",
+            "algo.rollout.mode",
             f"async rollouts under ZeRO-3/FSDP: the policy's weights {missing[:3] or sorted(names - set(weights))[:3]} "
             f"do not match a fresh {type(hf).__name__}'s parameters; use algo.rollout.mode=sync",
         )
@@ -466,11 +466,13 @@ class AsyncRollouts:
         timeout_s: float,
         whole: bool = True,
         gathered: Callable[[], Any] = contextlib.nullcontext,
+        sharing: int = 1,
     ) -> None:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.max_staleness, self.restarts, self.timeout_s = max_staleness, restarts, timeout_s
         # where the policy's weights are shards (ZeRO-3, FSDP): not whole, read inside gathered()
         self.whole, self.gathered = whole, gathered
+        self.sharing = sharing  # the producers this host starts at once (its ranks): they share its /dev/shm
         self.ctx = _context()
         self.board: WeightBoard | None = None
         self.process: Any = None
@@ -496,8 +498,12 @@ class AsyncRollouts:
         if tensors is None and self.board is None:
             with self.gathered():
                 return self.start(version, trained_tensors(self.model, self.whole))
+        tensors = self.board.tensors if tensors is None else tensors
+        board = _nbytes(tensors.values())
+        copy = _nbytes([*self.model.parameters(), *self.model.buffers()]) if self.whole else board
+        check_shared_memory(board + copy, self.sharing)
         # a board of its own: a producer killed while reading may have left the last one's lock taken
-        self.board = WeightBoard(self.board.tensors if tensors is None else tensors, version, self.ctx)
+        self.board = WeightBoard(tensors, version, self.ctx)
         self.version = version
         self.jobs, self.out = self.ctx.Queue(), self.ctx.Queue()
         self.trainer_wait = self.ctx.Value("d", self.waited, lock=False)
@@ -663,6 +669,40 @@ class AsyncRollouts:
         )
         self.process = None
         self.start(self.version, tensors)
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+SHARED_MEMORY = "/dev/shm"
+
+
+def check_shared_memory(need: int, sharing: int = 1) -> None:
+    """Refuse to start a producer whose weights (the board, and the policy's copy on its way to the
+    producer) would not fit the host's shared memory, where a process that writes past it dies of
+    SIGBUS instead of an error (a container's /dev/shm is 64 MB unless it is given more):
+    ``need`` bytes for each of the ``sharing`` producers this host starts at once. No check where
+    there is no /dev/shm."""
+    try:
+        fs = os.statvfs(SHARED_MEMORY)
+    except OSError:
+        return
+    free = fs.f_bavail * fs.f_frsize
+    if need * sharing > free:
+        from lit_rlhf.utils.config import ConfigError
+
+        raise ConfigError(
+            "algo.rollout.mode",
+            f"async rollouts hand the producer the policy's weights through shared memory: {sharing} "
+            f"producer(s) on this host need {_size(need * sharing)} of {SHARED_MEMORY}, which has "
+            f"{_size(free)} free; give it more (a container: docker run --shm-size) or use "
+            "algo.rollout.mode=sync",
+        )
 
 
 def split_threads(threads: int, bound: int, producer_threads: int | None) -> tuple[int, int]:

@@ -452,3 +452,24 @@ def test_a_failed_async_fit_leaves_no_producer_behind(saved_models, tokenizer):
     fit(m, data(tokenizer), 2, callbacks=[Producer()])  # the retry (the reward's calls 3 and 4 succeed)
     assert len(seen) == 3 and seen[1] is seen[2] is not seen[0] and seen[1].exitcode is not None
     assert m.producer is None and torch.get_num_threads() == threads
+
+
+def test_an_async_fit_without_shared_memory_for_the_weights_stops_before_it_starts(
+    saved_models, tokenizer, monkeypatch
+):
+    """The producer gets the policy's weights through /dev/shm, where writing past its size kills a
+    process with SIGBUS (a container's is 64 MB): a host whose shared memory cannot hold them stops
+    the fit with an error naming the key and the sizes, before any producer starts."""
+    import os
+    from types import SimpleNamespace
+
+    m = make(saved_models, tokenizer, rollout={"mode": "async"}, rollout_correction="decoupled")
+    threads, real = torch.get_num_threads(), os.statvfs
+    monkeypatch.setattr(
+        os, "statvfs", lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096) if path == "/dev/shm" else real(path)
+    )
+    with pytest.raises(
+        ConfigError, match=r"algo.rollout.mode: .* need [0-9.]+ MiB of /dev/shm, which has 0.0 MiB free"
+    ):
+        fit(m, data(tokenizer), 2)
+    assert m.producer is None and torch.get_num_threads() == threads

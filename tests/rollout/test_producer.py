@@ -472,3 +472,34 @@ def test_the_copy_of_a_sharded_policy_is_a_plain_model_that_takes_every_weight(p
         torch.testing.assert_close(replica(ids).logits, halved(ids).logits, rtol=0, atol=0)
     with pytest.raises(ConfigError, match=r"rollout\.mode.*model\.extra\.weight"):
         policy_replica(policy, {**weights, "model.extra.weight": torch.zeros(1)}, whole=False)
+
+
+def test_a_producer_is_not_started_where_shared_memory_cannot_hold_its_weights(policy, tokenizer, monkeypatch):
+    """The board (the trained tensors) and the policy's copy on its way to the producer go through
+    /dev/shm: a start that needs more than it has free is refused with the key and the sizes, each of
+    the host's producers counted, before anything is written there."""
+    import lit_rlhf.rollout.producer as producer_module
+
+    weights = sum(p.numel() * 4 for p in policy.parameters())  # fp32, every parameter trainable
+    need = 2 * weights + sum(b.numel() * b.element_size() for b in policy.buffers())  # board + copy
+    real, free = os.statvfs, {"bytes": 0}
+
+    def statvfs(path):
+        if path != "/dev/shm":
+            return real(path)
+        return type("Fs", (), {"f_bavail": free["bytes"] // 8, "f_frsize": 8})()
+
+    monkeypatch.setattr(producer_module.os, "statvfs", statvfs)
+    free["bytes"] = 2 * need - 8  # two producers on this host: 8 bytes short
+    rollouts = AsyncRollouts(policy, tokenizer, producer(policy, tokenizer, 1).settings, 1, 0, 120, sharing=2)
+    with pytest.raises(
+        ConfigError, match=r"algo.rollout.mode: .*2 producer\(s\) on this host need [0-9.]+ MiB of /dev/shm"
+    ):
+        rollouts.start(0)
+    assert rollouts.process is None and rollouts.board is None
+    free["bytes"] = 2 * need  # room for both: it starts
+    try:
+        rollouts.start(0)
+        assert rollouts.process.is_alive()
+    finally:
+        rollouts.close()
