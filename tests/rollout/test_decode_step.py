@@ -13,6 +13,21 @@ from lit_rlhf.rollout.generate import GenerationConfig, sample
 from lit_rlhf.utils.compat.transformers import cache_keyword
 
 
+def same_llamas(tokenizer, n: int) -> list:
+    """``n`` tiny Llamas (2 layers of width 32) with the same weights, each its own object (the
+    layer step's verdicts are kept per model)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
+    torch.manual_seed(0)
+    models = [LlamaForCausalLM(cfg) for _ in range(n)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    return models
+
+
 def test_layer_step_that_differs_from_the_forward_is_not_used(tokenizer, monkeypatch, caplog):
     """The layer-level decoding step is checked against the model's own forward on the first
     decoding step: a step that differs (simulated) is dropped with a warning, for good, and the
@@ -23,12 +38,7 @@ def test_layer_step_that_differs_from_the_forward_is_not_used(tokenizer, monkeyp
 
     import lit_rlhf.rollout.generate as generate
 
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
-    )
-    torch.manual_seed(0)
-    model, twin = LlamaForCausalLM(cfg), LlamaForCausalLM(cfg)
-    twin.load_state_dict(model.state_dict())
+    model, twin = same_llamas(tokenizer, 2)
     ids, mask = pad([[2, 10, 11, 12, 13], [2, 20]], tokenizer.pad_token_id, "left")
     gen = GenerationConfig(max_new_tokens=10, temperature=1.3)
     real = generate.LayerStep.__call__
@@ -244,16 +254,10 @@ def test_under_cpu_autocast_the_products_are_autocasts(tokenizer):
     not do for oneDNN's prepacked operators (they refuse the bf16 inputs): nothing is prepacked
     then, and the sample is the one the model's own forward draws under autocast, also for a model
     whose layer step was judged (and prepacked) outside autocast before."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import lit_rlhf.rollout.decode_step as decode_step
 
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
-    )
-    torch.manual_seed(0)
-    model, twin = LlamaForCausalLM(cfg), LlamaForCausalLM(cfg)
-    twin.load_state_dict(model.state_dict())
+    model, twin = same_llamas(tokenizer, 2)
     ids, mask = pad([[2, 10, 11, 12, 13], [2, 20]], tokenizer.pad_token_id, "left")
     gen = GenerationConfig(max_new_tokens=8, temperature=1.3)
     with torch.inference_mode():  # judged in fp32 first: prepacked
@@ -279,18 +283,10 @@ def test_a_oneDNN_failure_falls_back_to_plain_products_or_the_model_forward(toke
     good, with a warning. Either way the sampled tokens are the model forward's."""
     import logging
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import lit_rlhf.rollout.decode_step as decode_step
     import lit_rlhf.rollout.generate as generate
 
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
-    )
-    torch.manual_seed(0)
-    models = [LlamaForCausalLM(cfg) for _ in range(3)]
-    for m in models[1:]:
-        m.load_state_dict(models[0].state_dict())
+    models = same_llamas(tokenizer, 3)
     ids, mask = pad([[2, 10, 11, 12], [2, 20]], tokenizer.pad_token_id, "left")
     gen = GenerationConfig(max_new_tokens=8, do_sample=False)
     # the model's forward throughout: the expected tokens
