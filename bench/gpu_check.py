@@ -6,8 +6,10 @@ rollout tokens/s are compared with a standalone ``vllm.LLM`` of the same trained
 process memory, same prompts and sampling) instead of bare ``generate``; and ``async``: ZeRO-2 with
 asynchronous rollouts (``algo.rollout.mode=async``, bound 1, the decoupled correction: a producer
 process samples on the same GPU while the trainer updates), whose step time compares with
-``zero2``'s, its rollout tokens/s are the producer's sampling, and its peak memory is the GPU's
-(both processes: ``torch.cuda.mem_get_info``) against the plan, which counts the producer.
+``zero2``'s, its rollout tokens/s are the producer's sampling, and its "peak" memory is the most the
+GPU had in use at an iteration's end (both processes' reserved memory and contexts:
+``torch.cuda.mem_get_info``; the others' is the trainer's allocated peak) against the plan, which
+counts the producer.
 
     bash bench/gpu_check.sh            # = python bench/gpu_check.py, writes bench/results/gpu_check.md
 

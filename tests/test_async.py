@@ -141,8 +141,9 @@ def test_async_needs_a_correction():
 def test_a_sharded_lora_policys_reference_is_scored_by_the_trainer_only(saved_models, tokenizer):
     """Under ZeRO-3 a LoRA policy's frozen reference is the policy itself with its adapters off, whose
     weights are partitions (a rank holds its part only, outside a gather): the producer cannot score
-    it, and a run that asks it to stops naming the key before any producer starts; off the CPU async
-    stops naming algo.rollout.mode."""
+    it, and a run that asks it to stops naming the key before any producer starts. On a device other
+    than the CPU or a CUDA GPU async stops naming algo.rollout.mode; on a GPU, a producer asked to
+    score the reference or to split a vLLM engine over ranks stops naming those keys."""
     from types import SimpleNamespace
 
     import torch
@@ -169,5 +170,15 @@ def test_a_sharded_lora_policys_reference_is_scored_by_the_trainer_only(saved_mo
         m.rollout_producer()
     assert m.producer is None
     m._device = torch.device("meta")
-    with pytest.raises(ConfigError, match=r"rollout\.mode.*on the CPU.*meta"):
+    with pytest.raises(ConfigError, match=r"algo\.rollout\.mode.*on the CPU or a CUDA GPU.*meta"):
         m.rollout_producer()
+    # on a GPU (refused before anything touches it): the trainer scores the reference, and the
+    # producer's vLLM engine has no ranks to split the model over
+    m._device, m._trainer = torch.device("cuda", 1), SimpleNamespace(strategy=DeepSpeedStrategy(stage=2))
+    with pytest.raises(ConfigError, match=r"algo\.rollout\.reference_scoring: on a GPU only the trainer"):
+        m.rollout_producer()
+    m.config.rollout.reference_scoring = "trainer"
+    m.config.generation.engine, m.config.generation.vllm.tensor_parallel_size = "vllm", 2
+    with pytest.raises(ConfigError, match=r"algo\.generation\.vllm\.tensor_parallel_size: an async"):
+        m.rollout_producer()
+    assert m.producer is None

@@ -32,8 +32,9 @@ under ZeRO-3, full precision under FSDP1) on top of the KV cache. These are esti
 
 With the vLLM rollout engine (``algo.generation.engine=vllm``) the KV cache row is the engine's:
 it takes ``algo.generation.vllm.gpu_memory_utilization`` of the card (its weights, KV cache and
-workspace), or its weights (the policy's, at the weights dtype, over ``tensor_parallel_size``)
-plus ``vllm.kv_cache_gib`` when that is set. Asleep during the update (``vllm.sleep``) it holds
+workspace), or its weights (the policy's, at ``vllm.dtype``, over ``tensor_parallel_size``; dtype
+``auto`` is the policy's as a rank holds it, fp32 under DDP and FSDP mixed precision) plus
+``vllm.kv_cache_gib`` when that is set. Asleep during the update (``vllm.sleep``) it holds
 nothing then; awake it adds to the update's peak too.
 
 With asynchronous rollouts (``algo.rollout.mode=async``, docs/async.md) each rank's producer
@@ -81,6 +82,13 @@ class Setup:
     def master_weight_bytes(self) -> int:
         """Bytes per trained weight outside DeepSpeed (DDP/FSDP): fp32 under mixed precision."""
         return 4 if self.mixed or self.weight_bytes == 4 else self.weight_bytes
+
+    @property
+    def policy_weight_bytes(self) -> int:
+        """Bytes per weight of the policy as a rank holds it whole (what a copy of it or a vLLM engine
+        of dtype ``auto`` takes): the weights dtype under DeepSpeed and LoRA (a frozen base), full
+        precision under DDP and FSDP mixed precision."""
+        return self.weight_bytes if self.strategy.startswith("zero") or self.lora.enabled else self.master_weight_bytes
 
     def describe(self) -> str:
         s = {"ddp": "DDP", "fsdp": "FSDP full shard", "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3"}[
@@ -330,9 +338,7 @@ def estimate(cfg: Any, job: Any, setup: Setup | None = None, gpu_memory_gb: floa
     kv_note = f"generation, {s.gen_batch} x {t} tokens" if s.gen_batch else "no generation"
     producer, producer_note = 0.0, ""
     if s.producer:  # its copy of the policy, at the trained weights' dtype, and its sampler, always resident
-        copy = (
-            s.weight_bytes if s.strategy.startswith("zero") or s.lora.enabled else s.master_weight_bytes
-        ) * a.params()
+        copy = s.policy_weight_bytes * a.params()
         sampler, what = float(kv), "KV cache"
         if s.engine is not None:
             sampler, what = (
@@ -365,8 +371,9 @@ def engine_bytes(s: Setup, a: Any, notes: list[str], gpu_memory_gb: float | None
     """(bytes, note) of the colocated vLLM engine per GPU: ``gpu_memory_utilization`` of the card, or
     its weights + ``kv_cache_gib``; without a GPU size, weights + the generation's KV cache."""
     e = s.engine
-    weights = s.weight_bytes * a.params() / e.tensor_parallel_size
-    kv = 2 * a.layers * s.gen_batch * s.seq_len * a.kv_heads * a.head_dim * s.weight_bytes / e.tensor_parallel_size
+    dtype = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}.get(e.dtype, s.policy_weight_bytes)
+    weights = dtype * a.params() / e.tensor_parallel_size  # dtype auto: the policy's as the rank holds it
+    kv = 2 * a.layers * s.gen_batch * s.seq_len * a.kv_heads * a.head_dim * dtype / e.tensor_parallel_size
     sleep = ", asleep during the update" if e.sleep else ""
     if e.kv_cache_gib is not None:
         return weights + e.kv_cache_gib * GIB, f"vLLM: weights + kv_cache_gib={e.kv_cache_gib:g}{sleep}"

@@ -167,6 +167,9 @@ class AdaptersDisabled:
 
         self.forward = forward
 
+    def __reduce__(self) -> Any:  # its forward is a closure: rebuilt around the model (the async producer)
+        return AdaptersDisabled, (self.model,)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         modes = [(m, m.training) for m in self.model.modules()]
         self.model.eval()

@@ -305,7 +305,7 @@ class RLModule(RLHFModule):
             return self.producer
         from lit_rlhf.models.lora import AdaptersDisabled
         from lit_rlhf.rollout.agent import agent_settings, check_agent_tokenizer
-        from lit_rlhf.rollout.producer import AsyncRollouts, ProducerSettings, split_threads
+        from lit_rlhf.rollout.producer import AsyncRollouts, ProducerError, ProducerSettings, split_threads
 
         c: RLConfig = self.config
         if self.device.type not in ("cpu", "cuda"):
@@ -321,6 +321,19 @@ class RLModule(RLHFModule):
                 "algo.rollout.reference_scoring",
                 "the frozen reference shares the sharded policy's weights (LoRA adapters off): only the "
                 "trainer can score it; use algo.rollout.reference_scoring=trainer",
+            )
+        if reference is not None and self.device.type != "cpu":
+            raise ConfigError(
+                "algo.rollout.reference_scoring",
+                "on a GPU only the trainer scores the frozen reference (the producer would need a copy of it "
+                "on the card, or its memory shared before the producer has its GPU); use "
+                "algo.rollout.reference_scoring=trainer",
+            )
+        if c.generation.engine == "vllm" and c.generation.vllm.tensor_parallel_size > 1:
+            raise ConfigError(
+                "algo.generation.vllm.tensor_parallel_size",
+                "an async rollout producer samples alone, on its rank's device: its vLLM engine has no ranks to "
+                "split the model over; use tensor_parallel_size=1 or algo.rollout.mode=sync",
             )
         settings = None
         if c.environment is not None:
@@ -361,10 +374,10 @@ class RLModule(RLHFModule):
         failure = None
         try:
             self.producer.start(self.iteration)
-        except ConfigError as err:  # no room for its weights: every rank stops (one alone would hang the rest)
+        except Exception as err:  # e.g. no room for its weights: every rank stops (one alone would hang the rest)
             failure = err
         if self.on_any_rank(failure is not None):
-            raise failure or ConfigError("algo.rollout.mode", "the rollout producer of another rank could not start")
+            raise failure or ProducerError("the rollout producer of another rank could not start")
         return self.producer
 
     def agent_loop(self) -> Any:

@@ -87,8 +87,8 @@ class RolloutModeConfig:
     policy versions old; the update weighs them with ``algo.rollout_correction``."""
 
     mode: Literal["sync", "async"] = "sync"
-    """sync, or async (either engine; on the CPU, alone or under any strategy, DDP, ZeRO-2/3 or FSDP,
-    with a producer per rank; a correction is required)."""
+    """sync, or async (either engine; alone or under any strategy, DDP, ZeRO-2/3 or FSDP, with a
+    producer per rank on the rank's CPU or CUDA GPU; a correction is required)."""
     max_staleness: int = field(default=1, metadata={"ge": 0})
     """Policy versions a sample may lag (async): the rollout iteration k trains on was sampled with
     the weights of an iteration ≥ k − max_staleness (a version is the policy after an RL iteration,
@@ -101,11 +101,11 @@ class RolloutModeConfig:
     trainer keeps its own)."""
     reference_scoring: Literal["trainer", "producer", "balanced"] = "trainer"
     """Where the frozen reference's log-probs of each sample are computed (runs with a reference;
-    the producer's reference shares the trainer's memory, never a copy). trainer: after the sample is
-    taken. producer: where it is sampled (work moved off the trainer, for runs whose update takes
-    longer than their sampling). balanced: both, the producer the first rows of each sample and the
-    trainer the rest, the producer's share moving toward the split that leaves both sides equally
-    busy (docs/async.md §1)."""
+    the producer's reference shares the trainer's memory, never a copy; on a GPU: the trainer only).
+    trainer: after the sample is taken. producer: where it is sampled (work moved off the trainer,
+    for runs whose update takes longer than their sampling). balanced: both, the producer the first
+    rows of each sample and the trainer the rest, the producer's share moving toward the split that
+    leaves both sides equally busy (docs/async.md §1)."""
     restarts: int = field(default=1, metadata={"ge": 0})
     """A producer that dies (killed, out of memory) is started again this many times in a run, its
     unfinished rollouts sampled again; once more and the run stops with an error naming this key."""

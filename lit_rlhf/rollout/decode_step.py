@@ -343,9 +343,10 @@ def _available_memory() -> int | None:
 
 def layer_step_ok(model: Any, step: LayerStep, kwargs: dict[str, Any]) -> tuple[bool, Any]:
     """Whether ``step`` decodes ``model`` as its own forward does, decided once per model (and per
-    prepacked / exact step, and autocast) on its first decoding step: both run the same step (the layer step
-    first, its cache entries then overwritten by the model's), logits compared at 1e-4 (fp32) /
-    2e-2 (half) of their scale. Returns the verdict and the model's own output for this step."""
+    prepacked / exact step, and autocast) on its first decoding step: both run the same step (the
+    layer step first, its cache entries then overwritten by the model's), logits compared at 1e-4
+    (fp32) / 2e-2 (half, or under a half autocast) of their scale. Returns the verdict and the
+    model's own output for this step."""
     cache = kwargs[step.cache_keyword]
     lengths = [layer.length for layer in cache.layers]
     failure = None
@@ -362,8 +363,8 @@ def layer_step_ok(model: Any, step: LayerStep, kwargs: dict[str, Any]) -> tuple[
         _verdicts(model)[_judged(model, step.prepacked)] = False
         log.warning("layer-level decoding of %s failed (%s); decoding with its forward", type(model).__name__, failure)
         return False, out
-    dtype = next((p.dtype for p in model.parameters()), torch.float32)
-    tol = (1e-4 if dtype == torch.float32 else 2e-2) * max(1.0, float(theirs.abs().max()))
+    dtype = _judged(model, step.prepacked)[1] or next((p.dtype for p in model.parameters()), torch.float32)
+    tol = (1e-4 if dtype == torch.float32 else 2e-2) * max(1.0, float(theirs.abs().max()))  # autocast's, or the weights
     gap = float((mine.float() - theirs.float()).abs().max())
     verdict = _verdicts(model)[_judged(model, step.prepacked)] = gap <= tol
     if verdict:

@@ -301,8 +301,9 @@ def _produce(
     torch.set_num_threads(settings.threads)
     device = torch.device(settings.device)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
-    model.to(device)  # the copy samples there (hf loop), or a vLLM engine is built there from it
+        device = _own_gpu(device, settings.gen.engine)
+    if settings.gen.engine == "hf":  # the copy samples there; a vLLM engine there loads it from CPU memory
+        model.to(device)
     agent = None
     if settings.agent is not None:
         from lit_rlhf.rollout.agent import AgentLoop
@@ -319,7 +320,7 @@ def _produce(
             started = time.perf_counter()
             version, serial = board.read(model, job.need, serial)
             if settings.gen.engine != "hf":  # synced to the board's weights as the colocated engine is
-                engine = engine_for(model, settings.gen, serial, engine, settings.vllm_logprobs)
+                engine = engine_for(model, settings.gen, serial, engine, settings.vllm_logprobs, device.type)
             sampling = time.perf_counter()
             idle = _recent(idle, sampling - idle_since)
             if settings.delay is not None:
@@ -355,6 +356,27 @@ def _produce(
             agent.close()
         if engine is not None:
             engine.close()
+
+
+def _own_gpu(device: torch.device, engine: str) -> torch.device:
+    """The producer's GPU (the trainer's ``device``), made the only one this process sees: before
+    CUDA starts here, ``CUDA_VISIBLE_DEVICES`` is narrowed to it, so that it is ``cuda:0`` for the
+    producer and for a vLLM engine built in it (which takes the first visible GPU). Nothing CUDA
+    reaches the producer before this (its copy of the policy comes in CPU memory)."""
+    index = device.index or 0
+    if torch.cuda.is_initialized():  # not expected; the numbering is the trainer's then
+        if engine != "hf" and index != 0:
+            raise RuntimeError(
+                f"CUDA started in the rollout producer before it could be given only {device}: a vLLM engine "
+                "would take cuda:0"
+            )
+        torch.cuda.set_device(device)
+        return device
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",")] if visible else [str(i) for i in range(index + 1)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ids[index]
+    torch.cuda.set_device(0)
+    return torch.device("cuda", 0)
 
 
 def _recent(mean: float, seconds: float) -> float:
@@ -498,10 +520,16 @@ class AsyncRollouts:
         if tensors is None and self.board is None:
             with self.gathered():
                 return self.start(version, trained_tensors(self.model, self.whole))
+        first = self.board is None
         tensors = self.board.tensors if tensors is None else tensors
-        board = _nbytes(tensors.values())
-        copy = _nbytes([*self.model.parameters(), *self.model.buffers()]) if self.whole else board
-        check_shared_memory(board + copy, self.sharing)
+        need = _nbytes(tensors.values())  # the board
+        need += _nbytes([*self.model.parameters(), *self.model.buffers()]) if self.whole else need  # the copy
+        reference = self.settings.reference  # a module, or the policy with its adapters off (its .model)
+        if reference is not None:  # moved into shared memory the first time it goes to a producer
+            held = reference if isinstance(reference, nn.Module) else reference.model
+            need += _nbytes(t for t in [*held.parameters(), *held.buffers()] if not t.is_shared())
+        # at the first start every rank of the host starts one; a restart is this rank's alone
+        check_shared_memory(need, self.sharing if first else 1)
         # a board of its own: a producer killed while reading may have left the last one's lock taken
         self.board = WeightBoard(tensors, version, self.ctx)
         self.version = version

@@ -264,7 +264,9 @@ def _check_buildable(hf_config: Any, config: VLLMConfig, device: str) -> None:
 class VLLMEngine:
     """The policy's sampler on vLLM: :meth:`sync` the weights, :meth:`sample` a batch."""
 
-    def __init__(self, model: torch.nn.Module, config: VLLMConfig, logprobs_mode: str = "raw_logprobs") -> None:
+    def __init__(
+        self, model: torch.nn.Module, config: VLLMConfig, logprobs_mode: str = "raw_logprobs", device: str | None = None
+    ) -> None:
         missing = vllm_import_error()
         if missing is not None:
             raise ConfigError(
@@ -275,7 +277,7 @@ class VLLMEngine:
             )
         self.config = config
         param = next(model.parameters())
-        device = param.device.type
+        device = device or param.device.type  # the model's, unless it is elsewhere (in CPU memory)
         hf_config = model.config
         max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 0) or 0)
         if not max_len:
@@ -503,16 +505,19 @@ def engine_for(
     version: Any,
     engine: VLLMEngine | None = None,
     logprobs_mode: str = "raw_logprobs",
+    device: str | None = None,
 ) -> VLLMEngine | None:
     """The sampler of ``model`` under ``gen.engine``: None for hf (the decoding loop samples from
     ``model``), else ``engine`` (a new one when there is none or it was built for another
     architecture, the replaced one closed) synced to ``model``'s weights unless it already holds
-    ``version`` of them. The caller owns the engine it gets and closes it when done."""
+    ``version`` of them; ``device``: the engine's device type where ``model`` is not on it (the
+    async producer's copy, in CPU memory beside a GPU engine). The caller owns the engine it gets
+    and closes it when done."""
     if gen.engine == "hf":
         return None
     if engine is None or engine.settings.config_json != model.config.to_json_string(use_diff=False):
         if engine is not None:
             engine.close()
-        engine = VLLMEngine(model, gen.vllm, logprobs_mode)
+        engine = VLLMEngine(model, gen.vllm, logprobs_mode, device)
     engine.sync(model, version)
     return engine

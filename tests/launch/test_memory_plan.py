@@ -262,6 +262,10 @@ def test_async_rollouts_count_the_producers_copy_and_sampler_beside_everything()
     assert "model states + rollout producer + max(" in hf.render()
     ddp = _plan(*asynchronous, "strategy=ddp")
     assert ddp.producer == pytest.approx(4 * P7B + sync.kv_cache)  # DDP keeps fp32 weights under bf16-mixed
+    # a vLLM engine of dtype auto has the policy's dtype as the rank holds it: fp32 under DDP mixed precision
+    fixed = [*asynchronous, "strategy=ddp", "algo.generation.engine=vllm", "algo.generation.vllm.kv_cache_gib=4"]
+    assert _plan(*fixed).producer == pytest.approx(4 * P7B + 4 * P7B + 4 * gib)
+    assert _plan(*fixed, "algo.generation.vllm.dtype=bfloat16").producer == pytest.approx(4 * P7B + 2 * P7B + 4 * gib)
     vllm = _plan(*asynchronous, "algo.generation.engine=vllm")  # asleep in the trainer, awake in the producer
     assert vllm.producer == pytest.approx(2 * P7B + 0.3 * 80 * gib)
     assert vllm.peak == pytest.approx(vllm.model_states + vllm.producer + max(vllm.activations, 0.3 * 80 * gib))

@@ -503,3 +503,50 @@ def test_a_producer_is_not_started_where_shared_memory_cannot_hold_its_weights(p
         assert rollouts.process.is_alive()
     finally:
         rollouts.close()
+
+
+def test_a_lora_policys_reference_with_its_adapters_off_is_scored_by_the_producer(tiny_spec, tokenizer):
+    """A LoRA policy's frozen reference is the policy itself with its adapters off
+    (lit_rlhf/models/lora.py ``AdaptersDisabled``): it goes to the producer (pickled, its memory
+    shared) and scores there what the base model without adapters scores."""
+    from lit_rlhf.models.lora import AdaptersDisabled
+    from tests.models.test_lora import _adapted
+
+    base, model = _adapted(tiny_spec, tokenizer)
+    model.eval()
+    rollouts = producer(model, tokenizer, 1, reference=AdaptersDisabled(model), reference_scoring="producer")
+    rollouts.start(0)
+    try:
+        rollouts.submit(0, prompts(tokenizer, 0))
+        drawn = rollouts.take(0)
+    finally:
+        rollouts.close()
+    with torch.inference_mode():
+        expected = scored_logprobs(base, rollout_inputs(drawn.drawn), 1.0, False)
+        adapted = scored_logprobs(model, rollout_inputs(drawn.drawn), 1.0, False)
+    torch.testing.assert_close(drawn.ref_logprobs, expected)
+    assert not torch.allclose(drawn.ref_logprobs, adapted, atol=1e-3)  # the adapters were off
+
+
+def test_a_producer_on_a_gpu_sees_only_its_ranks_gpu(monkeypatch):
+    """On a GPU the producer narrows CUDA_VISIBLE_DEVICES to its rank's device before CUDA starts in
+    it (then cuda:0 for it and for a vLLM engine built in it, which takes the first visible GPU),
+    counting in the trainer's numbering (the variable's list, or every GPU where it is unset). Where
+    CUDA had started already it keeps that numbering, and refuses a vLLM engine off cuda:0."""
+    from lit_rlhf.rollout.producer import _own_gpu
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, GPU-7f3a")
+    assert _own_gpu(torch.device("cuda", 1), "vllm") == torch.device("cuda", 0)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-7f3a" and chosen == [0]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert _own_gpu(torch.device("cuda", 3), "hf") == torch.device("cuda", 0)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert _own_gpu(torch.device("cuda", 1), "hf") == torch.device("cuda", 1)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1" and chosen[-1] == torch.device("cuda", 1)
+    with pytest.raises(RuntimeError, match="a vLLM engine would take cuda:0"):
+        _own_gpu(torch.device("cuda", 1), "vllm")
