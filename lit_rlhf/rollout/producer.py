@@ -235,20 +235,24 @@ def policy_replica(model: nn.Module, weights: dict[str, torch.Tensor], whole: bo
     return replica
 
 
-def moved(obj: Any, device: torch.device | str) -> Any:
+def moved(obj: Any, device: torch.device | str, memo: dict[int, torch.Tensor] | None = None) -> Any:
     """``obj`` with every tensor in it detached and on ``device`` (through dicts, lists, tuples and
-    dataclasses, as :func:`sample_responses`' output holds them): what crosses between the trainer
-    and the producer goes through CPU memory, and each side moves it to its own device."""
+    dataclasses, as :func:`sample_responses`' output holds them; a tensor held twice is moved once):
+    what crosses between the trainer and the producer goes through CPU memory, and each side moves
+    it to its own device."""
+    memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to(device)
+        if id(obj) not in memo:
+            memo[id(obj)] = obj.detach().to(device)
+        return memo[id(obj)]
     if isinstance(obj, dict):
-        return {k: moved(v, device) for k, v in obj.items()}
+        return {k: moved(v, device, memo) for k, v in obj.items()}
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
-        return type(obj)(*(moved(v, device) for v in obj))
+        return type(obj)(*(moved(v, device, memo) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(moved(v, device) for v in obj)
+        return type(obj)(moved(v, device, memo) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = {f.name: moved(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
+        fields = {f.name: moved(getattr(obj, f.name), device, memo) for f in dataclasses.fields(obj)}
         return dataclasses.replace(obj, **fields)
     return obj
 

@@ -550,3 +550,25 @@ def test_a_producer_on_a_gpu_sees_only_its_ranks_gpu(monkeypatch):
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1" and chosen[-1] == torch.device("cuda", 1)
     with pytest.raises(RuntimeError, match="a vLLM engine would take cuda:0"):
         _own_gpu(torch.device("cuda", 1), "vllm")
+
+
+def test_what_crosses_is_moved_whole_and_a_tensor_held_twice_once():
+    """``moved`` (each side's move of a ticket or a rollout to its device) reaches every tensor in the
+    dicts, lists, named tuples and dataclasses the rollout path returns, leaves the rest as it is,
+    and moves a tensor held in two places once (a multi-turn rollout holds its ids in both)."""
+    from collections import namedtuple
+
+    from lit_rlhf.rollout.agent import AgentRollout
+    from lit_rlhf.rollout.producer import moved
+
+    ids, mask = torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3)
+    turns = AgentRollout(ids, mask, ids, mask, mask, torch.ones(2), None, ["a", "b"], [0.5, 1.0], [1, 0], [2, 1])
+    Pair = namedtuple("Pair", "left right")
+    drawn = ({"prompt_ids": ids, "texts": ["x"], "n": 3}, (ids, mask, Pair(mask, None)), turns)
+    batch, sampled, out = moved(drawn, "meta")
+    assert batch["prompt_ids"].is_meta and batch["texts"] == ["x"] and batch["n"] == 3
+    assert all(t.is_meta for t in (*sampled[:2], sampled[2].left)) and sampled[2].right is None
+    assert isinstance(sampled[2], Pair) and isinstance(out, AgentRollout) and out.texts == ["a", "b"]
+    assert out.response_ids.is_meta and out.sampler_logprobs is None and out.env_reward == [0.5, 1.0]
+    assert batch["prompt_ids"] is sampled[0] is out.prompt_ids is out.response_ids  # one tensor, moved once
+    assert ids.device.type == "cpu" and not ids.is_meta  # the original stays where it was
