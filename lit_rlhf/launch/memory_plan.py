@@ -39,10 +39,11 @@ nothing then; awake it adds to the update's peak too.
 
 With asynchronous rollouts (``algo.rollout.mode=async``, docs/async.md) each rank's producer
 process samples on the rank's GPU while the trainer updates, so what it holds is resident beside
-everything else: its copy of the policy (at the trained weights' dtype: the weights dtype under
-DeepSpeed and LoRA, full precision under DDP and FSDP mixed precision) and its KV cache, or, with
-the vLLM engine, an engine of its own that never sleeps. The trainer keeps its own KV cache or engine
-row, for what it still samples (validation, DAPO's extra batches, ReMax's greedy baselines).
+everything else: its copy of the policy (at the policy's dtype as a rank holds it: the weights dtype
+under DeepSpeed and LoRA, full precision under DDP and FSDP mixed precision) and its KV cache, or,
+with the vLLM engine, an engine of its own that never sleeps (the copy then stays in CPU memory).
+The trainer keeps its own KV cache or engine row, for what it still samples (validation, DAPO's
+extra batches, ReMax's greedy baselines).
 """
 
 from __future__ import annotations
@@ -337,15 +338,13 @@ def estimate(cfg: Any, job: Any, setup: Setup | None = None, gpu_memory_gb: floa
         gather = float(sum(max(0.0, full * r.params - r.weights) for r in rows if r.role == "trained"))
     kv_note = f"generation, {s.gen_batch} x {t} tokens" if s.gen_batch else "no generation"
     producer, producer_note = 0.0, ""
-    if s.producer:  # its copy of the policy, at the trained weights' dtype, and its sampler, always resident
-        copy = s.policy_weight_bytes * a.params()
-        sampler, what = float(kv), "KV cache"
-        if s.engine is not None:
-            sampler, what = (
-                engine_bytes(replace(s, engine=replace(s.engine, sleep=False)), a, [], gpu_memory_gb)[0],
-                "vLLM engine",
-            )
-        producer, producer_note = copy + sampler, f"async: its copy of the policy + its {what}, never freed"
+    if s.producer:  # always resident: its copy of the policy and KV cache, or its engine (the copy in CPU memory)
+        if s.engine is None:
+            producer = s.policy_weight_bytes * a.params() + float(kv)
+            producer_note = "async: its copy of the policy + its KV cache, never freed"
+        else:
+            producer = engine_bytes(replace(s, engine=replace(s.engine, sleep=False)), a, [], gpu_memory_gb)[0]
+            producer_note = "async: its vLLM engine, never asleep"
     if s.engine is not None:
         kv, kv_note = engine_bytes(s, a, notes, gpu_memory_gb)
     title = (

@@ -11,9 +11,10 @@ from typing import Literal
 @dataclass
 class VLLMConfig:
     """``algo.generation.vllm.*``: the colocated vLLM engine (``algo.generation.engine=vllm``;
-    lit_rlhf/rollout/vllm_engine.py, docs/scaling.md §5). One engine per training process, built
-    from the policy's config at the first rollout, its weights replaced by the trained policy's
-    before every rollout that follows an optimizer step."""
+    lit_rlhf/rollout/vllm_engine.py, docs/scaling.md §5). One engine per training process (and one
+    in each async rollout producer, docs/async.md), built from the policy's config at the first
+    rollout, its weights replaced by the trained policy's before every rollout that follows an
+    optimizer step."""
 
     gpu_memory_utilization: float = field(default=0.3, metadata={"gt": 0.0, "le": 1.0})
     """The fraction of the card vLLM may take (its weights, KV cache and workspace), beside the
@@ -31,7 +32,8 @@ class VLLMConfig:
     """Eager PyTorch instead of CUDA graphs / torch.compile; None = eager on CPU (compilation costs
     more than a CPU rollout gains), graphs on GPU."""
     dtype: str = "auto"
-    """The engine's dtype; auto = the policy's (bf16 on GPU presets, fp32 on CPU)."""
+    """The engine's dtype; auto = the policy's as a rank holds it (bf16 under DeepSpeed and LoRA on
+    GPU presets, fp32 under DDP and FSDP mixed precision and on CPU)."""
     sleep: bool = True
     """GPU: free the engine's weights and KV cache between rollouts (vLLM sleep mode, level 2:
     nothing kept, the next sync refills the weights) so the update has the memory; woken and

@@ -248,8 +248,9 @@ def test_a_plan_that_fits_or_has_no_gpu_to_check_is_not_a_failure(capsys):
 
 def test_async_rollouts_count_the_producers_copy_and_sampler_beside_everything():
     """algo.rollout.mode=async: each rank's producer holds a copy of the policy (bf16 under DeepSpeed,
-    fp32 under DDP's mixed precision) and its KV cache, or a vLLM engine that never sleeps, all
-    resident beside the update; the trainer's own rows stay (it still samples for validation)."""
+    fp32 under DDP's mixed precision) and its KV cache, or a vLLM engine that never sleeps (its copy
+    of the policy in CPU memory), all resident beside the update; the trainer's own rows stay (it
+    still samples for validation)."""
     gib = 2**30
     base = ["experiment=ppo_max_llama7b_a100x8", "algo.reward_path=/ckpt/rm", "memory_plan.gpu_memory_gb=80"]
     asynchronous = [*base, "algo.rollout.mode=async", "algo.rollout_correction=decoupled"]
@@ -264,8 +265,9 @@ def test_async_rollouts_count_the_producers_copy_and_sampler_beside_everything()
     assert ddp.producer == pytest.approx(4 * P7B + sync.kv_cache)  # DDP keeps fp32 weights under bf16-mixed
     # a vLLM engine of dtype auto has the policy's dtype as the rank holds it: fp32 under DDP mixed precision
     fixed = [*asynchronous, "strategy=ddp", "algo.generation.engine=vllm", "algo.generation.vllm.kv_cache_gib=4"]
-    assert _plan(*fixed).producer == pytest.approx(4 * P7B + 4 * P7B + 4 * gib)
-    assert _plan(*fixed, "algo.generation.vllm.dtype=bfloat16").producer == pytest.approx(4 * P7B + 2 * P7B + 4 * gib)
+    assert _plan(*fixed).producer == pytest.approx(4 * P7B + 4 * gib)
+    assert _plan(*fixed, "algo.generation.vllm.dtype=bfloat16").producer == pytest.approx(2 * P7B + 4 * gib)
     vllm = _plan(*asynchronous, "algo.generation.engine=vllm")  # asleep in the trainer, awake in the producer
-    assert vllm.producer == pytest.approx(2 * P7B + 0.3 * 80 * gib)
+    assert vllm.producer == pytest.approx(0.3 * 80 * gib)
+    assert "| rollout producer | async: its vLLM engine, never asleep |" in vllm.render()
     assert vllm.peak == pytest.approx(vllm.model_states + vllm.producer + max(vllm.activations, 0.3 * 80 * gib))
