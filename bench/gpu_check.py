@@ -6,10 +6,10 @@ rollout tokens/s are compared with a standalone ``vllm.LLM`` of the same trained
 process memory, same prompts and sampling) instead of bare ``generate``; and ``async``: ZeRO-2 with
 asynchronous rollouts (``algo.rollout.mode=async``, bound 1, the decoupled correction: a producer
 process samples on the same GPU while the trainer updates), whose step time compares with
-``zero2``'s, its rollout tokens/s are the producer's sampling, and its "peak" memory is the most the
-GPU had in use at an iteration's end (both processes' reserved memory and contexts:
-``torch.cuda.mem_get_info``; the others' is the trainer's allocated peak) against the plan, which
-counts the producer.
+``zero2``'s, its rollout tokens/s are the producer's sampling, and its peak memory is the most the
+GPU had in use during the run (both processes' reserved memory and contexts: ``torch.cuda.mem_get_info``
+every 20 ms; the other variants' is the trainer's allocated peak) against the plan, which counts the
+producer.
 
     bash bench/gpu_check.sh            # = python bench/gpu_check.py, writes bench/results/gpu_check.md
 
@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -156,13 +157,11 @@ def run_variant(variant: str, folder: Path) -> dict:
 
     class Probe(pl.Callback):
         def __init__(self) -> None:
-            self.stamps, self.rollout_s, self.tokens, self.total_tokens, self.used = [], [], [], [], []
+            self.stamps, self.rollout_s, self.tokens, self.total_tokens = [], [], [], []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             torch.cuda.synchronize()
             self.stamps.append(time.perf_counter())
-            free, total = torch.cuda.mem_get_info()  # the whole GPU: an async run's producer too
-            self.used.append(total - free)
             r = outputs["rollout"]
             sampled = "async/producer_sample_s" if variant == "async" else "perf/rollout_s"
             self.rollout_s.append(float(outputs["stats"][sampled]))
@@ -184,10 +183,25 @@ def run_variant(variant: str, folder: Path) -> dict:
         limit_val_batches=0,
         num_sanity_val_steps=0,
     )
+    used, running = [0], threading.Event()
+
+    def watch_the_gpu() -> None:  # the whole GPU's memory in use: an async run's producer too
+        while running.is_set():
+            free, total = torch.cuda.mem_get_info()
+            used[0] = max(used[0], total - free)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch_the_gpu, daemon=True)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    trainer.fit(module, data)
-    peak = max(probe.used) if variant == "async" else torch.cuda.max_memory_allocated()
+    running.set()
+    watcher.start()
+    try:
+        trainer.fit(module, data)
+    finally:
+        running.clear()
+        watcher.join()
+    peak = used[0] if variant == "async" else torch.cuda.max_memory_allocated()
     stamps = [start] + probe.stamps
     steps = [b - a for a, b in zip(stamps, stamps[1:])][s["warmup"] :]
     step_s = statistics.median(steps)
