@@ -129,13 +129,18 @@ def test_sigkilled_async_train_py_resumes_to_the_synchronous_end(tmp_path, saved
     assert_same_end(end, final, f"async ppo_max killed at step {killed_at}")
 
 
-def test_async_needs_a_correction():
+def test_async_needs_a_correction_and_an_unsplit_vllm_engine():
     base = {"reward_fn": {"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"}, "rollout": {"mode": "async"}}
     with pytest.raises(ConfigError, match=r"algo.rollout_correction.*name the correction"):
         build_config(CriticFreeConfig, base, "algo")
     with pytest.raises(ConfigError, match=r"algo.rollout.max_staleness"):
         build_config(CriticFreeConfig, {**base, "rollout": {"mode": "async", "max_staleness": -1}}, "algo")
     assert build_config(CriticFreeConfig, {**base, "rollout_correction": "tis"}, "algo").rollout.max_staleness == 1
+    # the producer's vLLM engine samples alone: no ranks to split the model over
+    tp = {"engine": "vllm", "vllm": {"tensor_parallel_size": 2}}
+    with pytest.raises(ConfigError, match=r"algo\.generation\.vllm\.tensor_parallel_size: an async"):
+        build_config(CriticFreeConfig, {**base, "rollout_correction": "tis", "generation": tp}, "algo")
+    assert build_config(CriticFreeConfig, {**base, "rollout": {"mode": "sync"}, "generation": tp}, "algo")
 
 
 def test_a_sharded_lora_policys_reference_is_scored_by_the_trainer_only(saved_models, tokenizer):
@@ -143,7 +148,7 @@ def test_a_sharded_lora_policys_reference_is_scored_by_the_trainer_only(saved_mo
     weights are partitions (a rank holds its part only, outside a gather): the producer cannot score
     it, and a run that asks it to stops naming the key before any producer starts. On a device other
     than the CPU or a CUDA GPU async stops naming algo.rollout.mode; on a GPU, a producer asked to
-    score the reference or to split a vLLM engine over ranks stops naming those keys."""
+    score the reference stops naming that key."""
     from types import SimpleNamespace
 
     import torch
@@ -172,13 +177,8 @@ def test_a_sharded_lora_policys_reference_is_scored_by_the_trainer_only(saved_mo
     m._device = torch.device("meta")
     with pytest.raises(ConfigError, match=r"algo\.rollout\.mode.*on the CPU or a CUDA GPU.*meta"):
         m.rollout_producer()
-    # on a GPU (refused before anything touches it): the trainer scores the reference, and the
-    # producer's vLLM engine has no ranks to split the model over
+    # on a GPU (refused before anything touches it): the trainer scores the reference
     m._device, m._trainer = torch.device("cuda", 1), SimpleNamespace(strategy=DeepSpeedStrategy(stage=2))
     with pytest.raises(ConfigError, match=r"algo\.rollout\.reference_scoring: on a GPU only the trainer"):
-        m.rollout_producer()
-    m.config.rollout.reference_scoring = "trainer"
-    m.config.generation.engine, m.config.generation.vllm.tensor_parallel_size = "vllm", 2
-    with pytest.raises(ConfigError, match=r"algo\.generation\.vllm\.tensor_parallel_size: an async"):
         m.rollout_producer()
     assert m.producer is None

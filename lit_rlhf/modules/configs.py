@@ -267,6 +267,14 @@ class RLConfig(PolicyConfig):
             "algo.rollout.mode=async trains on rollouts sampled by older weights: name the correction, e.g. "
             "algo.rollout_correction=decoupled (the behaviour weight of decoupled PPO) or tis (docs/async.md)",
         )
+        check(
+            self.rollout.mode == "sync"
+            or self.generation.engine != "vllm"
+            or self.generation.vllm.tensor_parallel_size == 1,
+            "generation.vllm.tensor_parallel_size",
+            "an async rollout producer samples alone, on its rank's device: its vLLM engine has no ranks to split "
+            "the model over; use tensor_parallel_size=1 or algo.rollout.mode=sync",
+        )
         objective = POLICY_LOSSES.get(self.policy_loss)
         check(
             self.clip_eps_high >= self.clip_eps_low or (objective is not None and not objective.ordered_clip),

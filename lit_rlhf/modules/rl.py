@@ -303,38 +303,13 @@ class RLModule(RLHFModule):
         shards (ZeRO-3, FSDP) they are gathered in :meth:`sampling_mode` for it."""
         if self.producer is not None:
             return self.producer
-        from lit_rlhf.models.lora import AdaptersDisabled
         from lit_rlhf.rollout.agent import agent_settings, check_agent_tokenizer
         from lit_rlhf.rollout.producer import AsyncRollouts, ProducerError, ProducerSettings, split_threads
 
         c: RLConfig = self.config
-        if self.device.type not in ("cpu", "cuda"):
-            raise ConfigError(
-                "algo.rollout.mode",
-                f"async rollouts run on the CPU or a CUDA GPU (every rank with a producer of its own); "
-                f"this run is on {self.device.type}; use algo.rollout.mode=sync",
-            )
         whole = self.weights_are_whole()
         reference = self.frozen.get("reference") if c.rollout.reference_scoring != "trainer" else None
-        if not whole and isinstance(reference, AdaptersDisabled):
-            raise ConfigError(
-                "algo.rollout.reference_scoring",
-                "the frozen reference shares the sharded policy's weights (LoRA adapters off): only the "
-                "trainer can score it; use algo.rollout.reference_scoring=trainer",
-            )
-        if reference is not None and self.device.type != "cpu":
-            raise ConfigError(
-                "algo.rollout.reference_scoring",
-                "on a GPU only the trainer scores the frozen reference (the producer would need a copy of it "
-                "on the card, or its memory shared before the producer has its GPU); use "
-                "algo.rollout.reference_scoring=trainer",
-            )
-        if c.generation.engine == "vllm" and c.generation.vllm.tensor_parallel_size > 1:
-            raise ConfigError(
-                "algo.generation.vllm.tensor_parallel_size",
-                "an async rollout producer samples alone, on its rank's device: its vLLM engine has no ranks to "
-                "split the model over; use tensor_parallel_size=1 or algo.rollout.mode=sync",
-            )
+        self.check_producer_placement(whole, reference)
         settings = None
         if c.environment is not None:
             check_agent_tokenizer(self.tokenizer)
@@ -379,6 +354,33 @@ class RLModule(RLHFModule):
         if self.on_any_rank(failure is not None):
             raise failure or ProducerError("the rollout producer of another rank could not start")
         return self.producer
+
+    def check_producer_placement(self, whole: bool, reference: Any) -> None:
+        """What a producer cannot do where this rank runs, refused before it starts: a device other
+        than the CPU or a CUDA GPU; scoring a ``reference`` (None: the trainer scores it) that is the
+        sharded policy with its LoRA adapters off (not ``whole``), or on a GPU (it would need a
+        copy of the reference on the card, or its memory shared before the producer has its GPU)."""
+        from lit_rlhf.models.lora import AdaptersDisabled
+
+        if self.device.type not in ("cpu", "cuda"):
+            raise ConfigError(
+                "algo.rollout.mode",
+                f"async rollouts run on the CPU or a CUDA GPU (every rank with a producer of its own); "
+                f"this run is on {self.device.type}; use algo.rollout.mode=sync",
+            )
+        if not whole and isinstance(reference, AdaptersDisabled):
+            raise ConfigError(
+                "algo.rollout.reference_scoring",
+                "the frozen reference shares the sharded policy's weights (LoRA adapters off): only the "
+                "trainer can score it; use algo.rollout.reference_scoring=trainer",
+            )
+        if reference is not None and self.device.type != "cpu":
+            raise ConfigError(
+                "algo.rollout.reference_scoring",
+                "on a GPU only the trainer scores the frozen reference (the producer would need a copy of it "
+                "on the card, or its memory shared before the producer has its GPU); use "
+                "algo.rollout.reference_scoring=trainer",
+            )
 
     def agent_loop(self) -> Any:
         """The multi-turn rollout of ``algo.environment`` (lit_rlhf/rollout/agent.py), built at the
