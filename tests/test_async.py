@@ -4,7 +4,8 @@ training metric; PPO-max with its critic and minibatches and the reference score
 DAPO with its resampling and a producer killed for good, stopped with a checkpoint and resumed); at
 bound 1 every stage trains with its staleness logged and bounded (PPO-max, ReMax's greedy baseline,
 GRPO with the calculator's multi-turn rollouts; GRPO and PPO-max multi-turn with the vLLM engine
-too), PPO-max resuming from a checkpoint to the same end of the step budget; and a ``train.py`` in
+too), the first two rollouts sampled as one merged batch, PPO-max resuming from a checkpoint to the
+same end of the step budget; and a ``train.py`` in
 async mode killed with SIGKILL resumes to the synchronous run's end (bound 0)."""
 
 from __future__ import annotations
@@ -83,13 +84,14 @@ VLLM = ["algo.generation.engine=vllm", "algo.generation.vllm.kv_cache_gib=0.0625
 @pytest.mark.parametrize("stage", ["ppo", "remax", "agent", "agent_vllm", "agent_ppo_vllm"])
 def test_every_stage_trains_at_bound_one_and_resumes(stage, tmp_path, saved_models, agent_policy_dir):
     """``*_vllm``: the producer samples with a vLLM engine of its own (GRPO's and PPO-max's
-    multi-turn rollouts with the calculator). PPO-max (hf) also resumes; the others take the same path."""
+    multi-turn rollouts with the calculator). Every stage with ``merge_rollouts=2`` (the first two
+    rollouts sampled as one batch). PPO-max (hf) also resumes; the others take the same path."""
     if stage.startswith("agent"):  # the calculator: multi-turn rollouts sampled by the producer
         algo = {"agent": "grpo", "agent_vllm": "grpo_vllm", "agent_ppo_vllm": "ppo_max"}[stage]
         base = [*agent_overrides(algo, agent_policy_dir), *ASYNC, *(VLLM if stage == "agent_ppo_vllm" else [])]
     else:
         base = [*stage_overrides(stage, saved_models), *EVERY_BATCH, "logger=csv", "trainer.max_epochs=1", *ASYNC]
-    base += ["algo.rollout.max_staleness=1", "algo.rollout.reference_scoring=balanced"]
+    base += ["algo.rollout.max_staleness=1", "algo.rollout.reference_scoring=balanced", "algo.rollout.merge_rollouts=2"]
     full = tmp_path / "full"
     metrics = run(compose(base, full))
     rows = rows_of(full)
@@ -99,6 +101,10 @@ def test_every_stage_trains_at_bound_one_and_resumes(stage, tmp_path, saved_mode
     assert metrics["async/restarts"] == 0
     # reference_scoring=balanced: a share of each sample's rows scored by the producer, the rest by the trainer
     assert all(0.0 <= float(r["async/producer_reference"]) <= 1.0 for r in rows)
+    # merge_rollouts=2: the first two tickets, handed out together before the producer has started,
+    # are sampled as one batch (and cut back into each iteration's rollout)
+    merged = [float(r["async/producer_merged"]) for r in rows]
+    assert merged[:2] == [2.0, 2.0] and set(merged) <= {1.0, 2.0}
     if stage.startswith("agent"):
         assert max(float(r["agent/tool_calls"]) for r in rows_of(full) if r.get("agent/tool_calls")) > 0
     if stage != "ppo":
@@ -129,7 +135,7 @@ def test_sigkilled_async_train_py_resumes_to_the_synchronous_end(tmp_path, saved
     assert_same_end(end, final, f"async ppo_max killed at step {killed_at}")
 
 
-def test_async_needs_a_correction_and_an_unsplit_vllm_engine():
+def test_async_needs_a_correction_an_unsplit_vllm_engine_and_a_reachable_merge():
     base = {"reward_fn": {"_target_": "lit_rlhf.data.synthetic.gold_reward_fn"}, "rollout": {"mode": "async"}}
     with pytest.raises(ConfigError, match=r"algo.rollout_correction.*name the correction"):
         build_config(CriticFreeConfig, base, "algo")
@@ -141,6 +147,12 @@ def test_async_needs_a_correction_and_an_unsplit_vllm_engine():
     with pytest.raises(ConfigError, match=r"algo\.generation\.vllm\.tensor_parallel_size: an async"):
         build_config(CriticFreeConfig, {**base, "rollout_correction": "tis", "generation": tp}, "algo")
     assert build_config(CriticFreeConfig, {**base, "rollout": {"mode": "sync"}, "generation": tp}, "algo")
+    # a merged batch holds at most the rollouts the bound admits at once
+    merge = {"rollout_correction": "tis", "rollout": {"mode": "async", "max_staleness": 1, "merge_rollouts": 3}}
+    with pytest.raises(ConfigError, match=r"algo\.rollout\.merge_rollouts: .*max_staleness \+ 1 = 2 .*; got 3"):
+        build_config(CriticFreeConfig, {**base, **merge}, "algo")
+    merge["rollout"]["merge_rollouts"] = 2
+    assert build_config(CriticFreeConfig, {**base, **merge}, "algo").rollout.merge_rollouts == 2
 
 
 def test_a_sharded_lora_policys_reference_is_scored_by_the_trainer_only(saved_models, tokenizer):

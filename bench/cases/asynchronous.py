@@ -37,9 +37,11 @@ SIDES = {
     "async1": {"mode": "async", "max_staleness": 1},
     "async2": {"mode": "async", "max_staleness": 2},
     "async2_balanced": {"mode": "async", "max_staleness": 2, "reference_scoring": "balanced"},
+    "async2_merged": {"mode": "async", "max_staleness": 2, "reference_scoring": "balanced", "merge_rollouts": 3},
 }
 """The async runs, each against the synchronous one: bound 1 and 2 with the trainer scoring the
-reference's log-probs (the default), and bound 2 with them split between the two sides (``balanced``)."""
+reference's log-probs (the default), bound 2 with them split between the two sides (``balanced``),
+and that with every rollout the bound admits at once sampled as one batch (``merge_rollouts`` 3)."""
 ROUNDS = 20  # timed rounds of a full run (one iteration per mode each)
 TIMEOUT_S = 600.0  # an async run that does not come back to its turn this long is an error
 
@@ -58,10 +60,15 @@ def _side(name: str, models: Path, s: dict, turns: int, threads: int, conn: Any)
             conn.send(producer.process.pid if producer is not None and producer.process is not None else None)
             conn.recv()
 
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            merged.append(float(trainer.callback_metrics.get("async/producer_merged", 1.0)))
+
+    merged: list[float] = []  # each iteration's rollouts sampled in its rollout's batch
     algo = {"rollout_correction": "decoupled", "rollout": SIDES[name]}
     trainer, module, data = _grpo_ours(models, s, turns, [Turn()], algo=algo)
     trainer.fit(module, data)
     conn.send("end")
+    conn.send(merged)
 
 
 def _neighbour(models: Path, s: dict, steps: int, conn: Any) -> None:
@@ -110,7 +117,7 @@ class Side:
     continued for the turn, stopped after) and times it."""
 
     def __init__(self, name: str, models: Path, s: dict, turns: int, threads: int) -> None:
-        self.name, self.cycles, self.cpu = name, [], []
+        self.name, self.cycles, self.cpu, self.merged = name, [], [], []
         # its producer's pid at its first iteration's start
         self.process, self.conn, self.pid = _launch(_side, (name, models, s, turns, threads), f"bench-{name}")
 
@@ -144,7 +151,7 @@ class Side:
         after = self._cpu_s()  # a restarted producer's first turn: not counted
         self.cpu.append(None if cpu is None or after is None or message != self.pid else after - cpu)
         if message == "end":
-            self.pid = None
+            self.pid, self.merged = None, self.conn.recv()
             return
         self.pid = message
         self._signal(signal.SIGSTOP)
@@ -193,10 +200,13 @@ class Neighbour:
 
 def case_async_rollouts(models: Path, s: dict) -> dict:
     """Per mode, the median over the timed rounds of the synchronous iteration (2 threads) over the
-    mode's iteration of the same round, with its quartiles; each mode's median iteration; and the
-    two ceilings of any split of the work over the two cores: per round, the synchronous iteration
-    on two threads over half of the one on ONE thread, alone (two processes of one thread each,
-    perfectly balanced, that do not slow each other down) and beside the neighbour (that do)."""
+    mode's iteration of the same round, with its quartiles, and the same over all rounds together
+    (``_total``: the summed synchronous iterations over the mode's, the throughput; where a mode's
+    iterations alternate long and short, as merged batches make them, the median round overstates
+    it); each mode's median iteration and mean rollouts per sampled batch (``_merged``); and the two
+    ceilings of any split of the work over the two cores: per round (and in total), the synchronous
+    iteration on two threads over half of the one on ONE thread, alone (two processes of one thread
+    each, perfectly balanced, that do not slow each other down) and beside the neighbour (that do)."""
     import lightning.pytorch as pl
     import torch
 
@@ -259,12 +269,16 @@ def case_async_rollouts(models: Path, s: dict) -> dict:
         ratios = [a / b for a, b in zip(sync, mine)]
         out[f"{side.name}_step_s"] = statistics.median(mine)
         _median(out, f"{side.name}_over_sync", ratios)
+        out[f"{side.name}_over_sync_total"] = sum(sync) / sum(mine)
+        out[f"{side.name}_merged"] = statistics.mean(side.merged[timed]) if side.merged[timed] else 1.0
         used = [(c, t) for c, t in zip(side.cpu[timed], mine) if c is not None]
         if used:  # CPU seconds of both processes per iteration, and the share of two cores they kept busy
             out[f"{side.name}_cpu_s"] = statistics.median(c for c, _ in used)
             out[f"{side.name}_cores_busy"] = statistics.median(c / (2 * t) for c, t in used)
     _median(out, "ceiling_over_sync", [2 * a / b for a, b in zip(sync, one)])
     _median(out, "ceiling_busy_over_sync", [2 * a / b for a, b in zip(sync, busy)])
+    out["ceiling_over_sync_total"] = 2 * sum(sync) / sum(one)
+    out["ceiling_busy_over_sync_total"] = 2 * sum(sync) / sum(busy)
     slowdown = [b / a for a, b in zip(one, busy)]
     out["neighbour_slowdown"] = statistics.median(slowdown)  # 1 thread: beside the neighbour / alone
     out["step_s"] = out["sync_step_s"]

@@ -40,7 +40,8 @@ nothing then; awake it adds to the update's peak too.
 With asynchronous rollouts (``algo.rollout.mode=async``, docs/async.md) each rank's producer
 process samples on the rank's GPU while the trainer updates, so what it holds is resident beside
 everything else: its copy of the policy (at the policy's dtype as a rank holds it: the weights dtype
-under DeepSpeed and LoRA, full precision under DDP and FSDP mixed precision) and its KV cache, or,
+under DeepSpeed and LoRA, full precision under DDP and FSDP mixed precision) and its KV cache (for
+``algo.rollout.merge_rollouts`` rollouts, which it may sample as one batch), or,
 with the vLLM engine, an engine of its own that never sleeps (the copy then stays in CPU memory).
 The trainer keeps its own KV cache or engine row, for what it still samples (validation, DAPO's
 extra batches, ReMax's greedy baselines).
@@ -78,6 +79,7 @@ class Setup:
     gen_len: int
     engine: Any = None  # the VLLMConfig of a vllm rollout engine; None = the hf loop
     producer: bool = False  # asynchronous rollouts: a producer process on each rank's GPU
+    producer_merge: int = 1  # the rollouts it samples as one batch (algo.rollout.merge_rollouts)
 
     @property
     def master_weight_bytes(self) -> int:
@@ -276,6 +278,7 @@ def setup_from(cfg: Any, job: Any) -> Setup:
         gen_len=int(gen_len),
         engine=engine,
         producer=bool(rl and algo.rollout.mode == "async"),
+        producer_merge=int(algo.rollout.merge_rollouts) if rl and algo.rollout.mode == "async" else 1,
     )
 
 
@@ -340,8 +343,9 @@ def estimate(cfg: Any, job: Any, setup: Setup | None = None, gpu_memory_gb: floa
     producer, producer_note = 0.0, ""
     if s.producer:  # always resident: its copy of the policy and KV cache, or its engine (the copy in CPU memory)
         if s.engine is None:
-            producer = s.policy_weight_bytes * a.params() + float(kv)
-            producer_note = "async: its copy of the policy + its KV cache, never freed"
+            producer = s.policy_weight_bytes * a.params() + float(kv) * s.producer_merge
+            merge = f" for {s.producer_merge} rollouts at once" if s.producer_merge > 1 else ""
+            producer_note = f"async: its copy of the policy + its KV cache{merge}, never freed"
         else:
             producer = engine_bytes(replace(s, engine=replace(s.engine, sleep=False)), a, [], gpu_memory_gb)[0]
             producer_note = "async: its vLLM engine, never asleep"

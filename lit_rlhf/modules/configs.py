@@ -275,6 +275,12 @@ class RLConfig(PolicyConfig):
             "an async rollout producer samples alone, on its rank's device: its vLLM engine has no ranks to split "
             "the model over; use tensor_parallel_size=1 or algo.rollout.mode=sync",
         )
+        check(
+            self.rollout.merge_rollouts <= self.rollout.max_staleness + 1,
+            "rollout.merge_rollouts",
+            f"the producer has at most algo.rollout.max_staleness + 1 = {self.rollout.max_staleness + 1} rollouts "
+            f"admitted at once to merge; got {self.rollout.merge_rollouts}",
+        )
         objective = POLICY_LOSSES.get(self.policy_loss)
         check(
             self.clip_eps_high >= self.clip_eps_low or (objective is not None and not objective.ordered_clip),

@@ -336,6 +336,7 @@ class RLModule(RLHFModule):
                 vllm_logprobs=self.vllm_logprobs_mode(),
                 seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # the run's seed (pl.seed_everything)
                 threads=mine,
+                merge_rollouts=c.rollout.merge_rollouts,
                 device=str(self.device),
                 autocast=autocast,
             ),

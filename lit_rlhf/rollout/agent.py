@@ -122,6 +122,12 @@ def agent_settings(algo: Any, max_prompt_length: int | None = None) -> AgentSett
     )
 
 
+def total_counts(rows: list[dict[str, int]]) -> dict[str, int]:
+    """The counts of several trajectories (:attr:`AgentRollout.counts`) added up, as
+    :meth:`AgentLoop.take_counts` returns them."""
+    return {k: sum(c[k] for c in rows) for k in STATS}
+
+
 def summarize_counts(s: dict[str, int]) -> dict[str, float]:
     """``agent/*`` of raw counts: per-trajectory means of turns, calls, truncations; the share of
     the environment's tokens; the other counts as they are."""
@@ -168,6 +174,7 @@ class AgentRollout:
     env_reward: list[float]  # each environment's reward (NaN: its step or reward() failed)
     tool_calls: list[int]  # each trajectory's tool calls (a cost per call is a reward of them)
     turns: list[int]  # each trajectory's policy turns
+    counts: list[dict[str, int]] = field(default_factory=list)  # each trajectory's counts (STATS)
 
 
 class AgentLoop:
@@ -473,6 +480,7 @@ class AgentLoop:
             env_reward=env_reward,
             tool_calls=[t.counts["tool_calls"] for t in trajectories],
             turns=[t.counts["turns"] for t in trajectories],
+            counts=[dict(t.counts) for t in trajectories],
         )
 
     def check_rendering(self, t: Trajectory, tok: Any) -> None:

@@ -30,8 +30,10 @@ whose trainer died (SIGKILL) is killed with it, mid-sample too (:func:`_watch_tr
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import queue
@@ -46,6 +48,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from lit_rlhf.rollout.agent import total_counts
 from lit_rlhf.rollout.collect import rollout_inputs, sample_responses, scored_logprobs
 from lit_rlhf.utils.rng import capture_rng, restore_rng, rng_kept
 
@@ -89,7 +92,8 @@ class Ticket:
 class Drawn:
     """A sampled ticket: ``sample_responses``' output (``drawn``), the policy version that sampled
     it, the reference's log-probs of its first rows (``reference_share`` of them; None: none), the
-    random state after sampling (bound 0), and the producer's timings and statistics."""
+    random state after sampling (bound 0), and the producer's timings and statistics (``merged``:
+    the rollouts sampled in its batch, :func:`merged_batch`)."""
 
     ticket: int
     version: int
@@ -100,6 +104,7 @@ class Drawn:
     weights_wait_s: float
     agent_counts: dict[str, int] = field(default_factory=dict)
     reference_share: float = 0.0
+    merged: int = 1
 
 
 @dataclass
@@ -109,8 +114,9 @@ class ProducerSettings:
     sampler's log-probs (None: not kept), the multi-turn settings (None: one turn), the frozen
     reference that scores each sample where it is drawn (None: the trainer scores; its memory is
     shared with the trainer's, never copied) at the trainer's log-prob temperature and forward, the
-    vLLM engine's log-prob mode, the seed of the tickets at a bound above 0, its torch threads, and a test's
-    delay (``ticket -> seconds`` slept before sampling; a picklable function). ``reference_scoring``
+    vLLM engine's log-prob mode, the seed of the tickets at a bound above 0, its torch threads, the
+    most tickets it samples as one batch (``algo.rollout.merge_rollouts``), and a test's delay
+    (``ticket -> seconds`` slept before sampling; a picklable function). ``reference_scoring``
     (with a reference): ``producer`` scores every row of every sample; ``balanced`` the share of
     rows that evens out the two sides' busy time (:class:`ReferenceShare`; the trainer scores the rest).
     ``device``: where the producer samples and scores, the trainer's own (the CPU, or the rank's
@@ -129,6 +135,7 @@ class ProducerSettings:
     vllm_logprobs: str = "raw_logprobs"
     seed: int = 0
     threads: int = 1
+    merge_rollouts: int = 1
     delay: Callable[[int], float] | None = None
     device: str = "cpu"
     autocast: torch.dtype | None = None
@@ -315,37 +322,45 @@ def _produce(
         agent = AgentLoop(settings.agent)
     model.eval()
     share = ReferenceShare(balanced=settings.reference_scoring == "balanced")
+    held: collections.deque = collections.deque()  # tickets taken off the queue, not sampled yet
     serial, engine, idle, idle_since = 0, None, 0.0, time.perf_counter()
     try:
         while True:
-            job: Ticket | None = jobs.get()
+            job = _next_ticket(jobs, held)
             if job is None:
                 return
             started = time.perf_counter()
             version, serial = board.read(model, job.need, serial)
+            group = [job, *_admitted(jobs, held, job, version, settings.merge_rollouts - 1)]
             if settings.gen.engine != "hf":  # synced to the board's weights as the colocated engine is
                 engine = engine_for(model, settings.gen, serial, engine, settings.vllm_logprobs, device.type)
             sampling = time.perf_counter()
-            idle = _recent(idle, sampling - idle_since)
             if settings.delay is not None:
-                time.sleep(settings.delay(job.ticket))
-            job.batch = moved(job.batch, device)
+                time.sleep(sum(settings.delay(j.ticket) for j in group))
+            rows = [len(j.batch["prompts"]) * settings.responses_per_prompt for j in group]
             with torch.autocast(device.type, settings.autocast, enabled=settings.autocast is not None):
-                drawn = _sample(model, tokenizer, job, settings, engine, agent)
-                ref, scored = _reference_rows(drawn, settings, share, idle, trainer_wait.value)
-            out.put(
-                Drawn(
-                    ticket=job.ticket,
-                    version=version,
-                    drawn=moved(drawn, "cpu"),
-                    ref_logprobs=moved(ref, "cpu"),
-                    rng=capture_rng() if job.rng is not None else None,
-                    sample_s=time.perf_counter() - sampling,
-                    weights_wait_s=sampling - started,
-                    agent_counts=agent.take_counts() if agent is not None else {},
-                    reference_share=scored,
+                drawn = _sample(model, tokenizer, group, settings, engine, agent, device)
+            parts = split_sample(drawn, rows) if len(group) > 1 else [drawn]
+            sampled_s = time.perf_counter() - sampling
+            for j, part, n in zip(group, parts, rows):
+                idle = _recent(idle, (sampling - idle_since) / len(group))  # per rollout
+                scoring = time.perf_counter()
+                with torch.autocast(device.type, settings.autocast, enabled=settings.autocast is not None):
+                    ref, scored = _reference_rows(part, settings, share, idle, trainer_wait.value)
+                out.put(
+                    Drawn(
+                        ticket=j.ticket,
+                        version=version,
+                        drawn=moved(part, "cpu"),
+                        ref_logprobs=moved(ref, "cpu"),
+                        rng=capture_rng() if j.rng is not None else None,
+                        sample_s=sampled_s * n / sum(rows) + time.perf_counter() - scoring,
+                        weights_wait_s=sampling - started if j is job else 0.0,
+                        agent_counts=total_counts(part[2].counts) if agent is not None else {},
+                        reference_share=scored,
+                        merged=len(group),
+                    )
                 )
-            )
             idle_since = time.perf_counter()
     except SystemExit:
         return
@@ -381,6 +396,116 @@ def _own_gpu(device: torch.device, engine: str) -> torch.device:
     os.environ["CUDA_VISIBLE_DEVICES"] = ids[index]
     torch.cuda.set_device(0)
     return torch.device("cuda", 0)
+
+
+def _next_ticket(jobs: Any, held: collections.deque) -> Ticket | None:
+    """The next ticket to sample (None: the end): the first of those :func:`_admitted` held back,
+    unless the trainer has closed the queue meanwhile (it takes back the tickets not started), or
+    the queue's next."""
+    if not held:
+        return jobs.get()
+    with contextlib.suppress(queue.Empty):
+        held.append(jobs.get_nowait())
+    return None if held[-1] is None else held.popleft()
+
+
+def _admitted(jobs: Any, held: collections.deque, first: Ticket, version: int, room: int) -> list[Ticket]:
+    """The tickets after ``first`` that are sampled in its batch (``algo.rollout.merge_rollouts``):
+    at most ``room`` of those already handed out, in order, while each one's bound admits
+    ``version`` and its prompts merge with ``first``'s (:func:`mergeable`). The first that does not
+    stays in ``held``, sampled next."""
+    group: list[Ticket] = []
+    while len(group) < room:
+        if not held:
+            try:
+                held.append(jobs.get_nowait())
+            except queue.Empty:
+                break
+        nxt = held[0]
+        if nxt is None or nxt.need > version or not mergeable(first, nxt):
+            break
+        group.append(held.popleft())
+    return group
+
+
+PROMPT_KEYS = {"prompt_ids", "prompt_mask", "prompts", "columns"}
+"""What the prompt loader's batches hold (lit_rlhf/data/prompts.py ``collate_prompts``): the keys a
+merged batch is made of."""
+
+
+def mergeable(a: Ticket, b: Ticket) -> bool:
+    """Whether two tickets' prompts can be sampled as one batch: batches of the prompt loader's keys
+    alone, with the same dataset columns, and no trainer's random state to sample with (bound 0)."""
+    if a.rng is not None or b.rng is not None or set(a.batch) != set(b.batch) or not set(a.batch) <= PROMPT_KEYS:
+        return False
+    return set(a.batch.get("columns") or {}) == set(b.batch.get("columns") or {})
+
+
+def merged_batch(batches: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
+    """The prompts of several tickets as one batch, in order: their ids and masks left-padded to the
+    widest (``pad_id``), their texts and dataset columns one after the other."""
+    width = max(b["prompt_ids"].shape[1] for b in batches)
+
+    def left(t: torch.Tensor, fill: int) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=fill)
+
+    out = {
+        "prompt_ids": torch.cat([left(b["prompt_ids"], pad_id) for b in batches]),
+        "prompt_mask": torch.cat([left(b["prompt_mask"], 0) for b in batches]),
+        "prompts": [p for b in batches for p in b["prompts"]],
+    }
+    if "columns" in batches[0]:
+        out["columns"] = {k: [x for b in batches for x in b["columns"][k]] for k in batches[0]["columns"]}
+    return out
+
+
+def split_sample(drawn: tuple, rows: list[int]) -> list[tuple]:
+    """:func:`sample_responses`' output for a :func:`merged_batch` cut into each ticket's (its
+    ``rows``, in order), each cut to its own width: the leading prompt columns and trailing response
+    columns that only other tickets' rows use are dropped, so a ticket's sample has the shapes it has
+    sampled alone (the hf loop and a vLLM engine both stop at the batch's longest response)."""
+    batch, sampled, turns = drawn
+    parts, start = [], 0
+    for n in rows:
+        at = slice(start, start + n)
+        start += n
+        used = batch["prompt_mask"][at].any(0).nonzero()
+        lead = int(used[0]) if len(used) else batch["prompt_mask"].shape[1]
+        attended = (turns.attention_mask if turns is not None else sampled[1])[at].any(0).nonzero()
+        width = int(attended[-1]) + 1 if len(attended) else 1
+        cut = functools.partial(_cut, rows=at)
+
+        prompt, response = slice(lead, None), slice(0, width)
+        part = {
+            k: v[at] if isinstance(v, list) else v for k, v in batch.items() if k not in ("prompt_ids", "prompt_mask")
+        }
+        if "columns" in part:
+            part["columns"] = {k: v[at] for k, v in part["columns"].items()}
+        if turns is None:
+            ids, mask, ended, logps = sampled
+            cuts = (cut(ids, response), cut(mask, response), cut(ended), cut(logps, response))
+            part.update(prompt_ids=cut(batch["prompt_ids"], prompt), prompt_mask=cut(batch["prompt_mask"], prompt))
+            parts.append((part, cuts, None))
+            continue
+        t = dataclasses.replace(
+            turns,
+            prompt_ids=cut(turns.prompt_ids, prompt),
+            prompt_mask=cut(turns.prompt_mask, prompt),
+            response_ids=cut(turns.response_ids, response),
+            response_mask=cut(turns.response_mask, response),
+            attention_mask=cut(turns.attention_mask, response),
+            ended=cut(turns.ended),
+            sampler_logprobs=cut(turns.sampler_logprobs, response),
+            **{f: getattr(turns, f)[at] for f in ("texts", "env_reward", "tool_calls", "turns", "counts")},
+        )
+        part.update(prompt_ids=t.prompt_ids, prompt_mask=t.prompt_mask)
+        parts.append((part, (t.response_ids, t.response_mask, t.ended, t.sampler_logprobs), t))
+    return parts
+
+
+def _cut(t: torch.Tensor | None, cols: slice = slice(None), *, rows: slice) -> torch.Tensor | None:
+    """The ``rows`` of ``t`` (and its columns ``cols``, a 2-D one) as a tensor of their own; None: None."""
+    return None if t is None else (t[rows, cols] if t.dim() > 1 else t[rows]).clone()
 
 
 def _recent(mean: float, seconds: float) -> float:
@@ -424,18 +549,26 @@ class ReferenceShare:
 
 
 def _sample(
-    model: nn.Module, tokenizer: Any, job: Ticket, settings: ProducerSettings, engine: Any, agent: Any
+    model: nn.Module,
+    tokenizer: Any,
+    group: list[Ticket],
+    settings: ProducerSettings,
+    engine: Any,
+    agent: Any,
+    device: torch.device,
 ) -> tuple:
-    """``sample_responses``' output for one ticket, with the trainer's random state (bound 0) or the
-    ticket's own seed."""
-    if job.rng is not None:
-        restore_rng(job.rng)
+    """``sample_responses``' output for the tickets of ``group`` as one batch (:func:`merged_batch`;
+    one ticket: its own), with the trainer's random state (bound 0) or the first ticket's own seed."""
+    first = group[0]
+    if first.rng is not None:
+        restore_rng(first.rng)
     else:
-        torch.manual_seed(settings.seed * 1_000_003 + job.ticket)
+        torch.manual_seed(settings.seed * 1_000_003 + first.ticket)
+    batch = first.batch if len(group) == 1 else merged_batch([j.batch for j in group], tokenizer.pad_token_id)
     with torch.inference_mode():
         return sample_responses(
             model,
-            job.batch,
+            moved(batch, device),
             tokenizer,
             settings.gen,
             engine,
@@ -613,7 +746,8 @@ class AsyncRollouts:
 
     def stats(self, k: int, drawn: Drawn, waited_s: float) -> dict[str, torch.Tensor]:
         """``async/*`` of iteration k's sample (docs/metrics.md): its staleness, one-hot over 0 … the
-        bound (the histogram's share), the trainer's wait, the producer's timings, the restarts."""
+        bound (the histogram's share), the trainer's wait, the producer's timings, the rollouts
+        sampled in its batch, the restarts."""
         staleness = k - drawn.version
         stats = {f"async/staleness_{v}": torch.tensor(float(v == staleness)) for v in range(self.max_staleness + 1)}
         stats.update(
@@ -623,6 +757,7 @@ class AsyncRollouts:
                 "async/producer_sample_s": torch.tensor(drawn.sample_s),
                 "async/producer_weights_wait_s": torch.tensor(drawn.weights_wait_s),
                 "async/producer_reference": torch.tensor(drawn.reference_share),
+                "async/producer_merged": torch.tensor(float(drawn.merged)),
                 "async/restarts": torch.tensor(float(self.restarted)),
             }
         )

@@ -12,6 +12,12 @@ def heavy_tailed(ticket: int) -> float:
     return 0.0 if rng.random() < 0.8 else min(0.05 * rng.paretovariate(1.2), 1.5)
 
 
+def first_slow(ticket: int) -> float:
+    """:func:`heavy_tailed`, and a first ticket that takes half a second: the tickets handed out
+    meanwhile are waiting together when the producer is done with it (a merged batch)."""
+    return 0.5 if ticket == 0 else heavy_tailed(ticket)
+
+
 class Stuck:
     """A producer that takes a minute for every ticket, and says so in the file ``marker`` when it
     starts one (the test kills its trainer then)."""

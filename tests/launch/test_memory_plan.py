@@ -248,7 +248,8 @@ def test_a_plan_that_fits_or_has_no_gpu_to_check_is_not_a_failure(capsys):
 
 def test_async_rollouts_count_the_producers_copy_and_sampler_beside_everything():
     """algo.rollout.mode=async: each rank's producer holds a copy of the policy (bf16 under DeepSpeed,
-    fp32 under DDP's mixed precision) and its KV cache, or a vLLM engine that never sleeps (its copy
+    fp32 under DDP's mixed precision) and its KV cache (for each rollout it samples in one batch),
+    or a vLLM engine that never sleeps (its copy
     of the policy in CPU memory), all resident beside the update; the trainer's own rows stay (it
     still samples for validation)."""
     gib = 2**30
@@ -263,6 +264,9 @@ def test_async_rollouts_count_the_producers_copy_and_sampler_beside_everything()
     assert "model states + rollout producer + max(" in hf.render()
     ddp = _plan(*asynchronous, "strategy=ddp")
     assert ddp.producer == pytest.approx(4 * P7B + sync.kv_cache)  # DDP keeps fp32 weights under bf16-mixed
+    merged = _plan(*asynchronous, "algo.rollout.max_staleness=2", "algo.rollout.merge_rollouts=2")
+    assert merged.producer == pytest.approx(2 * P7B + 2 * sync.kv_cache)  # two rollouts' KV cache at once
+    assert "its KV cache for 2 rollouts at once, never freed |" in merged.render()
     # a vLLM engine of dtype auto has the policy's dtype as the rank holds it: fp32 under DDP mixed precision
     fixed = [*asynchronous, "strategy=ddp", "algo.generation.engine=vllm", "algo.generation.vllm.kv_cache_gib=4"]
     assert _plan(*fixed).producer == pytest.approx(4 * P7B + 4 * gib)

@@ -38,6 +38,7 @@ from tests.conftest import ROOT
 from tests.helpers.producer_faults import (
     Logged,
     broken,
+    first_slow,
     heavy_tailed,
     hold_the_lock,
     misconfigured,
@@ -74,12 +75,17 @@ def nudge(model, k: int) -> None:
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(k)) * 0.3)
 
 
-def test_staleness_stays_within_the_bound_and_every_ticket_is_trained(policy, tokenizer, bound=2):
+@pytest.mark.parametrize("merge", [1, 3])
+def test_staleness_stays_within_the_bound_and_every_ticket_is_trained(policy, tokenizer, merge, bound=2):
+    """Every ticket delivered once, in order, within the bound, and equal to what the weights of its
+    version sample for its prompts alone (greedy), also where it was sampled in one batch with the
+    tickets after it (``merge``: the first ticket is slow, so the next ones wait together if they
+    did not start with it)."""
     model = replace_model(policy)
     versions = {0: {k: v.clone() for k, v in model.state_dict().items()}}
-    rollouts = producer(model, tokenizer, bound, delay=heavy_tailed)
+    rollouts = producer(model, tokenizer, bound, delay=first_slow if merge > 1 else heavy_tailed, merge_rollouts=merge)
     rollouts.start(0)
-    n, handed, seen = 10, 0, []
+    n, handed, seen, merged = 10, 0, [], []
     slow_trainer = random.Random(1)
     try:
         for k in range(n):
@@ -90,12 +96,15 @@ def test_staleness_stays_within_the_bound_and_every_ticket_is_trained(policy, to
             drawn = rollouts.take(k)
             assert drawn.ticket == k and k - bound <= drawn.version <= k, (k, drawn.version)
             seen.append(k - drawn.version)
+            merged.append(drawn.merged)
             # the rollout is what the weights of its version sample
             twin = replace_model(policy, versions[drawn.version])
             batch, (ids, _, _, logps), _ = sample_responses(
                 twin, prompts(tokenizer, k), tokenizer, GREEDY, None, 2, 1.0
             )
-            assert torch.equal(drawn.drawn[1][0], ids)
+            assert torch.equal(drawn.drawn[1][0], ids) and torch.equal(
+                drawn.drawn[0]["prompt_ids"], batch["prompt_ids"]
+            )
             torch.testing.assert_close(drawn.drawn[1][3], logps)
             time.sleep(min(0.05 * slow_trainer.paretovariate(1.2), 1.0))  # a slow, uneven trainer
             nudge(model, k)
@@ -105,6 +114,7 @@ def test_staleness_stays_within_the_bound_and_every_ticket_is_trained(policy, to
         rollouts.close()
     assert rollouts.max_held <= bound + 1 and not rollouts.pending and not rollouts.ready
     assert max(seen) <= bound and seen[0] == 0
+    assert max(merged) <= merge and (max(merged) > 1 if merge > 1 else set(merged) == {1})
 
 
 def replace_model(policy, state: dict | None = None):
@@ -572,3 +582,86 @@ def test_what_crosses_is_moved_whole_and_a_tensor_held_twice_once():
     assert out.response_ids.is_meta and out.sampler_logprobs is None and out.env_reward == [0.5, 1.0]
     assert batch["prompt_ids"] is sampled[0] is out.prompt_ids is out.response_ids  # one tensor, moved once
     assert ids.device.type == "cpu" and not ids.is_meta  # the original stays where it was
+
+
+def test_a_merged_sample_is_cut_into_each_tickets_rows_at_its_own_widths():
+    """``split_sample`` of a two-ticket batch (hand-made: ticket A's prompts 2 tokens wide, B's 3; A's
+    responses 2 tokens long, B's 4): each part holds its rows with only its own padding, as sampling
+    it alone pads them; a multi-turn sample's counts go with their rows."""
+    from lit_rlhf.rollout.agent import AgentRollout
+    from lit_rlhf.rollout.producer import merged_batch, split_sample
+
+    a = {
+        "prompt_ids": torch.tensor([[5, 6], [0, 7]]),
+        "prompt_mask": torch.tensor([[1, 1], [0, 1]]),
+        "prompts": ["a", "b"],
+    }
+    b = {"prompt_ids": torch.tensor([[8, 9, 10]]), "prompt_mask": torch.tensor([[1, 1, 1]]), "prompts": ["c"]}
+    for batch in (a, b):
+        batch["columns"] = {"answer": [p.upper() for p in batch["prompts"]]}
+    batch = merged_batch([a, b], pad_id=0)
+    assert batch["prompt_ids"].tolist() == [[0, 5, 6], [0, 0, 7], [8, 9, 10]]
+    assert batch["prompt_mask"].tolist() == [[0, 1, 1], [0, 0, 1], [1, 1, 1]]
+    assert batch["prompts"] == ["a", "b", "c"] and batch["columns"] == {"answer": ["A", "B", "C"]}
+    ids = torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0], [4, 5, 6, 7]])
+    mask = (ids > 0).long()
+    logps = -ids.float()
+    ended = torch.tensor([True, True, False])
+    (pa, sa, ta), (pb, sb, tb) = split_sample((batch, (ids, mask, ended, logps), None), [2, 1])
+    assert (
+        pa["prompt_ids"].tolist() == a["prompt_ids"].tolist()
+        and pa["prompt_mask"].tolist() == a["prompt_mask"].tolist()
+    )
+    assert pb["prompt_ids"].tolist() == b["prompt_ids"].tolist() and pa["columns"] == {"answer": ["A", "B"]}
+    assert sa[0].tolist() == [[1, 2], [3, 0]] and sa[1].tolist() == [[1, 1], [1, 0]] and sa[2].tolist() == [True, True]
+    assert sa[3].tolist() == [[-1.0, -2.0], [-3.0, 0.0]] and ta is None and tb is None
+    assert sb[0].tolist() == [[4, 5, 6, 7]] and sb[2].tolist() == [False] and pb["prompts"] == ["c"]
+    # multi-turn: the environment's tokens (attended, not the policy's) count toward a part's width
+    attention = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    counts = [{"turns": 2, "tool_calls": 1}, {"turns": 1, "tool_calls": 0}, {"turns": 3, "tool_calls": 2}]
+    turns = AgentRollout(
+        batch["prompt_ids"],
+        batch["prompt_mask"],
+        ids,
+        mask,
+        attention,
+        ended,
+        None,
+        ["x", "y", "z"],
+        [0.5, 1.0, 0.0],
+        [1, 0, 2],
+        [2, 1, 3],
+        counts,
+    )
+    agent_batch = {**batch, "prompt_ids": turns.prompt_ids, "prompt_mask": turns.prompt_mask}
+    sampled = (ids, mask, ended, None)
+    (pa, sa, ta), (pb, sb, tb) = split_sample((agent_batch, sampled, turns), [2, 1])
+    assert ta.response_ids.tolist() == [[1, 2, 0], [3, 0, 0]] and ta.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert (
+        sa[0] is ta.response_ids
+        and pa["prompt_ids"] is ta.prompt_ids
+        and ta.prompt_ids.tolist() == a["prompt_ids"].tolist()
+    )
+    assert ta.texts == ["x", "y"] and ta.counts == counts[:2] and tb.counts == counts[2:] and tb.tool_calls == [2]
+    assert ta.sampler_logprobs is None and tb.response_ids.shape == (1, 4)
+
+
+def test_tickets_sampled_as_one_batch_are_those_each_samples_alone(policy, tokenizer):
+    """The hf loop, greedy, over two tickets' prompts merged (different prompt widths): each ticket's
+    part equals its own sample, tokens, padding and the sampler's log-probs."""
+    from lit_rlhf.rollout.producer import merged_batch, split_sample
+
+    tickets = [
+        prompts(tokenizer, 3),
+        collate_prompts(
+            [(tokenizer(t)["input_ids"], t, {}) for t in ["the cat sat on a mat", "a"]], tokenizer.pad_token_id
+        ),
+    ]
+    assert tickets[0]["prompt_ids"].shape[1] != tickets[1]["prompt_ids"].shape[1]
+    merged = sample_responses(policy, merged_batch(tickets, tokenizer.pad_token_id), tokenizer, GREEDY, None, 2, 1.0)
+    for ticket, part in zip(tickets, split_sample(merged, [4, 4])):
+        alone = sample_responses(policy, ticket, tokenizer, GREEDY, None, 2, 1.0)
+        assert torch.equal(part[0]["prompt_ids"], alone[0]["prompt_ids"]) and part[0]["prompts"] == alone[0]["prompts"]
+        for mine, theirs in zip(part[1][:3], alone[1][:3]):
+            assert torch.equal(mine, theirs)
+        torch.testing.assert_close(part[1][3], alone[1][3])
