@@ -1,5 +1,5 @@
 """Asynchronous rollouts (``async_rollouts``): lit_rlhf's GRPO on the bench model, synchronous and with
-the producer process ahead of the trainer by ``algo.rollout.max_staleness`` 1 and 2
+the producer process ahead of the trainer by ``algo.rollout.max_staleness`` 1, 2 and 3
 (lit_rlhf/rollout/producer.py: the producer samples on one of the 2 cores, the trainer scores and
 updates on the other), every run with the decoupled behaviour weight
 (``algo.rollout_correction=decoupled``), so that the objective is the same.
@@ -35,13 +35,14 @@ from .grpo import _grpo_ours
 
 SIDES = {
     "async1": {"mode": "async", "max_staleness": 1},
-    "async2": {"mode": "async", "max_staleness": 2},
     "async2_balanced": {"mode": "async", "max_staleness": 2, "reference_scoring": "balanced"},
     "async2_merged": {"mode": "async", "max_staleness": 2, "reference_scoring": "balanced", "merge_rollouts": 3},
+    "async3_merged": {"mode": "async", "max_staleness": 3, "reference_scoring": "balanced", "merge_rollouts": 2},
 }
-"""The async runs, each against the synchronous one: bound 1 and 2 with the trainer scoring the
-reference's log-probs (the default), bound 2 with them split between the two sides (``balanced``),
-and that with every rollout the bound admits at once sampled as one batch (``merge_rollouts`` 3)."""
+"""The async runs, each against the synchronous one: bound 1 with the trainer scoring the reference's
+log-probs (the default); bound 2 with them split between the two sides (``balanced``); that with
+the rollouts the bound admits at once sampled as one batch (``merge_rollouts`` 3: all of them); and
+bound 3, balanced, two rollouts to a batch (a producer that is behind finds two admitted more often)."""
 ROUNDS = 20  # timed rounds of a full run (one iteration per mode each)
 TIMEOUT_S = 600.0  # an async run that does not come back to its turn this long is an error
 

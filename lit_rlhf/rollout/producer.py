@@ -18,10 +18,15 @@ trainer hands out no ticket beyond ``k + max_staleness``. So no finished rollout
 be trained on, none is thrown away, and a slow rollout holds the trainer back instead of being
 dropped. Each delivered rollout carries its version; ``k − version`` is its staleness.
 
+**Merged batches** (``algo.rollout.merge_rollouts``): a producer that is behind, with several
+tickets admitted by the version it read, samples them as one batch (:func:`merged_batch`) and
+delivers each ticket's rows cut to its own width (:func:`split_sample`).
+
 **Bound 0** is the synchronous run in another process: ticket ``k`` is sampled with version ``k``
 (the weights after iteration ``k − 1``) and with the trainer's random state, handed over with the
-ticket and handed back with the rollout. At a bound above 0 each ticket samples from its own seed
-(the run's seed and the ticket): a resumed run samples each ticket with the same random numbers.
+ticket and handed back with the rollout. At a bound above 0 each batch samples from its first ticket's own
+seed (the run's seed and the ticket): a resumed run samples each ticket with the same random
+numbers where it merges the same tickets.
 
 **Faults.** A producer that dies is started again (``algo.rollout.restarts`` times in a run) and
 samples its unfinished tickets again; then the run stops with an error naming the key. A producer
