@@ -318,8 +318,8 @@ class RLModule(RLHFModule):
         kind = self.device.type  # the training step's autocast (bf16-mixed), for the producer's sampling too
         autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
         self._threads = torch.get_num_threads()
-        mine, trainer = split_threads(self._threads, c.rollout.max_staleness, c.rollout.producer_threads)
-        torch.set_num_threads(trainer)
+        mine, self._training_threads = split_threads(self._threads, c.rollout.max_staleness, c.rollout.producer_threads)
+        torch.set_num_threads(self._training_threads)
         sampler = c.monitor_sampler or c.rollout_correction != "none"
         self.producer = AsyncRollouts(
             self.actor,
@@ -784,6 +784,10 @@ class RLModule(RLHFModule):
         if self.agent is not None:  # the validation trajectories are not the next iteration's
             self.agent.take_stats()
 
+    def on_validation_end(self) -> None:
+        if self.producer is not None:  # back to the split of the asynchronous iterations
+            torch.set_num_threads(self._training_threads)
+
     def teardown(self, stage: str) -> None:
         """The end of a fit: the tool workers stop with the engine (:meth:`RLHFModule.teardown`)."""
         super().teardown(stage)
@@ -798,6 +802,8 @@ class RLModule(RLHFModule):
     def on_validation_start(self) -> None:
         if self.trainer.state.fn == "validate":  # trainer.validate() before fit: no on_fit_start
             self.on_fit_start()
+        if self.producer is not None:  # async: validation samples here, with all of the threads (the
+            torch.set_num_threads(self._threads)  # producer has at most the bound's rollouts to finish)
 
     # ============================================================== models and rewards
     def build_policy_and_reference(self) -> None:

@@ -101,14 +101,14 @@ class RolloutModeConfig:
     """The most rollouts the producer samples as one batch (async, bound ≥ 1): when it starts one, it
     also takes those after it that the bound admits with the same weights (it is behind), and cuts
     the sample back into each rollout at its own width. A wider batch decodes more tokens per second
-    (the hf loop on the bench's two CPU cores: two rollouts in 1.6× the time of one); a merged
+    (the hf loop on one CPU thread, the bench model: two rollouts in 1.6× the time of one); a merged
     rollout may be one version staler than if it had waited its turn, within the bound. 1 = one at
     a time; at most max_staleness + 1. The hf loop's KV cache grows with the batch (the memory plan
     counts it). docs/async.md §1."""
     producer_threads: int | None = field(default=None, metadata={"ge": 1})
-    """torch threads of the producer; the trainer keeps the rest of its own (at least one). None =
-    half of the trainer's (at least one); at bound 0, where nothing overlaps, all of them (and the
-    trainer keeps its own)."""
+    """torch threads of the producer; the trainer keeps the rest of its own (at least one) and
+    validates with all of them. None = half of the trainer's (at least one); at bound 0, where
+    nothing overlaps, all of them (and the trainer keeps its own)."""
     reference_scoring: Literal["trainer", "producer", "balanced"] = "trainer"
     """Where the frozen reference's log-probs of each sample are computed (runs with a reference;
     the producer's reference shares the trainer's memory, never a copy; on a GPU: the trainer only).

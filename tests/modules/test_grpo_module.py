@@ -48,8 +48,7 @@ def fit(module, dm, max_steps, **kw):
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
-        limit_val_batches=0,
-        **kw,
+        **{"limit_val_batches": 0, **kw},
     )
     trainer.fit(module, dm)
     return trainer
@@ -436,7 +435,8 @@ def test_a_failed_async_fit_leaves_no_producer_behind(saved_models, tokenizer):
     """Lightning tears a module down only after a fit that ends; a fit that fails (here the reward
     callable raises in iteration 2) still stops its rollout producer process and gives the trainer
     its torch threads back (lit_rlhf/modules/base.py ``TeardownOnFailure``), so a retry in the same
-    process starts a producer of its own (and ends with it stopped, as a fit that ends does)."""
+    process starts a producer of its own (and ends with it stopped, as a fit that ends does). While
+    the producer runs, the trainer validates with all of its threads, and trains with the rest."""
     fails = {"_target_": "tests.helpers.producer_faults.reward_failing_at", "call": 2}
     m = make(saved_models, tokenizer, reward_fn=fails, rollout={"mode": "async"}, rollout_correction="decoupled")
     threads, seen = torch.get_num_threads(), []
@@ -449,9 +449,25 @@ def test_a_failed_async_fit_leaves_no_producer_behind(saved_models, tokenizer):
         fit(m, data(tokenizer), 3, callbacks=[Producer()])
     assert len(seen) == 1 and seen[0].exitcode is not None  # the producer of the failed fit has exited
     assert m.producer is None and torch.get_num_threads() == threads
-    fit(m, data(tokenizer), 2, callbacks=[Producer()])  # the retry (the reward's calls 3 and 4 succeed)
+    used = []
+
+    class Threads(pl.Callback):  # the trainer's torch threads while it trains, and while it validates
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            used.append(("train", torch.get_num_threads()))
+
+        def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+            used.append(("val", torch.get_num_threads()))
+
+    # the retry (the reward's calls 3 and 4 succeed) on 2 threads, validating after each iteration: the
+    # producer starts in the first and takes one thread, and validation samples with both
+    torch.set_num_threads(2)
+    try:
+        fit(m, data(tokenizer), 2, callbacks=[Producer(), Threads()], limit_val_batches=1, val_check_interval=1)
+        assert m.producer is None and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
     assert len(seen) == 3 and seen[1] is seen[2] is not seen[0] and seen[1].exitcode is not None
-    assert m.producer is None and torch.get_num_threads() == threads
+    assert used == [("val", 2), ("train", 2), ("val", 2), ("train", 1), ("val", 2)], used  # first: the sanity check
 
 
 def test_an_async_fit_without_shared_memory_for_the_weights_stops_before_it_starts(
