@@ -153,6 +153,8 @@ def test_async_needs_a_correction_an_unsplit_vllm_engine_and_a_reachable_merge()
         build_config(CriticFreeConfig, {**base, **merge}, "algo")
     merge["rollout"]["merge_rollouts"] = 2
     assert build_config(CriticFreeConfig, {**base, **merge}, "algo").rollout.merge_rollouts == 2
+    synchronous = {"rollout": {"mode": "sync", "max_staleness": 1, "merge_rollouts": 3}}  # no producer: no merging
+    assert build_config(CriticFreeConfig, {**base, **synchronous}, "algo").rollout.merge_rollouts == 3
 
 
 def test_a_sharded_lora_policys_reference_is_scored_by_the_trainer_only(saved_models, tokenizer):

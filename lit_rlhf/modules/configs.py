@@ -276,7 +276,7 @@ class RLConfig(PolicyConfig):
             "the model over; use tensor_parallel_size=1 or algo.rollout.mode=sync",
         )
         check(
-            self.rollout.merge_rollouts <= self.rollout.max_staleness + 1,
+            self.rollout.mode == "sync" or self.rollout.merge_rollouts <= self.rollout.max_staleness + 1,
             "rollout.merge_rollouts",
             f"the producer has at most algo.rollout.max_staleness + 1 = {self.rollout.max_staleness + 1} rollouts "
             f"admitted at once to merge; got {self.rollout.merge_rollouts}",

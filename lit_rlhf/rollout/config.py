@@ -102,9 +102,11 @@ class RolloutModeConfig:
     also takes those after it that the bound admits with the same weights (it is behind), and cuts
     the sample back into each rollout at its own width. A wider batch decodes more tokens per second
     (the hf loop on one CPU thread, the bench model: two rollouts in 1.6× the time of one); a merged
-    rollout may be one version staler than if it had waited its turn, within the bound. 1 = one at
-    a time; at most max_staleness + 1. The hf loop's KV cache grows with the batch (the memory plan
-    counts it). docs/async.md §1."""
+    rollout may be sampled with older weights than if it had waited its turn (up to max_staleness − 1
+    versions older), within the bound. 1 = one at a time; at most max_staleness + 1. Only batches
+    of the prompt loader's keys merge (a PPO-ptx run's pretraining batch does not), and with the hf
+    loop only prompts short enough that the model's positions cut no response. The hf loop's KV
+    cache grows with the batch (the memory plan counts it). docs/async.md §1."""
     producer_threads: int | None = field(default=None, metadata={"ge": 1})
     """torch threads of the producer; the trainer keeps the rest of its own (at least one) and
     validates with all of them. None = half of the trainer's (at least one); at bound 0, where

@@ -328,6 +328,7 @@ def _produce(
     model.eval()
     share = ReferenceShare(balanced=settings.reference_scoring == "balanced")
     held: collections.deque = collections.deque()  # tickets taken off the queue, not sampled yet
+    longest = merged_prompt_limit(model, settings)
     serial, engine, idle, idle_since = 0, None, 0.0, time.perf_counter()
     try:
         while True:
@@ -336,7 +337,7 @@ def _produce(
                 return
             started = time.perf_counter()
             version, serial = board.read(model, job.need, serial)
-            group = [job, *_admitted(jobs, held, job, version, settings.merge_rollouts - 1)]
+            group = [job, *_admitted(jobs, held, job, version, settings.merge_rollouts - 1, longest)]
             if settings.gen.engine != "hf":  # synced to the board's weights as the colocated engine is
                 engine = engine_for(model, settings.gen, serial, engine, settings.vllm_logprobs, device.type)
             sampling = time.perf_counter()
@@ -414,11 +415,14 @@ def _next_ticket(jobs: Any, held: collections.deque) -> Ticket | None:
     return None if held[-1] is None else held.popleft()
 
 
-def _admitted(jobs: Any, held: collections.deque, first: Ticket, version: int, room: int) -> list[Ticket]:
+def _admitted(
+    jobs: Any, held: collections.deque, first: Ticket, version: int, room: int, longest: int | None
+) -> list[Ticket]:
     """The tickets after ``first`` that are sampled in its batch (``algo.rollout.merge_rollouts``):
     at most ``room`` of those already handed out, in order, while each one's bound admits
-    ``version`` and its prompts merge with ``first``'s (:func:`mergeable`). The first that does not
-    stays in ``held``, sampled next."""
+    ``version``, its prompts merge with ``first``'s (:func:`mergeable`), and the batch's longest
+    prompt stays within ``longest`` tokens (:func:`merged_prompt_limit`; None: any). The first that
+    does not stays in ``held``, sampled next."""
     group: list[Ticket] = []
     while len(group) < room:
         if not held:
@@ -429,8 +433,34 @@ def _admitted(jobs: Any, held: collections.deque, first: Ticket, version: int, r
         nxt = held[0]
         if nxt is None or nxt.need > version or not mergeable(first, nxt):
             break
+        if longest is not None and max(_prompt_tokens(t) for t in (first, *group, nxt)) > longest:
+            break
         group.append(held.popleft())
     return group
+
+
+def merged_prompt_limit(model: nn.Module, settings: ProducerSettings) -> int | None:
+    """The longest prompt, in tokens, that a merged batch may hold (None: any). The hf loop stops
+    every row of a batch where the longest context runs out of the model's positions
+    (rollout/generate.py ``_within_positions``), so a long prompt of one ticket would cut another's
+    responses shorter than they are sampled alone; below this length no row is ever cut (a
+    multi-turn row's context is its rendered prompt and at most ``max_new_tokens`` more). A vLLM
+    engine budgets each request alone. Multi-turn prompts are rendered with their tools in the
+    rollout, longer than the loader's: bounded only by ``data.prompt.max_prompt_length``, without
+    which such runs sample one ticket at a time where positions are limited (-1)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if settings.gen.engine != "hf" or not limit:
+        return None
+    room = int(limit) - settings.gen.max_new_tokens
+    if settings.agent is None:
+        return room
+    rendered = settings.agent.max_prompt_length
+    return None if rendered is not None and rendered <= room else -1
+
+
+def _prompt_tokens(ticket: Ticket) -> int:
+    """The longest prompt of a ticket, in tokens."""
+    return int(ticket.batch["prompt_mask"].sum(1).max()) if ticket.batch["prompt_mask"].numel() else 0
 
 
 PROMPT_KEYS = {"prompt_ids", "prompt_mask", "prompts", "columns"}

@@ -8,6 +8,7 @@ sampled again, the restarts' limit, and a producer whose trainer was SIGKILLed e
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import random
 import signal
@@ -665,3 +666,45 @@ def test_tickets_sampled_as_one_batch_are_those_each_samples_alone(policy, token
         for mine, theirs in zip(part[1][:3], alone[1][:3]):
             assert torch.equal(mine, theirs)
         torch.testing.assert_close(part[1][3], alone[1][3])
+
+
+def test_admission_takes_the_queued_tickets_the_bound_and_the_positions_admit():
+    """``_admitted`` adds the queued tickets after the first while their bound admits the version read
+    and the batch's longest prompt stays within the limit; the first that does not stays held and is
+    sampled next; the end marker stops it and ends the producer."""
+    import collections
+    import queue
+    from types import SimpleNamespace
+
+    from lit_rlhf.rollout.producer import Ticket, _admitted, _next_ticket, merged_prompt_limit
+
+    def ticket(k: int, need: int, tokens: int) -> Ticket:
+        mask = torch.zeros(2, 6, dtype=torch.long)
+        mask[0, 6 - tokens :] = 1
+        mask[1, -1] = 1
+        return Ticket(
+            ticket=k, batch={"prompt_ids": mask.clone(), "prompt_mask": mask, "prompts": ["a", "b"]}, need=need
+        )
+
+    jobs, held = queue.Queue(), collections.deque()
+    for t in (ticket(1, -1, 2), ticket(2, 0, 5), ticket(3, 1, 2), None):
+        jobs.put(t)
+    first = ticket(0, -2, 3)
+    assert [t.ticket for t in _admitted(jobs, held, first, 0, 3, longest=4)] == [1]  # ticket 2's 5 tokens: over 4
+    assert [t.ticket for t in held] == [2]
+    second = _next_ticket(jobs, held)  # the held ticket first (ticket 3 comes off the queue behind it)
+    assert second.ticket == 2 and [t.ticket for t in held] == [3]
+    assert _admitted(jobs, held, second, 0, 3, longest=None) == []  # ticket 3 needs version 1
+    assert [t.ticket for t in _admitted(jobs, held, second, 1, 3, longest=None)] == [3] and list(held) == [None]
+    assert _next_ticket(jobs, held) is None
+    # the limit: the model's positions less max_new_tokens with the hf loop; none with vLLM or no positions
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64))
+    hf = ProducerSettings(gen=GenerationConfig(max_new_tokens=24), responses_per_prompt=1, logprob_temperature=None)
+    assert merged_prompt_limit(model, hf) == 40
+    assert merged_prompt_limit(SimpleNamespace(config=SimpleNamespace()), hf) is None
+    vllm = dataclasses.replace(hf, gen=GenerationConfig(engine="vllm", max_new_tokens=24))
+    assert merged_prompt_limit(model, vllm) is None
+    # multi-turn: prompts are rendered with their tools, bounded by max_prompt_length only
+    for rendered, limit in ((40, None), (41, -1), (None, -1)):
+        agent = dataclasses.replace(hf, agent=SimpleNamespace(max_prompt_length=rendered))
+        assert merged_prompt_limit(model, agent) == limit
