@@ -302,7 +302,7 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
                 row(
                     f"CPU seconds per GRPO iteration, async ({label}; both processes) / sync "
                     f"on 1 thread (the async run keeps {modes[f'{name}_cores_busy']:.0%} of the 2 cores busy; "
-                    f"{modes[f'{name}_merged']:.2f} rollouts per sampled batch)",
+                    f"{modes[f'{name}_merged']:.2f} rollouts in the batch of an iteration's sample, on average)",
                     key,
                     derived[key],
                 )

@@ -204,10 +204,11 @@ def case_async_rollouts(models: Path, s: dict) -> dict:
     mode's iteration of the same round, with its quartiles, and the same over all rounds together
     (``_total``: the summed synchronous iterations over the mode's, the throughput; where a mode's
     iterations alternate long and short, as merged batches make them, the median round overstates
-    it); each mode's median iteration and mean rollouts per sampled batch (``_merged``); and the two
-    ceilings of any split of the work over the two cores: per round (and in total), the synchronous
-    iteration on two threads over half of the one on ONE thread, alone (two processes of one thread
-    each, perfectly balanced, that do not slow each other down) and beside the neighbour (that do)."""
+    it); each mode's median iteration and the mean over its iterations of the rollouts sampled in
+    one batch with the iteration's (``_merged``); and the two ceilings of any split of the work over
+    the two cores: per round (and in total), the synchronous iteration on two threads over half of
+    the one on ONE thread, alone (two processes of one thread each, perfectly balanced, that do not
+    slow each other down) and beside the neighbour (that do)."""
     import lightning.pytorch as pl
     import torch
 
