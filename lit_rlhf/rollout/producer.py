@@ -314,7 +314,7 @@ def _produce(
     from lit_rlhf.rollout.vllm_engine import engine_for
 
     _watch_trainer(lifeline, trainer)
-    torch.set_num_threads(settings.threads)
+    set_threads(settings.threads)
     device = torch.device(settings.device)
     if device.type == "cuda":
         device = _own_gpu(device, settings.gen.engine)
@@ -905,6 +905,15 @@ def check_shared_memory(need: int, sharing: int = 1) -> None:
             f"{_size(free)} free; give it more (a container: docker run --shm-size) or use "
             "algo.rollout.mode=sync",
         )
+
+
+def set_threads(n: int) -> None:
+    """``torch.set_num_threads(n)`` that takes effect where a CPU vLLM engine was built in this
+    process: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op for the whole process
+    once it has bound its threads (a colocated engine, built in the trainer for validation or the
+    synchronous rollout), and the async thread split would silently leave the trainer all of them
+    beside the producer's. The builtin it replaced is still ``torch._C.set_num_threads``."""
+    torch._C.set_num_threads(n)
 
 
 def split_threads(threads: int, bound: int, producer_threads: int | None) -> tuple[int, int]:

@@ -431,7 +431,7 @@ def test_a_list_answer_field_is_several_acceptable_answers(tokenizer, tmp_path):
             ).setup()
 
 
-def test_a_failed_async_fit_leaves_no_producer_behind(saved_models, tokenizer, monkeypatch):
+def test_a_failed_async_fit_leaves_no_producer_behind(saved_models, tokenizer):
     """Lightning tears a module down only after a fit that ends; a fit that fails (here the reward
     callable raises in iteration 2) still stops its rollout producer process and gives the trainer
     its torch threads back (lit_rlhf/modules/base.py ``TeardownOnFailure``), so a retry in the same
@@ -450,14 +450,16 @@ def test_a_failed_async_fit_leaves_no_producer_behind(saved_models, tokenizer, m
     assert len(seen) == 1 and seen[0].exitcode is not None  # the producer of the failed fit has exited
     assert m.producer is None and torch.get_num_threads() == threads
     # the retry (the reward's calls 3 and 4 succeed) with 2 threads, validating after each iteration:
-    # the producer starts in the first and takes one of them, and validation samples with both. The
-    # trainer's thread count is a stand-in: in the suite's worker, after other tests, the real one stayed 1
-    count = {"threads": 2}
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: count.update(threads=n))
-    monkeypatch.setattr(torch, "get_num_threads", lambda: count["threads"])
+    # the producer starts in the first and takes one of them, and validation samples with both
+    # (set_threads: in a test worker that ran a CPU vLLM engine, torch.set_num_threads is vLLM's no-op)
+    from lit_rlhf.rollout.producer import set_threads
+
     used = []
 
     class Threads(pl.Callback):  # the trainer's torch threads while it trains, and while it validates
+        def on_train_start(self, trainer, module):
+            set_threads(2)  # the run's threads, which the producer's start splits at the first iteration
+
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             used.append(("train", torch.get_num_threads()))
 
@@ -465,8 +467,11 @@ def test_a_failed_async_fit_leaves_no_producer_behind(saved_models, tokenizer, m
             if not trainer.sanity_checking:
                 used.append(("val", torch.get_num_threads()))
 
-    fit(m, data(tokenizer), 2, callbacks=[Producer(), Threads()], limit_val_batches=1, val_check_interval=1)
-    assert m.producer is None and count["threads"] == 2
+    try:
+        fit(m, data(tokenizer), 2, callbacks=[Producer(), Threads()], limit_val_batches=1, val_check_interval=1)
+        assert m.producer is None and torch.get_num_threads() == 2
+    finally:
+        set_threads(threads)
     assert len(seen) == 3 and seen[1] is seen[2] is not seen[0] and seen[1].exitcode is not None
     assert used == [("train", 2), ("val", 2), ("train", 1), ("val", 2)], used
 
