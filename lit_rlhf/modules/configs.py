@@ -261,26 +261,7 @@ class RLConfig(PolicyConfig):
         ):
             problem = check_name(table, getattr(self, key))
             check(problem is None, key, problem or "")
-        check(
-            self.rollout.mode == "sync" or self.rollout_correction != "none",
-            "rollout_correction",
-            "algo.rollout.mode=async trains on rollouts sampled by older weights: name the correction, e.g. "
-            "algo.rollout_correction=decoupled (the behaviour weight of decoupled PPO) or tis (docs/async.md)",
-        )
-        check(
-            self.rollout.mode == "sync"
-            or self.generation.engine != "vllm"
-            or self.generation.vllm.tensor_parallel_size == 1,
-            "generation.vllm.tensor_parallel_size",
-            "an async rollout producer samples alone, on its rank's device: its vLLM engine has no ranks to split "
-            "the model over; use tensor_parallel_size=1 or algo.rollout.mode=sync",
-        )
-        check(
-            self.rollout.mode == "sync" or self.rollout.merge_rollouts <= self.rollout.max_staleness + 1,
-            "rollout.merge_rollouts",
-            f"the producer has at most algo.rollout.max_staleness + 1 = {self.rollout.max_staleness + 1} rollouts "
-            f"admitted at once to merge; got {self.rollout.merge_rollouts}",
-        )
+        self.validate_async()
         objective = POLICY_LOSSES.get(self.policy_loss)
         check(
             self.clip_eps_high >= self.clip_eps_low or (objective is not None and not objective.ordered_clip),
@@ -297,6 +278,30 @@ class RLConfig(PolicyConfig):
             "kl_estimator",
             "k1 in the loss has zero expected gradient on-policy (it does not pull towards the "
             "reference): use k2 or k3 with algo.kl_placement=loss, or kl_placement=reward",
+        )
+
+    def validate_async(self) -> None:
+        """``algo.rollout.mode=async`` (docs/async.md): a correction named, a vLLM engine the producer
+        can hold alone, a merge the bound can fill."""
+        if self.rollout.mode == "sync":
+            return
+        check(
+            self.rollout_correction != "none",
+            "rollout_correction",
+            "algo.rollout.mode=async trains on rollouts sampled by older weights: name the correction, e.g. "
+            "algo.rollout_correction=decoupled (the behaviour weight of decoupled PPO) or tis (docs/async.md)",
+        )
+        check(
+            self.generation.engine != "vllm" or self.generation.vllm.tensor_parallel_size == 1,
+            "generation.vllm.tensor_parallel_size",
+            "an async rollout producer samples alone, on its rank's device: its vLLM engine has no ranks to split "
+            "the model over; use tensor_parallel_size=1 or algo.rollout.mode=sync",
+        )
+        check(
+            self.rollout.merge_rollouts <= self.rollout.max_staleness + 1,
+            "rollout.merge_rollouts",
+            f"the producer has at most algo.rollout.max_staleness + 1 = {self.rollout.max_staleness + 1} rollouts "
+            f"admitted at once to merge; got {self.rollout.merge_rollouts}",
         )
 
 

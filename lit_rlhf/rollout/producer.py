@@ -19,8 +19,8 @@ be trained on, none is thrown away, and a slow rollout holds the trainer back in
 dropped. Each delivered rollout carries its version; ``k − version`` is its staleness.
 
 **Merged batches** (``algo.rollout.merge_rollouts``): a producer that is behind, with several
-tickets admitted by the version it read, samples them as one batch (:func:`merged_batch`) and
-delivers each ticket's rows cut to its own width (:func:`split_sample`).
+tickets admitted by the version it read, samples them as one batch and delivers each ticket's rows
+cut to its own width (lit_rlhf/rollout/merge.py).
 
 **Bound 0** is the synchronous run in another process: ticket ``k`` is sampled with version ``k``
 (the weights after iteration ``k − 1``) and with the trainer's random state, handed over with the
@@ -38,7 +38,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import queue
@@ -55,6 +54,7 @@ from torch import nn
 
 from lit_rlhf.rollout.agent import total_counts
 from lit_rlhf.rollout.collect import rollout_inputs, sample_responses, scored_logprobs
+from lit_rlhf.rollout.merge import mergeable, merged_batch, merged_prompt_limit, prompt_tokens, split_sample
 from lit_rlhf.utils.rng import capture_rng, restore_rng, rng_kept
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class Drawn:
     """A sampled ticket: ``sample_responses``' output (``drawn``), the policy version that sampled
     it, the reference's log-probs of its first rows (``reference_share`` of them; None: none), the
     random state after sampling (bound 0), and the producer's timings and statistics (``merged``:
-    the rollouts sampled in its batch, :func:`merged_batch`)."""
+    the rollouts sampled in its batch, rollout/merge.py)."""
 
     ticket: int
     version: int
@@ -328,7 +328,7 @@ def _produce(
     model.eval()
     share = ReferenceShare(balanced=settings.reference_scoring == "balanced")
     held: collections.deque = collections.deque()  # tickets taken off the queue, not sampled yet
-    longest = merged_prompt_limit(model, settings)
+    longest = merged_prompt_limit(model, settings.gen, settings.agent)
     serial, engine, idle, idle_since = 0, None, 0.0, time.perf_counter()
     try:
         while True:
@@ -420,9 +420,9 @@ def _admitted(
 ) -> list[Ticket]:
     """The tickets after ``first`` that are sampled in its batch (``algo.rollout.merge_rollouts``):
     at most ``room`` of those already handed out, in order, while each one's bound admits
-    ``version``, its prompts merge with ``first``'s (:func:`mergeable`), and the batch's longest
-    prompt stays within ``longest`` tokens (:func:`merged_prompt_limit`; None: any). The first that
-    does not stays in ``held``, sampled next."""
+    ``version``, its prompts merge with ``first``'s (rollout/merge.py ``mergeable``), and the
+    batch's longest prompt stays within ``longest`` tokens (``merged_prompt_limit``; None: any).
+    The first that does not stays in ``held``, sampled next."""
     group: list[Ticket] = []
     while len(group) < room:
         if not held:
@@ -431,116 +431,14 @@ def _admitted(
             except queue.Empty:
                 break
         nxt = held[0]
-        if nxt is None or nxt.need > version or not mergeable(first, nxt):
+        if nxt is None or nxt.need > version or first.rng is not None or nxt.rng is not None:
+            break  # not admitted yet, or bound 0 (sampled with the trainer's random state)
+        if not mergeable(first.batch, nxt.batch):
             break
-        if longest is not None and max(_prompt_tokens(t) for t in (first, *group, nxt)) > longest:
+        if longest is not None and max(prompt_tokens(t.batch) for t in (first, *group, nxt)) > longest:
             break
         group.append(held.popleft())
     return group
-
-
-def merged_prompt_limit(model: nn.Module, settings: ProducerSettings) -> int | None:
-    """The longest prompt, in tokens, that a merged batch may hold (None: any). The hf loop stops
-    every row of a batch where the longest context runs out of the model's positions
-    (rollout/generate.py ``_within_positions``), so a long prompt of one ticket would cut another's
-    responses shorter than they are sampled alone; below this length no row is ever cut (a
-    multi-turn row's context is its rendered prompt and at most ``max_new_tokens`` more). A vLLM
-    engine budgets each request alone. Multi-turn prompts are rendered with their tools in the
-    rollout, longer than the loader's: bounded only by ``data.prompt.max_prompt_length``, without
-    which such runs sample one ticket at a time where positions are limited (-1)."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if settings.gen.engine != "hf" or not limit:
-        return None
-    room = int(limit) - settings.gen.max_new_tokens
-    if settings.agent is None:
-        return room
-    rendered = settings.agent.max_prompt_length
-    return None if rendered is not None and rendered <= room else -1
-
-
-def _prompt_tokens(ticket: Ticket) -> int:
-    """The longest prompt of a ticket, in tokens."""
-    return int(ticket.batch["prompt_mask"].sum(1).max()) if ticket.batch["prompt_mask"].numel() else 0
-
-
-PROMPT_KEYS = {"prompt_ids", "prompt_mask", "prompts", "columns"}
-"""What the prompt loader's batches hold (lit_rlhf/data/prompts.py ``collate_prompts``): the keys a
-merged batch is made of."""
-
-
-def mergeable(a: Ticket, b: Ticket) -> bool:
-    """Whether two tickets' prompts can be sampled as one batch: batches of the prompt loader's keys
-    alone, with the same dataset columns, and no trainer's random state to sample with (bound 0)."""
-    if a.rng is not None or b.rng is not None or set(a.batch) != set(b.batch) or not set(a.batch) <= PROMPT_KEYS:
-        return False
-    return set(a.batch.get("columns") or {}) == set(b.batch.get("columns") or {})
-
-
-def merged_batch(batches: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
-    """The prompts of several tickets as one batch, in order: their ids and masks left-padded to the
-    widest (``pad_id``), their texts and dataset columns one after the other."""
-    width = max(b["prompt_ids"].shape[1] for b in batches)
-
-    def left(t: torch.Tensor, fill: int) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=fill)
-
-    out = {
-        "prompt_ids": torch.cat([left(b["prompt_ids"], pad_id) for b in batches]),
-        "prompt_mask": torch.cat([left(b["prompt_mask"], 0) for b in batches]),
-        "prompts": [p for b in batches for p in b["prompts"]],
-    }
-    if "columns" in batches[0]:
-        out["columns"] = {k: [x for b in batches for x in b["columns"][k]] for k in batches[0]["columns"]}
-    return out
-
-
-def split_sample(drawn: tuple, rows: list[int]) -> list[tuple]:
-    """:func:`sample_responses`' output for a :func:`merged_batch` cut into each ticket's (its
-    ``rows``, in order), each cut to its own width: the leading prompt columns and trailing response
-    columns that only other tickets' rows use are dropped, so a ticket's sample has the shapes it has
-    sampled alone (the hf loop and a vLLM engine both stop at the batch's longest response)."""
-    batch, sampled, turns = drawn
-    parts, start = [], 0
-    for n in rows:
-        at = slice(start, start + n)
-        start += n
-        used = batch["prompt_mask"][at].any(0).nonzero()
-        lead = int(used[0]) if len(used) else batch["prompt_mask"].shape[1]
-        attended = (turns.attention_mask if turns is not None else sampled[1])[at].any(0).nonzero()
-        width = int(attended[-1]) + 1 if len(attended) else 1
-        cut = functools.partial(_cut, rows=at)
-
-        prompt, response = slice(lead, None), slice(0, width)
-        part = {
-            k: v[at] if isinstance(v, list) else v for k, v in batch.items() if k not in ("prompt_ids", "prompt_mask")
-        }
-        if "columns" in part:
-            part["columns"] = {k: v[at] for k, v in part["columns"].items()}
-        if turns is None:
-            ids, mask, ended, logps = sampled
-            cuts = (cut(ids, response), cut(mask, response), cut(ended), cut(logps, response))
-            part.update(prompt_ids=cut(batch["prompt_ids"], prompt), prompt_mask=cut(batch["prompt_mask"], prompt))
-            parts.append((part, cuts, None))
-            continue
-        t = dataclasses.replace(
-            turns,
-            prompt_ids=cut(turns.prompt_ids, prompt),
-            prompt_mask=cut(turns.prompt_mask, prompt),
-            response_ids=cut(turns.response_ids, response),
-            response_mask=cut(turns.response_mask, response),
-            attention_mask=cut(turns.attention_mask, response),
-            ended=cut(turns.ended),
-            sampler_logprobs=cut(turns.sampler_logprobs, response),
-            **{f: getattr(turns, f)[at] for f in ("texts", "env_reward", "tool_calls", "turns", "counts")},
-        )
-        part.update(prompt_ids=t.prompt_ids, prompt_mask=t.prompt_mask)
-        parts.append((part, (t.response_ids, t.response_mask, t.ended, t.sampler_logprobs), t))
-    return parts
-
-
-def _cut(t: torch.Tensor | None, cols: slice = slice(None), *, rows: slice) -> torch.Tensor | None:
-    """The ``rows`` of ``t`` (and its columns ``cols``, a 2-D one) as a tensor of their own; None: None."""
-    return None if t is None else (t[rows, cols] if t.dim() > 1 else t[rows]).clone()
 
 
 def _recent(mean: float, seconds: float) -> float:
@@ -592,7 +490,7 @@ def _sample(
     agent: Any,
     device: torch.device,
 ) -> tuple:
-    """``sample_responses``' output for the tickets of ``group`` as one batch (:func:`merged_batch`;
+    """``sample_responses``' output for the tickets of ``group`` as one batch (``merged_batch``;
     one ticket: its own), with the trainer's random state (bound 0) or the first ticket's own seed."""
     first = group[0]
     if first.rng is not None:

@@ -8,7 +8,6 @@ sampled again, the restarts' limit, and a producer whose trainer was SIGKILLed e
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import random
 import signal
@@ -590,7 +589,7 @@ def test_a_merged_sample_is_cut_into_each_tickets_rows_at_its_own_widths():
     responses 2 tokens long, B's 4): each part holds its rows with only its own padding, as sampling
     it alone pads them; a multi-turn sample's counts go with their rows."""
     from lit_rlhf.rollout.agent import AgentRollout
-    from lit_rlhf.rollout.producer import merged_batch, split_sample
+    from lit_rlhf.rollout.merge import merged_batch, split_sample
 
     a = {
         "prompt_ids": torch.tensor([[5, 6], [0, 7]]),
@@ -650,7 +649,7 @@ def test_a_merged_sample_is_cut_into_each_tickets_rows_at_its_own_widths():
 def test_tickets_sampled_as_one_batch_are_those_each_samples_alone(policy, tokenizer):
     """The hf loop, greedy, over two tickets' prompts merged (different prompt widths): each ticket's
     part equals its own sample, tokens, padding and the sampler's log-probs."""
-    from lit_rlhf.rollout.producer import merged_batch, split_sample
+    from lit_rlhf.rollout.merge import merged_batch, split_sample
 
     tickets = [
         prompts(tokenizer, 3),
@@ -676,7 +675,8 @@ def test_admission_takes_the_queued_tickets_the_bound_and_the_positions_admit():
     import queue
     from types import SimpleNamespace
 
-    from lit_rlhf.rollout.producer import Ticket, _admitted, _next_ticket, merged_prompt_limit
+    from lit_rlhf.rollout.merge import merged_prompt_limit
+    from lit_rlhf.rollout.producer import Ticket, _admitted, _next_ticket
 
     def ticket(k: int, need: int, tokens: int) -> Ticket:
         mask = torch.zeros(2, 6, dtype=torch.long)
@@ -699,12 +699,10 @@ def test_admission_takes_the_queued_tickets_the_bound_and_the_positions_admit():
     assert _next_ticket(jobs, held) is None
     # the limit: the model's positions less max_new_tokens with the hf loop; none with vLLM or no positions
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64))
-    hf = ProducerSettings(gen=GenerationConfig(max_new_tokens=24), responses_per_prompt=1, logprob_temperature=None)
-    assert merged_prompt_limit(model, hf) == 40
-    assert merged_prompt_limit(SimpleNamespace(config=SimpleNamespace()), hf) is None
-    vllm = dataclasses.replace(hf, gen=GenerationConfig(engine="vllm", max_new_tokens=24))
-    assert merged_prompt_limit(model, vllm) is None
+    hf = GenerationConfig(max_new_tokens=24)
+    assert merged_prompt_limit(model, hf, None) == 40
+    assert merged_prompt_limit(SimpleNamespace(config=SimpleNamespace()), hf, None) is None
+    assert merged_prompt_limit(model, GenerationConfig(engine="vllm", max_new_tokens=24), None) is None
     # multi-turn: prompts are rendered with their tools, bounded by max_prompt_length only
     for rendered, limit in ((40, None), (41, -1), (None, -1)):
-        agent = dataclasses.replace(hf, agent=SimpleNamespace(max_prompt_length=rendered))
-        assert merged_prompt_limit(model, agent) == limit
+        assert merged_prompt_limit(model, hf, SimpleNamespace(max_prompt_length=rendered)) == limit
