@@ -37,9 +37,9 @@ def run_case(name: str, models: Path, smoke: bool) -> dict:
     this process instead (its RSS figures are then cumulative: smoke results are not measurements),
     which saves an interpreter start per case in CI."""
     if smoke:
-        import torch
+        from lit_rlhf.rollout.producer import set_threads
 
-        torch.set_num_threads(2)
+        set_threads(2)  # torch.set_num_threads is vLLM's no-op once a case built a CPU engine here
         try:
             return {**CASES[name](models, shapes(True)), "rss_mb": peak_rss_mb()}
         except Exception as err:  # reported like a failed child process

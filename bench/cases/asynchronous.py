@@ -45,15 +45,28 @@ the rollouts the bound admits at once sampled as one batch (``merge_rollouts`` 3
 bound 3, balanced, two rollouts to a batch (a producer that is behind finds two admitted more often)."""
 ROUNDS = 20  # timed rounds of a full run (one iteration per mode each)
 TIMEOUT_S = 600.0  # an async run that does not come back to its turn this long is an error
+NEIGHBOUR_STEPS = 10**9  # the neighbour trains until the bench kills it: it must not end in a phase
+
+
+def _set_threads(n: int) -> None:
+    """This process's torch threads, checked: where a smoke run built a CPU vLLM engine in this
+    process first, ``torch.set_num_threads`` is vLLM's no-op (lit_rlhf.rollout.producer.set_threads),
+    and a "1 thread" phase would silently run on all of them."""
+    import torch
+
+    from lit_rlhf.rollout.producer import set_threads
+
+    set_threads(n)
+    if torch.get_num_threads() != n:
+        raise RuntimeError(f"torch runs on {torch.get_num_threads()} threads, not the {n} the phase needs")
 
 
 def _side(name: str, models: Path, s: dict, turns: int, threads: int, conn: Any) -> None:
     """An async run of ``turns`` iterations (a process of its own): at the start of each iteration it
     tells the bench its producer's pid and waits for its turn; ``"end"`` after the fit."""
     import lightning.pytorch as pl
-    import torch
 
-    torch.set_num_threads(threads)
+    _set_threads(threads)
 
     class Turn(pl.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
@@ -76,9 +89,8 @@ def _neighbour(models: Path, s: dict, steps: int, conn: Any) -> None:
     """A synchronous GRPO run on one thread (a process of its own) that the bench continues only
     while it times the synchronous run beside it: it says when its first iteration starts."""
     import lightning.pytorch as pl
-    import torch
 
-    torch.set_num_threads(1)
+    _set_threads(1)
 
     class Started(pl.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
@@ -212,6 +224,8 @@ def case_async_rollouts(models: Path, s: dict) -> dict:
     import lightning.pytorch as pl
     import torch
 
+    from lit_rlhf.rollout.producer import set_threads
+
     threads = torch.get_num_threads()
     warmup = s["warmup"] + 1  # the async runs start their producers in the first
     rounds = 1 if s["steps"] == 1 else ROUNDS
@@ -238,7 +252,7 @@ def case_async_rollouts(models: Path, s: dict) -> dict:
                 for side in sides:
                     side.turn()
             clock["mode"] = phase
-            torch.set_num_threads(threads if phase == "sync" else 1)
+            _set_threads(threads if phase == "sync" else 1)
             neighbour[0].busy(phase == "sync_1thread_busy")
             clock["since"], clock["cpu"] = time.perf_counter(), time.process_time()
 
@@ -246,13 +260,13 @@ def case_async_rollouts(models: Path, s: dict) -> dict:
     try:
         for name in SIDES:
             sides.append(Side(name, models, s, turns, threads))
-        neighbour.append(Neighbour(models, s, 10 * turns))  # more than it can train in its phases
+        neighbour.append(Neighbour(models, s, NEIGHBOUR_STEPS))
         algo = {"rollout_correction": "decoupled"}
         trainer, module, data = _grpo_ours(models, s, len(phases) * turns, [Rounds()], algo=algo)
         trainer.fit(module, data)
         failed = False
     finally:
-        torch.set_num_threads(threads)
+        set_threads(threads)  # unchecked: a check failing here would hide the fit's error
         for n in neighbour:  # first: the last iteration continued it, and it would train on alone
             n.close()
         for side in sides:
