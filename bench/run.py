@@ -353,6 +353,14 @@ def summarize(r: dict, s: dict, smoke: bool) -> tuple[dict, str]:
                 if "big_sync_s" in sync
                 else ""
             ),
+            "Async producer weight path (board write by the trainer + read by the producer; a safetensors "
+            "round trip through /dev/shm for comparison; median): "
+            + "; ".join(
+                f"{label}: {sync[f'{k}_board_publish_s'] * 1e3:.1f} + {sync[f'{k}_board_read_s'] * 1e3:.1f} ms "
+                f"(files {sync[f'{k}_file_s'] * 1e3:.1f} ms)"
+                for k, label in (("bench", "bench policy"), ("big", "103M Llama"))
+                if f"{k}_board_publish_s" in sync
+            ),
         ]
     return derived, "\n".join(lines)
 

@@ -134,6 +134,9 @@ def test_bench_smoke(tmp_path, bench):
     )  # 1 epoch over 1 minibatch: the rollout's forward is the update's
     assert r["ppo_vllm"]["fused_first_forward"] is True and r["generate_vllm"]["engine_start_s"] > 0
     assert r["sync_engine"]["bench_params"] == saved["results"]["params"] and r["sync_engine"]["bench_sync_s"] > 0
+    # the async producer's weight path, and the file round trip it is compared with
+    assert all(r["sync_engine"][f"bench_{k}_s"] > 0 for k in ("board_publish", "board_read", "file"))
+    assert "Async producer weight path" in (tmp_path / "latest.md").read_text()
     assert saved["ratios"]["ppo_vllm_over_ppo_ours"] == pytest.approx(
         r["ppo_vllm"]["samples_per_s"] / r["ppo_ours"]["samples_per_s"]
     )

@@ -65,8 +65,13 @@ def _sync_seconds(model, repeats: int = 5) -> float:
 
 
 def case_sync_engine(models: Path, s: dict, smoke: bool = False) -> dict:
-    """Median seconds of one weight sync (all parameters pushed, prefix cache reset): the bench
-    policy, and (not in smoke mode) a 103M-parameter Llama (hidden 768, 12 layers, vocab 24,000)."""
+    """Median seconds of one weight sync of the colocated vLLM engine (all parameters pushed, prefix
+    cache reset: ``*_sync_s``), and of the async producer's weight path: the trainer's write to the
+    board (``*_board_publish_s``), the producer's read into its copy (``*_board_read_s``), and, for
+    comparison, the least a server reload from files adds (``*_file_s``: the weights written as
+    safetensors to /dev/shm, memory, and read back; the server's load is then the engine's sync).
+    The bench policy (``bench_*``), and (not in smoke mode) a 103M-parameter Llama (hidden 768, 12
+    layers, vocab 24,000: ``big_*``)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -77,6 +82,7 @@ def case_sync_engine(models: Path, s: dict, smoke: bool = False) -> dict:
     spec = ModelSpec(name_or_path=str(models / "policy"))
     model = build_causal_lm(spec, build_tokenizer(spec))
     out = {"bench_params": sum(p.numel() for p in model.parameters()), "bench_sync_s": _sync_seconds(model)}
+    out.update(_weight_path_seconds(model, "bench"))
     if s["hidden"] >= 256:  # the full shapes only
         torch.manual_seed(0)
         big = LlamaForCausalLM(
@@ -91,4 +97,41 @@ def case_sync_engine(models: Path, s: dict, smoke: bool = False) -> dict:
             )
         ).eval()
         out.update(big_params=sum(p.numel() for p in big.parameters()), big_sync_s=_sync_seconds(big, 3))
+        out.update(_weight_path_seconds(big, "big", 3))
     return out
+
+
+def _weight_path_seconds(model, name: str, repeats: int = 5) -> dict:
+    """Medians over ``repeats`` of the async producer's weight path (lit_rlhf/rollout/producer.py: a
+    board publish, then a read into the producer's copy) and of a safetensors round trip through
+    /dev/shm (the files a server that reloads from disk would read)."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file, save_model
+
+    from lit_rlhf.rollout.producer import WeightBoard, policy_replica, trained_tensors
+
+    tensors = trained_tensors(model, True)
+    board = WeightBoard(tensors, 0, mp.get_context("spawn"))
+    replica = policy_replica(model, board.tensors, True)
+    publish, read, files, serial = [], [], [], 0
+    for version in range(1, repeats + 2):
+        t0 = time.perf_counter()
+        board.publish(tensors, version, lambda: True)
+        t1 = time.perf_counter()
+        _, serial = board.read(replica, version, serial)
+        publish.append(t1 - t0)
+        read.append(time.perf_counter() - t1)
+        with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as tmp:
+            t0 = time.perf_counter()
+            save_model(model, f"{tmp}/model.safetensors")  # tied weights once, as save_pretrained
+            load_file(f"{tmp}/model.safetensors")
+            files.append(time.perf_counter() - t0)
+    # the first of each warms its path (page faults of fresh shared memory)
+    return {
+        f"{name}_board_publish_s": statistics.median(publish[1:]),
+        f"{name}_board_read_s": statistics.median(read[1:]),
+        f"{name}_file_s": statistics.median(files[1:]),
+    }
