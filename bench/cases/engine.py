@@ -1,8 +1,8 @@
 """The vLLM rollout engine (``algo.generation.engine=vllm``) on CPU: its sampling tokens/s on the
 bench model (against the hf engine and bare ``generate``: cases in generation.py), a PPO-max step
 with it (against ``ppo_ours``), and the time of one weight sync on the bench model and on a
-103M-parameter Llama. No target on CPU: vLLM's CPU path is not what it is for; the figures say what
-it costs here (README, "Benchmark")."""
+103M-parameter Llama (with the async producer's weight path beside it). No target on CPU: vLLM's
+CPU path is not what it is for; the figures say what it costs here (README, "Benchmark")."""
 
 from __future__ import annotations
 
