@@ -42,7 +42,8 @@ process samples on the rank's GPU while the trainer updates, so what it holds is
 everything else: its copy of the policy (at the policy's dtype as a rank holds it: the weights dtype
 under DeepSpeed and LoRA, full precision under DDP and FSDP mixed precision) and its KV cache (for
 ``algo.rollout.merge_rollouts`` rollouts, which it may sample as one batch), or,
-with the vLLM engine, an engine of its own that never sleeps (the copy then stays in CPU memory).
+with the vLLM engine, an engine of its own that never sleeps (the copy then stays in CPU memory),
+and a CUDA context of its own (``PRODUCER_CONTEXT_GIB``).
 The trainer keeps its own KV cache or engine row, for what it still samples (validation, DAPO's
 extra batches, ReMax's greedy baselines).
 """
@@ -345,10 +346,12 @@ def estimate(cfg: Any, job: Any, setup: Setup | None = None, gpu_memory_gb: floa
         if s.engine is None:
             producer = s.policy_weight_bytes * a.params() + float(kv) * s.producer_merge
             merge = f" for {s.producer_merge} rollouts at once" if s.producer_merge > 1 else ""
-            producer_note = f"async: its copy of the policy + its KV cache{merge}, never freed"
+            producer_note = f"async: its copy of the policy + its KV cache{merge}"
         else:
             producer = engine_bytes(replace(s, engine=replace(s.engine, sleep=False)), a, [], gpu_memory_gb)[0]
-            producer_note = "async: its vLLM engine, never asleep"
+            producer_note = "async: its vLLM engine (never asleep)"
+        producer += PRODUCER_CONTEXT_GIB * GIB
+        producer_note += f" + its CUDA context ({PRODUCER_CONTEXT_GIB:g} GiB), never freed"
     if s.engine is not None:
         kv, kv_note = engine_bytes(s, a, notes, gpu_memory_gb)
     title = (
@@ -368,6 +371,14 @@ def estimate(cfg: Any, job: Any, setup: Setup | None = None, gpu_memory_gb: floa
         producer=float(producer),
         producer_note=producer_note,
     )
+
+
+PRODUCER_CONTEXT_GIB = 0.5
+"""What the async producer holds on its GPU as a process of its own, beyond its tensors: a CUDA
+context (about 0.3 GiB with lazy module loading, PyTorch's default since 1.13: 287 MB against 667 MB
+eager in pytorch/pytorch#86509), cuBLAS workspaces and its allocator's cached blocks. The trainer's
+own context is in ``memory_plan.reserve_gb``; a second one is not, nor inside a vLLM engine's
+``gpu_memory_utilization`` (vLLM counts its use from a snapshot taken after CUDA started)."""
 
 
 def engine_bytes(s: Setup, a: Any, notes: list[str], gpu_memory_gb: float | None = None) -> tuple[float, str]:

@@ -250,28 +250,34 @@ def test_async_rollouts_count_the_producers_copy_and_sampler_beside_everything()
     """algo.rollout.mode=async: each rank's producer holds a copy of the policy (bf16 under DeepSpeed,
     fp32 under DDP's mixed precision) and its KV cache (for each rollout it samples in one batch),
     or a vLLM engine that never sleeps (its copy
-    of the policy in CPU memory), all resident beside the update; the trainer's own rows stay (it
-    still samples for validation)."""
+    of the policy in CPU memory), and a CUDA context of its own (0.5 GiB), all resident beside the
+    update; the trainer's own rows stay (it still samples for validation)."""
     gib = 2**30
     base = ["experiment=ppo_max_llama7b_a100x8", "algo.reward_path=/ckpt/rm", "memory_plan.gpu_memory_gb=80"]
     asynchronous = [*base, "algo.rollout.mode=async", "algo.rollout_correction=decoupled"]
     sync, hf = _plan(*base), _plan(*asynchronous)
     assert sync.producer == 0 and "| rollout producer |" not in sync.render()
     assert hf.kv_cache == sync.kv_cache and hf.model_states == sync.model_states
-    assert hf.producer == pytest.approx(2 * P7B + sync.kv_cache)
-    assert hf.peak == pytest.approx(sync.peak + 2 * P7B + sync.kv_cache)
-    assert "| rollout producer | async: its copy of the policy + its KV cache, never freed |" in hf.render()
+    ctx = 0.5 * gib  # the producer's own CUDA context
+    assert hf.producer == pytest.approx(2 * P7B + sync.kv_cache + ctx)
+    assert hf.peak == pytest.approx(sync.peak + 2 * P7B + sync.kv_cache + ctx)
+    row = (
+        "| rollout producer | async: its copy of the policy + its KV cache + its CUDA context (0.5 GiB), never freed |"
+    )
+    assert row in hf.render()
     assert "model states + rollout producer + max(" in hf.render()
     ddp = _plan(*asynchronous, "strategy=ddp")
-    assert ddp.producer == pytest.approx(4 * P7B + sync.kv_cache)  # DDP keeps fp32 weights under bf16-mixed
+    assert ddp.producer == pytest.approx(4 * P7B + sync.kv_cache + ctx)  # DDP keeps fp32 weights under bf16-mixed
     merged = _plan(*asynchronous, "algo.rollout.max_staleness=2", "algo.rollout.merge_rollouts=2")
-    assert merged.producer == pytest.approx(2 * P7B + 2 * sync.kv_cache)  # two rollouts' KV cache at once
-    assert "its KV cache for 2 rollouts at once, never freed |" in merged.render()
+    assert merged.producer == pytest.approx(2 * P7B + 2 * sync.kv_cache + ctx)  # two rollouts' KV cache at once
+    assert "its KV cache for 2 rollouts at once + its CUDA context (0.5 GiB), never freed |" in merged.render()
     # a vLLM engine of dtype auto has the policy's dtype as the rank holds it: fp32 under DDP mixed precision
     fixed = [*asynchronous, "strategy=ddp", "algo.generation.engine=vllm", "algo.generation.vllm.kv_cache_gib=4"]
-    assert _plan(*fixed).producer == pytest.approx(4 * P7B + 4 * gib)
-    assert _plan(*fixed, "algo.generation.vllm.dtype=bfloat16").producer == pytest.approx(2 * P7B + 4 * gib)
+    assert _plan(*fixed).producer == pytest.approx(4 * P7B + 4 * gib + ctx)
+    assert _plan(*fixed, "algo.generation.vllm.dtype=bfloat16").producer == pytest.approx(2 * P7B + 4 * gib + ctx)
     vllm = _plan(*asynchronous, "algo.generation.engine=vllm")  # asleep in the trainer, awake in the producer
-    assert vllm.producer == pytest.approx(0.3 * 80 * gib)
-    assert "| rollout producer | async: its vLLM engine, never asleep |" in vllm.render()
+    assert vllm.producer == pytest.approx(0.3 * 80 * gib + ctx)
+    assert "| rollout producer | async: its vLLM engine (never asleep) + its CUDA context (0.5 GiB), never freed |" in (
+        vllm.render()
+    )
     assert vllm.peak == pytest.approx(vllm.model_states + vllm.producer + max(vllm.activations, 0.3 * 80 * gib))
