@@ -111,11 +111,12 @@ def _weight_path_seconds(model, name: str, repeats: int = 5) -> dict:
     import torch.multiprocessing as mp
     from safetensors.torch import load_file, save_model
 
-    from lit_rlhf.rollout.producer import WeightBoard, policy_replica, trained_tensors
+    from lit_rlhf.rollout.producer import WeightBoard, own_weights, policy_replica, trained_tensors
 
     tensors = trained_tensors(model, True)
     board = WeightBoard(tensors, 0, mp.get_context("spawn"))
     replica = policy_replica(model, board.tensors, True)
+    own_weights(replica, board.tensors)
     publish, read, files, serial = [], [], [], 0
     for version in range(1, repeats + 2):
         t0 = time.perf_counter()

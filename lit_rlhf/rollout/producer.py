@@ -208,20 +208,26 @@ def trained_tensors(model: nn.Module, whole: bool) -> dict[str, torch.Tensor]:
 
 
 def policy_replica(model: nn.Module, weights: dict[str, torch.Tensor], whole: bool) -> nn.Module:
-    """The producer's copy of the policy, in CPU memory and eval mode (the producer moves it to its
-    device and reads ``weights``, the board's tensors, into it before it samples). ``whole``: a deep
-    copy, adapters and all (a copy: pickling shares a module's memory with the child, which must not
-    be the trained tensors), made tensor by tensor into CPU memory (no second copy on the GPU). Under
-    ZeRO-3/FSDP, whose parameters are shards: a model of the policy's Hugging Face class and config,
-    whose every parameter the board overwrites; a board weight it has no parameter for is refused."""
+    """The producer's copy of the policy, in CPU memory and eval mode, *hollow*: each parameter that
+    ``weights`` (the board's tensors) holds is an empty placeholder, to which the producer gives
+    memory of its own on its device (:func:`own_weights`) before it reads the board into it. So the
+    copy on its way to the producer (through shared memory) holds only what the board does not: a
+    LoRA policy's frozen base, the buffers. ``whole``: a deep copy, adapters and all (a copy:
+    pickling shares a module's memory with the child, which must not be the trained tensors), made
+    tensor by tensor into CPU memory (no second copy on the GPU). Under ZeRO-3/FSDP, whose
+    parameters are shards: a model of the policy's Hugging Face class and config, whose every
+    parameter the board overwrites; a board weight it has no parameter for is refused."""
     import copy
 
     if whole:
+        names = {id(p): n for n, p in model.named_parameters()}
         memo: dict[int, Any] = {}
         for t in model.buffers():
             memo[id(t)] = t.detach().to("cpu", copy=True)
         for p in model.parameters():
-            memo[id(p)] = nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
+            held = names[id(p)] in weights  # on the board: the producer allocates it
+            data = torch.empty(0, dtype=p.dtype) if held else p.detach().to("cpu", copy=True)
+            memo[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
         return copy.deepcopy(model, memo).cpu().eval()
     from transformers import PreTrainedModel
 
@@ -244,7 +250,18 @@ def policy_replica(model: nn.Module, weights: dict[str, torch.Tensor], whole: bo
             f"async rollouts under ZeRO-3/FSDP: the policy's weights {missing[:3] or sorted(names - set(weights))[:3]} "
             f"do not match a fresh {type(hf).__name__}'s parameters; use algo.rollout.mode=sync",
         )
+    for p in replica.parameters():  # every one is on the board
+        p.data = torch.empty(0, dtype=p.dtype)
     return replica
+
+
+def own_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Give each hollow parameter of the producer's copy (:func:`policy_replica`) memory of its own,
+    where the parameter is (the producer's device), shaped as its board tensor in ``weights``; the
+    board's first read then fills it."""
+    for n, p in model.named_parameters():
+        if n in weights and p.shape != weights[n].shape:
+            p.data = torch.empty(weights[n].shape, dtype=p.dtype, device=p.device)
 
 
 def moved(obj: Any, device: torch.device | str, memo: dict[int, torch.Tensor] | None = None) -> Any:
@@ -320,6 +337,7 @@ def _produce(
         device = _own_gpu(device, settings.gen.engine)
     if settings.gen.engine == "hf":  # the copy samples there; a vLLM engine there loads it from CPU memory
         model.to(device)
+    own_weights(model, board.tensors)  # the board's first read fills them
     agent = None
     if settings.agent is not None:
         from lit_rlhf.rollout.agent import AgentLoop
@@ -593,7 +611,10 @@ class AsyncRollouts:
         first = self.board is None
         tensors = self.board.tensors if tensors is None else tensors
         need = _nbytes(tensors.values())  # the board
-        need += _nbytes([*self.model.parameters(), *self.model.buffers()]) if self.whole else need  # the copy
+        if self.whole:  # the copy holds what the board does not (policy_replica)
+            trained = {id(p) for n, p in self.model.named_parameters() if n in tensors}
+            need += _nbytes([p for p in self.model.parameters() if id(p) not in trained])
+        need += _nbytes(self.model.buffers())  # a plain model's buffers: about the policy's
         reference = self.settings.reference  # a module, or the policy with its adapters off (its .model)
         if reference is not None:  # moved into shared memory the first time it goes to a producer
             held = reference if isinstance(reference, nn.Module) else reference.model
@@ -783,8 +804,8 @@ SHARED_MEMORY = "/dev/shm"
 
 
 def check_shared_memory(need: int, sharing: int = 1) -> None:
-    """Refuse to start a producer whose weights (the board, and the policy's copy on its way to the
-    producer) would not fit the host's shared memory, where a process that writes past it dies of
+    """Refuse to start a producer whose weights (the board, and what of the policy's copy on its way
+    to the producer the board does not hold) would not fit the host's shared memory, where a process that writes past it dies of
     SIGBUS instead of an error (a container's /dev/shm is 64 MB unless it is given more):
     ``need`` bytes for each of the ``sharing`` producers this host starts at once. No check where
     there is no /dev/shm."""

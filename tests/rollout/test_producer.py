@@ -461,7 +461,7 @@ def test_the_copy_of_a_sharded_policy_is_a_plain_model_that_takes_every_weight(p
     weights (all of them, :func:`trained_tensors` inside the gathered context; a tied head once)
     overwrite: it then computes the policy's logits; building it draws nothing from the trainer's
     random state; a weight the copy has no place for is refused, naming the key."""
-    from lit_rlhf.rollout.producer import WeightBoard, policy_replica, trained_tensors
+    from lit_rlhf.rollout.producer import WeightBoard, own_weights, policy_replica, trained_tensors
 
     assert trained_tensors(policy, whole=True).keys() == {n for n, p in policy.named_parameters() if p.requires_grad}
     assert policy.lm_head.weight is policy.model.embed_tokens.weight  # the tiny Llama ties its head
@@ -473,7 +473,10 @@ def test_the_copy_of_a_sharded_policy_is_a_plain_model_that_takes_every_weight(p
     assert torch.equal(capture_rng()["torch"], state["torch"])
     assert type(replica) is type(policy) and not replica.training
     assert replica.lm_head.weight is replica.model.embed_tokens.weight
+    # hollow on its way to the producer: the board holds every weight, the producer allocates them
+    assert all(p.numel() == 0 for p in replica.parameters())
     board = WeightBoard(weights, 0, torch.multiprocessing.get_context("spawn"))
+    own_weights(replica, board.tensors)
     assert board.read(replica, 0, 0) == (0, 1)
     ids, halved = torch.tensor([[3, 4, 5, 6]]), copy.deepcopy(policy)
     with torch.no_grad():
@@ -484,6 +487,34 @@ def test_the_copy_of_a_sharded_policy_is_a_plain_model_that_takes_every_weight(p
         policy_replica(policy, {**weights, "model.extra.weight": torch.zeros(1)}, whole=False)
 
 
+def test_the_whole_copy_of_a_lora_policy_carries_its_frozen_base_and_leaves_the_adapters_to_the_board(
+    tiny_spec, tokenizer
+):
+    """Where ranks hold whole weights the producer's copy is a deep copy that goes to it hollow:
+    the board's weights (a LoRA policy's adapters, its trainable tensors) are empty placeholders the
+    producer allocates (:func:`own_weights`), the frozen base is copied (its own memory, not the
+    trainer's); after the board's first read the copy computes the policy's logits."""
+    from lit_rlhf.rollout.producer import WeightBoard, own_weights, policy_replica, trained_tensors
+    from tests.models.test_lora import _adapted
+
+    _, model = _adapted(tiny_spec, tokenizer)
+    model.eval()
+    weights = trained_tensors(model, whole=True)
+    assert weights and all(".lora_" in n for n in weights)
+    replica = policy_replica(model, weights, whole=True)
+    mine, theirs = dict(replica.named_parameters()), dict(model.named_parameters())
+    assert all(mine[n].numel() == 0 for n in weights)
+    frozen = [n for n in theirs if n not in weights]
+    assert frozen and all(torch.equal(mine[n], theirs[n]) for n in frozen)
+    assert not any(mine[n].data_ptr() == theirs[n].data_ptr() for n in frozen)
+    board = WeightBoard(weights, 0, torch.multiprocessing.get_context("spawn"))
+    own_weights(replica, board.tensors)
+    assert board.read(replica, 0, 0) == (0, 1)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(replica(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
 def test_a_producer_is_not_started_where_shared_memory_cannot_hold_its_weights(policy, tokenizer, monkeypatch):
     """The board (the trained tensors) and the policy's copy on its way to the producer go through
     /dev/shm: a start that needs more than it has free is refused with the key and the sizes, each of
@@ -491,7 +522,8 @@ def test_a_producer_is_not_started_where_shared_memory_cannot_hold_its_weights(p
     import lit_rlhf.rollout.producer as producer_module
 
     weights = sum(p.numel() * 4 for p in policy.parameters())  # fp32, every parameter trainable
-    need = 2 * weights + sum(b.numel() * b.element_size() for b in policy.buffers())  # board + copy
+    # the board, and the copy's buffers: its parameters are all on the board (policy_replica)
+    need = weights + sum(b.numel() * b.element_size() for b in policy.buffers())
     real, free = os.statvfs, {"bytes": 0}
 
     def statvfs(path):
