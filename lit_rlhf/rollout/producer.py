@@ -805,8 +805,9 @@ SHARED_MEMORY = "/dev/shm"
 
 def check_shared_memory(need: int, sharing: int = 1) -> None:
     """Refuse to start a producer whose weights (the board, and what of the policy's copy on its way
-    to the producer the board does not hold) would not fit the host's shared memory, where a process that writes past it dies of
-    SIGBUS instead of an error (a container's /dev/shm is 64 MB unless it is given more):
+    to the producer the board does not hold) would not fit the host's shared memory, where a
+    process that writes past it dies of SIGBUS instead of an error (a container's /dev/shm is 64 MB
+    unless it is given more):
     ``need`` bytes for each of the ``sharing`` producers this host starts at once. No check where
     there is no /dev/shm."""
     try:
