@@ -111,9 +111,17 @@ def _weight_path_seconds(model, name: str, repeats: int = 5) -> dict:
     import torch.multiprocessing as mp
     from safetensors.torch import load_file, save_model
 
-    from lit_rlhf.rollout.producer import WeightBoard, own_weights, policy_replica, trained_tensors
+    from lit_rlhf.rollout.producer import (
+        WeightBoard,
+        check_shared_memory,
+        own_weights,
+        policy_replica,
+        trained_tensors,
+    )
 
     tensors = trained_tensors(model, True)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    check_shared_memory(2 * size)  # the board and the files: an error where /dev/shm is small, not a SIGBUS
     board = WeightBoard(tensors, 0, mp.get_context("spawn"))
     replica = policy_replica(model, board.tensors, True)
     own_weights(replica, board.tensors)

@@ -258,9 +258,10 @@ def policy_replica(model: nn.Module, weights: dict[str, torch.Tensor], whole: bo
 def own_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Give each hollow parameter of the producer's copy (:func:`policy_replica`) memory of its own,
     where the parameter is (the producer's device), shaped as its board tensor in ``weights``; the
-    board's first read then fills it."""
+    board's first read then fills it (a parameter that is not hollow keeps its memory: where its
+    shape differs from the board's, that read refuses it)."""
     for n, p in model.named_parameters():
-        if n in weights and p.shape != weights[n].shape:
+        if n in weights and p.numel() == 0 and weights[n].numel() > 0:
             p.data = torch.empty(weights[n].shape, dtype=p.dtype, device=p.device)
 
 
