@@ -37,9 +37,9 @@ def run_case(name: str, models: Path, smoke: bool) -> dict:
     this process instead (its RSS figures are then cumulative: smoke results are not measurements),
     which saves an interpreter start per case in CI."""
     if smoke:
-        from lit_rlhf.rollout.producer import set_threads
+        from lit_rlhf.utils.compat.torch import set_num_threads
 
-        set_threads(2)  # torch.set_num_threads is vLLM's no-op once a case built a CPU engine here
+        set_num_threads(2)  # torch.set_num_threads is vLLM's no-op once a case built a CPU engine here
         try:
             return {**CASES[name](models, shapes(True)), "rss_mb": peak_rss_mb()}
         except Exception as err:  # reported like a failed child process

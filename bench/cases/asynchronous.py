@@ -50,13 +50,13 @@ NEIGHBOUR_STEPS = 10**9  # the neighbour trains until the bench kills it: it mus
 
 def _set_threads(n: int) -> None:
     """This process's torch threads, checked: where a smoke run built a CPU vLLM engine in this
-    process first, ``torch.set_num_threads`` is vLLM's no-op (lit_rlhf.rollout.producer.set_threads),
+    process first, ``torch.set_num_threads`` is vLLM's no-op (lit_rlhf.utils.compat.torch.set_num_threads),
     and a "1 thread" phase would silently run on all of them."""
     import torch
 
-    from lit_rlhf.rollout.producer import set_threads
+    from lit_rlhf.utils.compat.torch import set_num_threads
 
-    set_threads(n)
+    set_num_threads(n)
     if torch.get_num_threads() != n:
         raise RuntimeError(f"torch runs on {torch.get_num_threads()} threads, not the {n} the phase needs")
 
@@ -224,7 +224,7 @@ def case_async_rollouts(models: Path, s: dict) -> dict:
     import lightning.pytorch as pl
     import torch
 
-    from lit_rlhf.rollout.producer import set_threads
+    from lit_rlhf.utils.compat.torch import set_num_threads
 
     threads = torch.get_num_threads()
     warmup = s["warmup"] + 1  # the async runs start their producers in the first
@@ -266,7 +266,7 @@ def case_async_rollouts(models: Path, s: dict) -> dict:
         trainer.fit(module, data)
         failed = False
     finally:
-        set_threads(threads)  # unchecked: a check failing here would hide the fit's error
+        set_num_threads(threads)  # unchecked: a check failing here would hide the fit's error
         for n in neighbour:  # first: the last iteration continued it, and it would train on alone
             n.close()
         for side in sides:

@@ -57,6 +57,7 @@ from lit_rlhf.modules.configs import RLConfig
 from lit_rlhf.modules.health import TrainingHealth, all_ranks_finite
 from lit_rlhf.rollout.collect import generate_and_score
 from lit_rlhf.rollout.forward import response_logprobs, response_values
+from lit_rlhf.utils.compat.torch import set_num_threads
 from lit_rlhf.utils.config import ConfigError
 from lit_rlhf.utils.distributed import all_reduce_max, all_reduce_sum
 from lit_rlhf.utils.rng import capture_rng, restore_rng
@@ -304,7 +305,7 @@ class RLModule(RLHFModule):
         if self.producer is not None:
             return self.producer
         from lit_rlhf.rollout.agent import agent_settings, check_agent_tokenizer
-        from lit_rlhf.rollout.producer import AsyncRollouts, ProducerError, ProducerSettings, set_threads, split_threads
+        from lit_rlhf.rollout.producer import AsyncRollouts, ProducerError, ProducerSettings, split_threads
 
         c: RLConfig = self.config
         whole = self.weights_are_whole()
@@ -319,7 +320,7 @@ class RLModule(RLHFModule):
         autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
         self._threads = torch.get_num_threads()
         mine, self._training_threads = split_threads(self._threads, c.rollout.max_staleness, c.rollout.producer_threads)
-        set_threads(self._training_threads)
+        set_num_threads(self._training_threads)
         sampler = c.monitor_sampler or c.rollout_correction != "none"
         self.producer = AsyncRollouts(
             self.actor,
@@ -786,9 +787,7 @@ class RLModule(RLHFModule):
 
     def on_validation_end(self) -> None:
         if self.producer is not None:  # back to the split of the asynchronous iterations
-            from lit_rlhf.rollout.producer import set_threads
-
-            set_threads(self._training_threads)
+            set_num_threads(self._training_threads)
 
     def teardown(self, stage: str) -> None:
         """The end of a fit: the tool workers stop with the engine (:meth:`RLHFModule.teardown`)."""
@@ -797,19 +796,15 @@ class RLModule(RLHFModule):
             agent, self.agent = self.agent, None
             agent.close()
         if self.producer is not None:
-            from lit_rlhf.rollout.producer import set_threads
-
             producer, self.producer = self.producer, None
             producer.close()
-            set_threads(self._threads)
+            set_num_threads(self._threads)
 
     def on_validation_start(self) -> None:
         if self.trainer.state.fn == "validate":  # trainer.validate() before fit: no on_fit_start
             self.on_fit_start()
         if self.producer is not None:  # async: validation samples here, with all of the threads
-            from lit_rlhf.rollout.producer import set_threads
-
-            set_threads(self._threads)  # (the producer has at most the bound's rollouts to finish)
+            set_num_threads(self._threads)  # (the producer has at most the bound's rollouts to finish)
 
     # ============================================================== models and rewards
     def build_policy_and_reference(self) -> None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import queue
@@ -55,6 +56,7 @@ from torch import nn
 from lit_rlhf.rollout.agent import total_counts
 from lit_rlhf.rollout.collect import rollout_inputs, sample_responses, scored_logprobs
 from lit_rlhf.rollout.merge import mergeable, merged_batch, merged_prompt_limit, prompt_tokens, split_sample
+from lit_rlhf.utils.compat.torch import set_num_threads
 from lit_rlhf.utils.rng import capture_rng, restore_rng, rng_kept
 
 log = logging.getLogger(__name__)
@@ -332,7 +334,7 @@ def _produce(
     from lit_rlhf.rollout.vllm_engine import engine_for
 
     _watch_trainer(lifeline, trainer)
-    set_threads(settings.threads)
+    set_num_threads(settings.threads)
     device = torch.device(settings.device)
     if device.type == "cuda":
         device = _own_gpu(device, settings.gen.engine)
@@ -345,6 +347,8 @@ def _produce(
 
         agent = AgentLoop(settings.agent)
     model.eval()
+    # the training step's autocast (bf16-mixed), for the sampling and the reference's scoring
+    autocast = functools.partial(torch.autocast, device.type, settings.autocast, enabled=settings.autocast is not None)
     share = ReferenceShare(balanced=settings.reference_scoring == "balanced")
     held: collections.deque = collections.deque()  # tickets taken off the queue, not sampled yet
     longest = merged_prompt_limit(model, settings.gen, settings.agent)
@@ -363,14 +367,14 @@ def _produce(
             if settings.delay is not None:
                 time.sleep(sum(settings.delay(j.ticket) for j in group))
             rows = [len(j.batch["prompts"]) * settings.responses_per_prompt for j in group]
-            with torch.autocast(device.type, settings.autocast, enabled=settings.autocast is not None):
+            with autocast():
                 drawn = _sample(model, tokenizer, group, settings, engine, agent, device)
             parts = split_sample(drawn, rows) if len(group) > 1 else [drawn]
             sampled_s = time.perf_counter() - sampling
             for j, part, n in zip(group, parts, rows):
                 idle = _recent(idle, (sampling - idle_since) / len(group))  # per rollout
                 scoring = time.perf_counter()
-                with torch.autocast(device.type, settings.autocast, enabled=settings.autocast is not None):
+                with autocast():
                     ref, scored = _reference_rows(part, settings, share, idle, trainer_wait.value)
                 out.put(
                     Drawn(
@@ -826,15 +830,6 @@ def check_shared_memory(need: int, sharing: int = 1) -> None:
             f"{_size(free)} free; give it more (a container: docker run --shm-size) or use "
             "algo.rollout.mode=sync",
         )
-
-
-def set_threads(n: int) -> None:
-    """``torch.set_num_threads(n)`` that takes effect where a CPU vLLM engine was built in this
-    process: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op for the whole process
-    once it has bound its threads (a colocated engine, built in the trainer for validation or the
-    synchronous rollout), and the async thread split would silently leave the trainer all of them
-    beside the producer's. The builtin it replaced is still ``torch._C.set_num_threads``."""
-    torch._C.set_num_threads(n)
 
 
 def split_threads(threads: int, bound: int, producer_threads: int | None) -> tuple[int, int]:

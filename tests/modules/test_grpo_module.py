@@ -451,14 +451,14 @@ def test_a_failed_async_fit_leaves_no_producer_behind(saved_models, tokenizer):
     assert m.producer is None and torch.get_num_threads() == threads
     # the retry (the reward's calls 3 and 4 succeed) with 2 threads, validating after each iteration:
     # the producer starts in the first and takes one of them, and validation samples with both
-    # (set_threads: in a test worker that ran a CPU vLLM engine, torch.set_num_threads is vLLM's no-op)
-    from lit_rlhf.rollout.producer import set_threads
+    # (set_num_threads: in a test worker that ran a CPU vLLM engine, torch.set_num_threads is vLLM's no-op)
+    from lit_rlhf.utils.compat.torch import set_num_threads
 
     used = []
 
     class Threads(pl.Callback):  # the trainer's torch threads while it trains, and while it validates
         def on_train_start(self, trainer, module):
-            set_threads(2)  # the run's threads, which the producer's start splits at the first iteration
+            set_num_threads(2)  # the run's threads, which the producer's start splits at the first iteration
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             used.append(("train", torch.get_num_threads()))
@@ -471,7 +471,7 @@ def test_a_failed_async_fit_leaves_no_producer_behind(saved_models, tokenizer):
         fit(m, data(tokenizer), 2, callbacks=[Producer(), Threads()], limit_val_batches=1, val_check_interval=1)
         assert m.producer is None and torch.get_num_threads() == 2
     finally:
-        set_threads(threads)
+        set_num_threads(threads)
     assert len(seen) == 3 and seen[1] is seen[2] is not seen[0] and seen[1].exitcode is not None
     assert used == [("train", 2), ("val", 2), ("train", 1), ("val", 2)], used
 

@@ -334,11 +334,11 @@ def test_building_an_engine_leaves_the_random_states_as_they_were(policy):
 def test_the_async_thread_split_takes_effect_beside_an_engine(policy, tokenizer, engine):
     """vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op for the whole process once it
     has bound its threads (here in the test's process, as a colocated engine is in the trainer's);
-    ``set_threads``, with which the async rollouts split the run's threads and give them back, still
-    sets them."""
+    ``set_num_threads`` (lit_rlhf/utils/compat/torch.py), with which the async rollouts split the
+    run's threads and give them back, still sets them."""
     from lit_rlhf.rollout.collect import generate_and_score
     from lit_rlhf.rollout.generate import GenerationConfig
-    from lit_rlhf.rollout.producer import set_threads
+    from lit_rlhf.utils.compat.torch import set_num_threads
 
     generate_and_score(policy, prompts_batch(tokenizer), tokenizer, GenerationConfig(max_new_tokens=2), engine=engine)
     before = torch.get_num_threads()
@@ -346,7 +346,7 @@ def test_the_async_thread_split_takes_effect_beside_an_engine(policy, tokenizer,
     try:
         torch.set_num_threads(other)
         assert torch.get_num_threads() == before  # vLLM's no-op
-        set_threads(other)
+        set_num_threads(other)
         assert torch.get_num_threads() == other
     finally:
-        set_threads(before)
+        set_num_threads(before)

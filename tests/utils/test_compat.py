@@ -134,6 +134,22 @@ def test_torch_hook_registries():
     assert has_forward_hooks(m)
 
 
+def test_torch_set_num_threads_sets_them_where_torch_set_num_threads_is_a_no_op(monkeypatch):
+    """What a CPU vLLM engine does to the process (tests/rollout/test_vllm_engine.py builds one):
+    ``torch.set_num_threads`` replaced by a no-op; the builtin still sets the threads."""
+    from lit_rlhf.utils.compat.torch import set_num_threads
+
+    before = torch.get_num_threads()
+    other = 2 if before == 1 else 1
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    try:
+        set_num_threads(other)
+        assert torch.get_num_threads() == other
+    finally:
+        set_num_threads(before)
+    assert torch.get_num_threads() == before
+
+
 def test_transformers_attention_interface_follows_the_config():
     from transformers import LlamaConfig
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -1,5 +1,6 @@
 """torch internals (pinned torch==2.13.0; lit_rlhf/utils/compat/__init__.py): oneDNN's prepacked
-linear operators and the module hook registries the decoding step checks before inlining."""
+linear operators, the module hook registries the decoding step checks before inlining, and the
+thread-count setter a CPU vLLM engine replaces."""
 
 from __future__ import annotations
 
@@ -47,3 +48,12 @@ def has_forward_hooks(m: torch.nn.Module) -> bool:
     """Whether ``m`` itself has forward or forward-pre hooks (ZeRO-3, FSDP, peft and users add them)."""
     hooks = private_attr(m, "_forward_hooks", "torch", "nn.Module._forward_hooks")
     return bool(hooks or private_attr(m, "_forward_pre_hooks", "torch", "nn.Module._forward_pre_hooks"))
+
+
+def set_num_threads(n: int) -> None:
+    """``torch.set_num_threads(n)`` that takes effect where a CPU vLLM engine was built in this
+    process: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op for the whole process
+    once it has bound its threads (a colocated engine, built in the trainer for validation or the
+    synchronous rollout), and the async rollouts' thread split would silently leave the trainer all
+    of them beside the producer's. The builtin it replaced is still ``torch._C.set_num_threads``."""
+    private_attr(torch._C, "set_num_threads", "torch", "torch._C.set_num_threads")(n)
